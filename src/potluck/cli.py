@@ -1,0 +1,310 @@
+"""The composition root: reads argv and the environment, builds the objects, wires them.
+
+Flags keep llama.cpp's meaning: -m model, -n tokens to generate, -c context, -t threads, -b batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from potluck import __version__
+from potluck.errors import PotluckError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Potluck: pool the computers you already own to run one local LLM.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+err = Console(stderr=True, highlight=False)
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-m",
+        "--model",
+        help="GGUF path or a model name from `potluck models` (default: SmolLM2-135M-Instruct).",
+    ),
+]
+CtxOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-c", "--ctx-size", help="Context length in tokens (default: min(model's, 4096))."
+    ),
+]
+ThreadsOpt = Annotated[
+    int | None, typer.Option("-t", "--threads", help="CPU threads (default: physical cores).")
+]
+BatchOpt = Annotated[
+    int, typer.Option("-b", "--batch-size", help="Prompt tokens per forward pass.")
+]
+
+
+def _physical_cores() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def _setup_threads(threads: int | None) -> None:
+    import torch
+
+    torch.set_num_threads(threads or _physical_cores())
+
+
+def _load(model: str | None, ctx: int | None, threads: int | None, splits: list[int] | None = None):
+    """Resolve, load with a progress bar, and print the one-line summary."""
+    from potluck.engine.generate import load_model
+    from potluck.modelfile.sources import resolve_model
+
+    _setup_threads(threads)
+    path = resolve_model(model)
+    t0 = time.perf_counter()
+    with Progress(
+        TextColumn("[bold]loading[/] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(path.name, total=None)
+
+        def on_layer(i: int) -> None:
+            bar.update(task, completed=i + 1)
+
+        from potluck.modelfile.gguf_file import GGUFFile
+        from potluck.modelfile.hparams import hparams_from_metadata
+
+        bar.update(task, total=hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer)
+        m = load_model(path, ctx, splits or (), on_layer)
+    err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
+    return m
+
+
+def _sampling(
+    temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None
+):
+    from potluck.engine.sampling import SamplingParams
+
+    try:
+        return SamplingParams(
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = all).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")]
+MinPOpt = Annotated[
+    float, typer.Option("--min-p", help="Drop tokens below min-p × the top probability.")
+]
+RepeatOpt = Annotated[
+    float, typer.Option("--repeat-penalty", help="Penalty on recent tokens (1.0 = off).")
+]
+SeedOpt = Annotated[
+    int | None, typer.Option("-s", "--seed", help="Random seed for reproducible sampling.")
+]
+
+
+def _stream(m, ids: list[int], n: int, sampler, n_batch: int) -> list[int]:
+    """Generate and print text as it comes; timing on stderr. Returns the generated ids."""
+    from potluck.engine.generate import generate
+    from potluck.modelfile.tokenizer import StreamDecoder
+
+    dec = StreamDecoder(m.tokenizer)
+    out: list[int] = []
+    t0 = time.perf_counter()
+    t_first = None
+    for tok in generate(m, ids, n, sampler, n_batch=n_batch):
+        if t_first is None:
+            t_first = time.perf_counter()
+        out.append(tok)
+        if tok in m.tokenizer.eot_ids:
+            break
+        sys.stdout.write(dec.feed(tok))
+        sys.stdout.flush()
+    sys.stdout.write(dec.flush() + "\n")
+    t1 = time.perf_counter()
+    if t_first is not None:
+        gen_n = max(len(out) - 1, 0)
+        rate = f"{gen_n / (t1 - t_first):.1f} tok/s" if gen_n and t1 > t_first else "-"
+        err.print(
+            f"[dim]prompt {len(ids)} tokens in {t_first - t0:.2f} s ({len(ids) / (t_first - t0):.1f} tok/s) · "
+            f"generated {len(out)} tokens, {rate}[/]"
+        )
+    return out
+
+
+@app.command()
+def run(
+    prompt: Annotated[str, typer.Argument(help="The prompt.")],
+    model: ModelOpt = None,
+    n_predict: Annotated[
+        int, typer.Option("-n", "--n-predict", help="Tokens to generate at most.")
+    ] = 128,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    batch: BatchOpt = 512,
+    temp: TempOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatOpt = 1.0,
+    seed: SeedOpt = None,
+    raw: Annotated[
+        bool,
+        typer.Option("--raw", help="Feed the prompt as plain text, without the chat template."),
+    ] = False,
+    system: Annotated[
+        str | None, typer.Option("--system", help="System prompt (chat mode).")
+    ] = None,
+    split: Annotated[
+        str | None,
+        typer.Option(
+            "--split",
+            help="Run as in-process stages split at these layers, e.g. 10,20 (checks the pipeline).",
+        ),
+    ] = None,
+) -> None:
+    """Generate text from a prompt, streaming it to stdout."""
+    from potluck.engine.sampling import Sampler
+
+    params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    splits = [int(s) for s in split.split(",")] if split else None
+    m = _load(model, ctx, threads, splits)
+    if raw:
+        ids = m.tokenizer.encode(prompt)
+    else:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        ids = m.tokenizer.encode(m.chat.render(msgs), add_bos=False)
+    _stream(m, ids, n_predict, Sampler(params), batch)
+
+
+@app.command()
+def chat(
+    model: ModelOpt = None,
+    n_predict: Annotated[
+        int, typer.Option("-n", "--n-predict", help="Tokens per answer at most.")
+    ] = 512,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    batch: BatchOpt = 512,
+    temp: TempOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatOpt = 1.0,
+    seed: SeedOpt = None,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+) -> None:
+    """Chat interactively with the model's chat template. Ctrl-D or /exit to leave."""
+    from potluck.engine.sampling import Sampler
+
+    params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    m = _load(model, ctx, threads)
+    sampler = Sampler(params)
+    msgs: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    err.print("[dim]type a message; /exit or Ctrl-D to quit, /reset to start over[/]")
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            sys.stdout.write("\n")
+            return
+        if line.strip() == "/exit":
+            return
+        if line.strip() == "/reset":
+            msgs = msgs[:1] if system else []
+            continue
+        if not line.strip():
+            continue
+        msgs.append({"role": "user", "content": line})
+        ids = m.tokenizer.encode(m.chat.render(msgs), add_bos=False)
+        try:
+            out = _stream(m, ids, n_predict, sampler, batch)
+        except PotluckError as exc:  # e.g. the conversation outgrew the context: say so, keep going
+            err.print(f"[red]error:[/] {exc}")
+            msgs.pop()
+            continue
+        reply = m.tokenizer.decode([t for t in out if t not in m.tokenizer.eot_ids])
+        msgs.append({"role": "assistant", "content": reply})
+
+
+@app.command()
+def perplexity(
+    file: Annotated[
+        Path, typer.Option("-f", "--file", help="Text file to score.", exists=True, dir_okay=False)
+    ],
+    model: ModelOpt = None,
+    ctx: Annotated[int, typer.Option("-c", "--ctx-size", help="Chunk length in tokens.")] = 256,
+    threads: ThreadsOpt = None,
+    batch: BatchOpt = 512,
+) -> None:
+    """Perplexity over a text file, computed as llama-perplexity does (second half of each chunk)."""
+    from potluck.engine.perplexity import perplexity as compute
+
+    m = _load(model, ctx, threads)
+    text = file.read_text(encoding="utf-8", errors="replace")
+
+    def on_chunk(i: int, n: int, ppl: float) -> None:
+        err.print(f"[dim][{i}/{n}] running ppl {ppl:.4f}[/]")
+
+    res = compute(m, text, ctx, batch, on_chunk)
+    print(
+        f"perplexity: {res.ppl:.4f} over {res.n_chunks} chunks of {ctx} tokens ({res.n_scored} tokens scored)"
+    )
+
+
+@app.command()
+def models() -> None:
+    """List the GGUF models found in Potluck's cache and the Ollama, LM Studio and HF caches."""
+    from potluck.modelfile.sources import find_models, search_roots
+
+    found = find_models()
+    if not found:
+        roots = ", ".join(str(r) for r, _ in search_roots())
+        err.print(
+            f"no models found in {roots}; `potluck run` fetches the default model on first use"
+        )
+        return
+    table = Table("name", "source", "size", "path")
+    for f in found:
+        table.add_row(f.name, f.source, f"{f.size_bytes / 2**20:.1f} MiB", str(f.path))
+    Console().print(table)
+
+
+@app.command()
+def version() -> None:
+    """Print Potluck's version."""
+    print(__version__)
+
+
+def main() -> None:
+    try:
+        app()
+    except PotluckError as exc:
+        err.print(f"[bold red]error:[/] {exc}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Load a model into one or more in-process stages, and generate tokens through them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from potluck.errors import ContextError
+from potluck.model.stage import SeqChunk, Stage
+from potluck.modelfile.chat import ChatTemplate
+from potluck.modelfile.gguf_file import GGUFFile
+from potluck.modelfile.hparams import HParams, hparams_from_metadata
+from potluck.modelfile.tokenizer import Tokenizer
+
+from .sampling import Sampler
+
+DEFAULT_CTX = 4096
+
+
+def layer_ranges(n_layer: int, splits: Sequence[int]) -> list[tuple[int, int]]:
+    """Half-open ranges from split points: splits (10, 20) over 30 layers -> [0,10) [10,20) [20,30)."""
+    bounds = [0, *splits, n_layer]
+    if any(b <= a for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(
+            f"split points {list(splits)} must increase strictly inside (0, {n_layer})"
+        )
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+class LocalPipeline:
+    """Stages chained in this process: the first takes token ids, the last returns logits."""
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        self.stages = list(stages)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = tokens
+        for stage in self.stages[:-1]:
+            x = stage(x, chunks)
+        return self.stages[-1](x, chunks, logits_rows)
+
+    def drop(self, seq_id: int) -> None:
+        for stage in self.stages:
+            stage.drop(seq_id)
+
+
+@dataclass
+class Model:
+    """A loaded model: shape, tokenizer, chat template and the pipeline that computes it."""
+
+    path: Path
+    file: GGUFFile
+    hp: HParams
+    tokenizer: Tokenizer
+    chat: ChatTemplate
+    pipeline: LocalPipeline
+    n_ctx: int
+    _next_seq: int = field(default=0, repr=False)
+
+    def new_seq_id(self) -> int:
+        self._next_seq += 1
+        return self._next_seq
+
+    def summary(self) -> str:
+        name = self.file.metadata.get("general.name") or self.path.stem
+        mem = sum(s.weight_bytes() for s in self.pipeline.stages) / 2**20
+        return (
+            f"{name} ({self.hp.arch}) · {self.file.quant_mix()} · {self.hp.n_layer} layers · "
+            f"{mem:.0f} MiB of weights in memory · context {self.n_ctx}"
+        )
+
+
+def load_model(
+    path: str | Path,
+    n_ctx: int | None = None,
+    splits: Sequence[int] = (),
+    on_layer: Callable[[int], None] | None = None,
+) -> Model:
+    """Open `path`, check it, and build one stage per layer range (one by default)."""
+    gguf = GGUFFile(path)
+    hp = hparams_from_metadata(gguf.metadata, str(path))
+    n_ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_CTX)
+    if n_ctx > hp.n_ctx_train:
+        raise ContextError(
+            f"context {n_ctx} is longer than the model was trained for ({hp.n_ctx_train}); use -c {hp.n_ctx_train} or less"
+        )
+    if n_ctx < 1:
+        raise ContextError(f"context must be at least 1 token, got {n_ctx}")
+    tokenizer = Tokenizer.from_metadata(gguf.metadata)
+    chat = ChatTemplate.from_metadata(gguf.metadata, hp.arch)
+    stages = [Stage(hp, gguf, a, b, n_ctx, on_layer) for a, b in layer_ranges(hp.n_layer, splits)]
+    return Model(Path(path), gguf, hp, tokenizer, chat, LocalPipeline(stages), n_ctx)
+
+
+def prefill(
+    pipeline: LocalPipeline, seq_id: int, ids: Sequence[int], n_batch: int = 512
+) -> torch.Tensor:
+    """Run the prompt through in micro-batches of n_batch tokens; logits [V] of its last token."""
+    logits = None
+    for i in range(0, len(ids), n_batch):
+        part = torch.tensor(ids[i : i + n_batch], dtype=torch.long)
+        logits = pipeline.forward(part, [SeqChunk(seq_id, len(part))])
+    assert logits is not None, "prefill needs at least one token"
+    return logits[-1]
+
+
+def generate(
+    model: Model,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    sampler: Sampler,
+    stop_ids: frozenset[int] | None = None,
+    n_batch: int = 512,
+) -> Iterator[int]:
+    """Yield up to max_tokens sampled ids (a stop id is yielded, then generation ends).
+
+    Ends early without error when the context is full. The sequence's KV cache is freed when the
+    iterator finishes or is closed.
+    """
+    if not prompt_ids:
+        raise ContextError("the prompt is empty after tokenization; give some text")
+    if len(prompt_ids) >= model.n_ctx:
+        raise ContextError(
+            f"prompt is {len(prompt_ids)} tokens but the context is {model.n_ctx}; "
+            f"shorten the prompt or raise -c (the model allows up to {model.hp.n_ctx_train})"
+        )
+    stop = model.tokenizer.eot_ids if stop_ids is None else stop_ids
+    seq = model.new_seq_id()
+    pipe = model.pipeline
+    history = list(prompt_ids)
+    try:
+        logits = prefill(pipe, seq, prompt_ids, n_batch)
+        for _ in range(max_tokens):
+            tok = sampler.sample(logits, history)
+            history.append(tok)
+            yield tok
+            if tok in stop or len(history) >= model.n_ctx:
+                break
+            logits = pipe.forward(torch.tensor([tok]), [SeqChunk(seq, 1)])[-1]
+    finally:
+        pipe.drop(seq)

@@ -1,0 +1,89 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p and penalties, reproducible by seed.
+
+The order follows llama.cpp's default chain: penalties -> top-k -> top-p -> min-p -> temperature.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8  # ≤ 0 means greedy
+    top_k: int = 40  # ≤ 0 disables
+    top_p: float = 0.95  # 1.0 disables
+    min_p: float = 0.05  # 0.0 disables
+    repeat_penalty: float = 1.0  # 1.0 disables (llama.cpp's --repeat-penalty)
+    repeat_last_n: int = 64  # how many recent tokens the penalties look at
+    presence_penalty: float = 0.0  # OpenAI-style, subtracted once per token seen
+    frequency_penalty: float = 0.0  # OpenAI-style, subtracted per occurrence
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Sampler:
+    """Samples one sequence's tokens; its generator is seeded once, so a seed reproduces a run."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def penalize(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        p = self.params
+        if not history or (
+            p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+        ):
+            return logits
+        recent = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history
+        counts = Counter(recent)
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        n = torch.tensor(list(counts.values()), dtype=torch.float32)
+        logits = logits.clone()
+        sel = logits[ids]
+        if p.repeat_penalty != 1.0:  # CTRL-style: shrink positive logits, grow negative ones
+            sel = torch.where(sel > 0, sel / p.repeat_penalty, sel * p.repeat_penalty)
+        sel = sel - p.presence_penalty - p.frequency_penalty * n
+        logits[ids] = sel
+        return logits
+
+    def sample(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+        """logits: [V] fp32 -> one token id."""
+        p = self.params
+        logits = self.penalize(logits.float(), history)
+        if p.greedy:
+            return int(torch.argmax(logits))
+        if 0 < p.top_k < logits.shape[0]:
+            vals, ids = torch.topk(logits, p.top_k)
+        else:
+            vals, ids = torch.sort(logits, descending=True)
+        probs = torch.softmax(vals, dim=-1)
+        keep = vals.shape[0]
+        if p.top_p < 1.0:  # smallest prefix whose mass reaches top_p
+            cum = torch.cumsum(probs, dim=-1)
+            keep = min(keep, int(torch.searchsorted(cum, torch.tensor(p.top_p))) + 1)
+        if p.min_p > 0.0:  # drop tokens below min_p × the top probability
+            keep = min(keep, max(1, int((probs >= p.min_p * probs[0]).sum())))
+        vals, ids = vals[:keep], ids[:keep]
+        probs = torch.softmax(vals / p.temperature, dim=-1)
+        return int(ids[torch.multinomial(probs, 1, generator=self.generator)])

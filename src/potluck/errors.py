@@ -1,0 +1,21 @@
+"""Typed errors. Each message is one line a user can act on, with the numbers that matter."""
+
+
+class PotluckError(Exception):
+    """Base of every error Potluck raises on purpose; the CLI prints its message and exits 1."""
+
+
+class ModelFileError(PotluckError):
+    """The file is not a GGUF model we can read: truncated, foreign, corrupt or missing keys."""
+
+
+class UnsupportedError(PotluckError):
+    """The model uses an architecture, quantization type or feature we do not support."""
+
+
+class ContextError(PotluckError):
+    """A prompt or requested context does not fit the model's or the session's context."""
+
+
+class ModelNotFoundError(PotluckError):
+    """A model name or path that resolves to no file."""

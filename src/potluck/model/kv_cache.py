@@ -1,0 +1,56 @@
+"""Per-sequence KV cache of one stage: fp32 buffers per layer, grown by doubling up to n_ctx."""
+
+from __future__ import annotations
+
+import torch
+
+from potluck.errors import ContextError
+
+
+class SeqCache:
+    """K and V of one sequence for the layers of one stage. `length` counts committed tokens."""
+
+    def __init__(self, layers: range, n_kv: int, hd: int, hdv: int, n_ctx: int) -> None:
+        self.layers, self.n_ctx = layers, n_ctx
+        self.length = 0
+        cap = min(64, n_ctx)
+        self.k = {i: torch.empty(n_kv, cap, hd) for i in layers}  # [Hkv, cap, hd]
+        self.v = {i: torch.empty(n_kv, cap, hdv) for i in layers}
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.k.values())).shape[1] if self.k else self.n_ctx
+
+    def reserve(self, n_new: int) -> None:
+        need = self.length + n_new
+        if need > self.n_ctx:
+            raise ContextError(
+                f"sequence needs {need} positions but the context is {self.n_ctx} "
+                f"({self.length} used + {n_new} new); raise -c or shorten the prompt"
+            )
+        if need > self.capacity:
+            cap = min(self.n_ctx, max(need, 2 * self.capacity))
+            for store in (self.k, self.v):
+                for i, buf in store.items():
+                    grown = torch.empty(buf.shape[0], cap, buf.shape[2])
+                    grown[:, : self.length] = buf[:, : self.length]
+                    store[i] = grown
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [Hkv, T, hd] at positions [length, length+T); return all keys/values so far."""
+        end = self.length + k.shape[1]
+        self.k[layer][:, self.length : end] = k
+        self.v[layer][:, self.length : end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+    def commit(self, n_new: int) -> None:
+        self.length += n_new
+
+    def truncate(self, length: int) -> None:
+        """Forget positions ≥ length (e.g. to rewind a sequence)."""
+        self.length = min(self.length, length)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for store in (self.k, self.v) for t in store.values())

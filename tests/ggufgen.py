@@ -1,0 +1,148 @@
+"""Write tiny random GGUF models of any llama-family architecture and quantization mix.
+
+Types that `gguf.quants.quantize` supports are quantized from random fp32 weights; K-quants (which
+it cannot quantize) are written as random blocks whose fp16 scale fields are set to small finite
+values, so every reader — ours and the references — decodes the same bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from potluck.modelfile.gguf_file import GGUFFile
+
+# byte offsets of the fp16 super-block scales (d, dmin) inside one K-quant block (ggml's layout)
+_K_SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+_TOKENIZER_KEYS = (
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_space_prefix",
+    "tokenizer.chat_template",
+)  # fmt: skip
+
+
+def random_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, int], std: float) -> np.ndarray:
+    """Raw bytes [rows, bytes_per_row] of a random tensor of logical shape (rows, cols)."""
+    rows, cols = shape
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    assert cols % block == 0, f"{qtype.name} needs rows that are a multiple of {block}, got {cols}"
+    if qtype in _K_SCALE_OFFSETS:
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
+        # pick d so that typical |w| is ~std: the quant levels reach ~63*15 for Q4_K-like types
+        levels = {T.Q2_K: 15 * 3, T.Q3_K: 32 * 4, T.Q4_K: 63 * 15, T.Q5_K: 63 * 31, T.Q6_K: 128 * 32}[qtype]
+        for off in _K_SCALE_OFFSETS[qtype]:
+            d = (rng.uniform(0.5, 1.5, size=(rows, cols // block)) * std * 2 / levels).astype(np.float16)
+            raw[:, :, off : off + 2] = d.view(np.uint8).reshape(rows, cols // block, 2)
+        return raw.reshape(rows, -1)
+    w = (rng.standard_normal(shape) * std).astype(np.float32)
+    if qtype == T.F32:
+        return w
+    return gguf.quants.quantize(w, qtype)
+
+
+def write_tiny_model(
+    path: Path,
+    arch: str,
+    tokenizer_from: GGUFFile,
+    qtype: T = T.Q8_0,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int | None = None,
+    n_ff: int = 256,
+    tied: bool = True,
+    qtypes: dict[str, T] | None = None,
+    seed: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """A random model of `arch` with the vocabulary of `tokenizer_from`. qtypes overrides the
+    quantization per tensor-name suffix (e.g. {"ffn_down": T.Q6_K})."""
+    rng = np.random.default_rng(seed)
+    hd = head_dim or n_embd // n_head
+    vocab = len(tokenizer_from.metadata["tokenizer.ggml.tokens"])
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layer)
+    w.add_context_length(512)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0 if arch != "gemma3" else 1_000_000.0)
+    w.add_vocab_size(vocab)
+    if arch == "gemma3":
+        w.add_sliding_window(8)
+    for key in _TOKENIZER_KEYS:
+        if key in tokenizer_from.metadata:
+            _add_value(w, key, tokenizer_from.metadata[key])
+    for key, value in (extra or {}).items():
+        _add_value(w, key, value)
+
+    def tensor(name: str, shape: tuple[int, ...], q: T) -> None:
+        for suffix, override in (qtypes or {}).items():
+            if suffix in name:
+                q = override
+        if len(shape) == 1:
+            # norm weights around 1 (gemma's GGUF stores 1 + w already), biases small
+            v = rng.standard_normal(shape).astype(np.float32) * (0.1 if "bias" in name else 0.2)
+            w.add_tensor(name, v + (0.0 if "bias" in name else 1.0))
+            return
+        raw = random_blocks(rng, q, shape, std=0.08)
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=q)
+
+    tensor("token_embd.weight", (vocab, n_embd), qtype)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        tensor(p + "attn_norm.weight", (n_embd,), T.F32)
+        tensor(p + "attn_q.weight", (n_head * hd, n_embd), qtype)
+        tensor(p + "attn_k.weight", (n_head_kv * hd, n_embd), qtype)
+        tensor(p + "attn_v.weight", (n_head_kv * hd, n_embd), qtype)
+        tensor(p + "attn_output.weight", (n_embd, n_head * hd), qtype)
+        if arch == "qwen2":
+            tensor(p + "attn_q.bias", (n_head * hd,), T.F32)
+            tensor(p + "attn_k.bias", (n_head_kv * hd,), T.F32)
+            tensor(p + "attn_v.bias", (n_head_kv * hd,), T.F32)
+        if arch in ("qwen3", "gemma3"):
+            tensor(p + "attn_q_norm.weight", (hd,), T.F32)
+            tensor(p + "attn_k_norm.weight", (hd,), T.F32)
+        tensor(p + "ffn_norm.weight", (n_embd,), T.F32)
+        tensor(p + "ffn_gate.weight", (n_ff, n_embd), qtype)
+        tensor(p + "ffn_up.weight", (n_ff, n_embd), qtype)
+        tensor(p + "ffn_down.weight", (n_embd, n_ff), qtype)
+        if arch == "gemma3":
+            tensor(p + "post_attention_norm.weight", (n_embd,), T.F32)
+            tensor(p + "post_ffw_norm.weight", (n_embd,), T.F32)
+    tensor("output_norm.weight", (n_embd,), T.F32)
+    if not tied:
+        tensor("output.weight", (vocab, n_embd), qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_value(w: gguf.GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, list):
+        w.add_array(key, value)
+    else:
+        raise TypeError(f"cannot write {key}={value!r}")
