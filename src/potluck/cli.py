@@ -138,7 +138,7 @@ def _stream(m, ids: list[int], n: int, sampler, n_batch: int) -> list[int]:
         out.append(tok)
         if tok in m.tokenizer.eot_ids:
             break
-        sys.stdout.write(dec.feed(tok))
+        sys.stdout.write(dec.push(tok))
         sys.stdout.flush()
     sys.stdout.write(dec.flush() + "\n")
     t1 = time.perf_counter()

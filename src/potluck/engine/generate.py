@@ -94,7 +94,7 @@ def load_model(
         )
     if n_ctx < 1:
         raise ContextError(f"context must be at least 1 token, got {n_ctx}")
-    tokenizer = Tokenizer.from_metadata(gguf.metadata)
+    tokenizer = Tokenizer(gguf.metadata)
     chat = ChatTemplate.from_metadata(gguf.metadata, hp.arch)
     stages = [Stage(hp, gguf, a, b, n_ctx, on_layer) for a, b in layer_ranges(hp.n_layer, splits)]
     return Model(Path(path), gguf, hp, tokenizer, chat, LocalPipeline(stages), n_ctx)
