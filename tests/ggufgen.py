@@ -17,7 +17,13 @@ from gguf import GGMLQuantizationType as T
 from potluck.modelfile.gguf_file import GGUFFile
 
 # byte offsets of the fp16 super-block scales (d, dmin) inside one K-quant block (ggml's layout)
-_K_SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+_K_SCALE_OFFSETS = {
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+}
 _TOKENIZER_KEYS = (
     "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.scores",
     "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
@@ -27,7 +33,9 @@ _TOKENIZER_KEYS = (
 )  # fmt: skip
 
 
-def random_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, int], std: float) -> np.ndarray:
+def random_blocks(
+    rng: np.random.Generator, qtype: T, shape: tuple[int, int], std: float
+) -> np.ndarray:
     """Raw bytes [rows, bytes_per_row] of a random tensor of logical shape (rows, cols)."""
     rows, cols = shape
     block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -36,9 +44,17 @@ def random_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, int], st
         block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
         # pick d so that typical |w| is ~std: the quant levels reach ~63*15 for Q4_K-like types
-        levels = {T.Q2_K: 15 * 3, T.Q3_K: 32 * 4, T.Q4_K: 63 * 15, T.Q5_K: 63 * 31, T.Q6_K: 128 * 32}[qtype]
+        levels = {
+            T.Q2_K: 15 * 3,
+            T.Q3_K: 32 * 4,
+            T.Q4_K: 63 * 15,
+            T.Q5_K: 63 * 31,
+            T.Q6_K: 128 * 32,
+        }[qtype]
         for off in _K_SCALE_OFFSETS[qtype]:
-            d = (rng.uniform(0.5, 1.5, size=(rows, cols // block)) * std * 2 / levels).astype(np.float16)
+            d = (rng.uniform(0.5, 1.5, size=(rows, cols // block)) * std * 2 / levels).astype(
+                np.float16
+            )
             raw[:, :, off : off + 2] = d.view(np.uint8).reshape(rows, cols // block, 2)
         return raw.reshape(rows, -1)
     w = (rng.standard_normal(shape) * std).astype(np.float32)
@@ -47,10 +63,49 @@ def random_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, int], st
     return gguf.quants.quantize(w, qtype)
 
 
+def tiny_vocab() -> dict[str, Any]:
+    """A byte-level BPE vocabulary: 3 specials + 256 byte tokens + 8 merges (267 tokens)."""
+    # GPT-2's printable stand-ins for the 256 byte values
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chars[b] for b in range(256)]
+    merges = []
+    pairs = [
+        ("Ġ", "t"),
+        ("Ġ", "a"),
+        ("h", "e"),
+        ("i", "n"),
+        ("r", "e"),
+        ("o", "n"),
+        ("Ġt", "he"),
+        ("e", "r"),
+    ]
+    for a, b in pairs:
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+    types = [3, 3, 3] + [1] * (len(tokens) - 3)
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 0,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+
+
 def write_tiny_model(
     path: Path,
     arch: str,
-    tokenizer_from: GGUFFile,
+    tokenizer_from: GGUFFile | None = None,
     qtype: T = T.Q8_0,
     n_layer: int = 2,
     n_embd: int = 64,
@@ -63,11 +118,13 @@ def write_tiny_model(
     seed: int = 0,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """A random model of `arch` with the vocabulary of `tokenizer_from`. qtypes overrides the
+    """A random model of `arch` with the vocabulary of `tokenizer_from` (default: tiny_vocab()).
+    qtypes overrides the
     quantization per tensor-name suffix (e.g. {"ffn_down": T.Q6_K})."""
     rng = np.random.default_rng(seed)
     hd = head_dim or n_embd // n_head
-    vocab = len(tokenizer_from.metadata["tokenizer.ggml.tokens"])
+    tok_meta = tokenizer_from.metadata if tokenizer_from is not None else tiny_vocab()
+    vocab = len(tok_meta["tokenizer.ggml.tokens"])
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(n_layer)
     w.add_context_length(512)
@@ -84,8 +141,8 @@ def write_tiny_model(
     if arch == "gemma3":
         w.add_sliding_window(8)
     for key in _TOKENIZER_KEYS:
-        if key in tokenizer_from.metadata:
-            _add_value(w, key, tokenizer_from.metadata[key])
+        if key in tok_meta:
+            _add_value(w, key, tok_meta[key])
     for key, value in (extra or {}).items():
         _add_value(w, key, value)
 

@@ -22,7 +22,9 @@ def test_header_matches_gguf_reader(smollm2_path: Path) -> None:
         assert info.qtype == t.tensor_type
         assert info.shape == tuple(reversed(t.shape.tolist()))
         assert info.nbytes == t.n_bytes
-        assert np.array_equal(ours.raw(t.name).reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1))
+        assert np.array_equal(
+            ours.raw(t.name).reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1)
+        )
     for key, field in ref.fields.items():
         if not key.startswith("GGUF."):
             assert ours.metadata[key] == field.contents(), key
@@ -30,10 +32,22 @@ def test_header_matches_gguf_reader(smollm2_path: Path) -> None:
 
 def test_hparams_of_both_real_models(smollm2_path: Path, gemma3_path: Path) -> None:
     smol = hparams_from_metadata(GGUFFile(smollm2_path).metadata)
-    assert (smol.arch, smol.n_layer, smol.n_embd, smol.n_head, smol.n_head_kv) == ("llama", 30, 576, 9, 3)
+    assert (smol.arch, smol.n_layer, smol.n_embd, smol.n_head, smol.n_head_kv) == (
+        "llama",
+        30,
+        576,
+        9,
+        3,
+    )
     assert smol.rules.rope_style == "norm" and not smol.is_sliding(0)
     gem = hparams_from_metadata(GGUFFile(gemma3_path).metadata)
-    assert (gem.arch, gem.n_layer, gem.head_dim, gem.n_head_kv, gem.sliding_window) == ("gemma3", 18, 256, 1, 512)
+    assert (gem.arch, gem.n_layer, gem.head_dim, gem.n_head_kv, gem.sliding_window) == (
+        "gemma3",
+        18,
+        256,
+        1,
+        512,
+    )
     # every 6th layer is global (5, 11, 17) with the long RoPE base, the others slide with 10 000
     assert [i for i in range(18) if not gem.is_sliding(i)] == [5, 11, 17]
     assert gem.rope_base_for(0) == 10_000.0 and gem.rope_base_for(5) == 1_000_000.0
@@ -55,7 +69,9 @@ def test_truncated_data(tmp_path: Path, smollm2_path: Path) -> None:
     p = tmp_path / "cut.gguf"
     data = smollm2_path.read_bytes()
     p.write_bytes(data[: len(data) - 1000])
-    with pytest.raises(ModelFileError, match=r"truncated: tensors need [\d,]+ bytes .* \(1,000 missing\)"):
+    with pytest.raises(
+        ModelFileError, match=r"truncated: tensors need [\d,]+ bytes .* \(1,000 missing\)"
+    ):
         GGUFFile(p)
 
 
@@ -77,7 +93,9 @@ def test_corrupt_count(tmp_path: Path, smollm2_path: Path) -> None:
 
 def test_unknown_architecture(smollm2_path: Path) -> None:
     meta = dict(GGUFFile(smollm2_path).metadata, **{"general.architecture": "mamba"})
-    with pytest.raises(UnsupportedError, match=r"architecture 'mamba' is not supported; supported: gemma3, llama"):
+    with pytest.raises(
+        UnsupportedError, match=r"architecture 'mamba' is not supported; supported: gemma3, llama"
+    ):
         hparams_from_metadata(meta, "m.gguf")
 
 

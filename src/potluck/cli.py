@@ -195,7 +195,7 @@ def run(
         msgs = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ]
-        ids = m.tokenizer.encode(m.chat.render(msgs), add_bos=False)
+        ids = m.tokenizer.encode(m.chat.render(msgs))
     _stream(m, ids, n_predict, Sampler(params), batch)
 
 
@@ -238,7 +238,7 @@ def chat(
         if not line.strip():
             continue
         msgs.append({"role": "user", "content": line})
-        ids = m.tokenizer.encode(m.chat.render(msgs), add_bos=False)
+        ids = m.tokenizer.encode(m.chat.render(msgs))
         try:
             out = _stream(m, ids, n_predict, sampler, batch)
         except PotluckError as exc:  # e.g. the conversation outgrew the context: say so, keep going

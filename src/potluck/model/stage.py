@@ -42,9 +42,9 @@ class SeqChunk:
     n: int
 
 
-def _qlinear(src: WeightSource, name: str, shape: tuple[int, int]) -> QLinear:
+def _qlinear(src: WeightSource, name: str, shape: tuple[int, int], exact: bool) -> QLinear:
     info = _check(src, name, shape)
-    return QLinear.from_raw(torch.from_numpy(np.array(src.raw(name))), info.qtype, shape)
+    return QLinear.from_raw(torch.from_numpy(np.array(src.raw(name))), info.qtype, shape, exact)
 
 
 def _vector(src: WeightSource, name: str, n: int) -> torch.Tensor:
@@ -74,15 +74,17 @@ def _check(src: WeightSource, name: str, shape: tuple[int, ...]) -> TensorInfo:
 class Block(nn.Module):
     """One transformer block: attention and a gated FFN, each behind an RMSNorm residual."""
 
-    def __init__(self, hp: HParams, index: int, src: WeightSource) -> None:
+    def __init__(self, hp: HParams, index: int, src: WeightSource, exact: bool = False) -> None:
         super().__init__()
         p, d = f"blk.{index}.", hp.n_embd
         self.index, self.hp = index, hp
         self.attn_norm = nn.Parameter(_vector(src, p + "attn_norm.weight", d), requires_grad=False)
-        self.attn_q = _qlinear(src, p + "attn_q.weight", (hp.n_head * hp.head_dim, d))
-        self.attn_k = _qlinear(src, p + "attn_k.weight", (hp.n_head_kv * hp.head_dim, d))
-        self.attn_v = _qlinear(src, p + "attn_v.weight", (hp.n_head_kv * hp.head_dim_v, d))
-        self.attn_output = _qlinear(src, p + "attn_output.weight", (d, hp.n_head * hp.head_dim_v))
+        self.attn_q = _qlinear(src, p + "attn_q.weight", (hp.n_head * hp.head_dim, d), exact)
+        self.attn_k = _qlinear(src, p + "attn_k.weight", (hp.n_head_kv * hp.head_dim, d), exact)
+        self.attn_v = _qlinear(src, p + "attn_v.weight", (hp.n_head_kv * hp.head_dim_v, d), exact)
+        self.attn_output = _qlinear(
+            src, p + "attn_output.weight", (d, hp.n_head * hp.head_dim_v), exact
+        )
         self.biases: dict[str, torch.Tensor] = {}
         for name, n in (("attn_q", hp.n_head * hp.head_dim), ("attn_k", hp.n_head_kv * hp.head_dim),
                         ("attn_v", hp.n_head_kv * hp.head_dim_v)):  # fmt: skip
@@ -92,9 +94,9 @@ class Block(nn.Module):
             self.attn_q_norm = _vector(src, p + "attn_q_norm.weight", hp.head_dim)
             self.attn_k_norm = _vector(src, p + "attn_k_norm.weight", hp.head_dim)
         self.ffn_norm = _vector(src, p + "ffn_norm.weight", d)
-        self.ffn_gate = _qlinear(src, p + "ffn_gate.weight", (hp.n_ff, d))
-        self.ffn_up = _qlinear(src, p + "ffn_up.weight", (hp.n_ff, d))
-        self.ffn_down = _qlinear(src, p + "ffn_down.weight", (d, hp.n_ff))
+        self.ffn_gate = _qlinear(src, p + "ffn_gate.weight", (hp.n_ff, d), exact)
+        self.ffn_up = _qlinear(src, p + "ffn_up.weight", (hp.n_ff, d), exact)
+        self.ffn_down = _qlinear(src, p + "ffn_down.weight", (d, hp.n_ff), exact)
         if hp.rules.post_norms:
             self.post_attention_norm = _vector(src, p + "post_attention_norm.weight", d)
             self.post_ffw_norm = _vector(src, p + "post_ffw_norm.weight", d)
@@ -160,6 +162,7 @@ class Stage(nn.Module):
         stop: int,
         n_ctx: int,
         on_layer: Callable[[int], None] | None = None,
+        exact: bool = False,
     ) -> None:
         super().__init__()
         if not 0 <= start < stop <= hp.n_layer:
@@ -173,15 +176,15 @@ class Stage(nn.Module):
             self.token_embd = QEmbedding.from_raw(embd_raw, info.qtype, (hp.n_vocab, hp.n_embd))
         self.blk = nn.ModuleDict()
         for i in range(start, stop):
-            self.blk[str(i)] = Block(hp, i, src)
+            self.blk[str(i)] = Block(hp, i, src, exact)
             if on_layer is not None:
                 on_layer(i)
         if self.is_last:
             self.output_norm = _vector(src, "output_norm.weight", hp.n_embd)
             if "output.weight" in src.tensors:
-                self.output = _qlinear(src, "output.weight", (hp.n_vocab, hp.n_embd))
+                self.output = _qlinear(src, "output.weight", (hp.n_vocab, hp.n_embd), exact)
             else:  # tied embeddings: the head reads the embedding matrix
-                self.output = QLinear.from_raw(embd_raw, info.qtype, (hp.n_vocab, hp.n_embd))
+                self.output = QLinear.from_raw(embd_raw, info.qtype, (hp.n_vocab, hp.n_embd), exact)
         self.ropes: dict[float, RotaryTable] = {}
         for i in range(start, stop):
             base = hp.rope_base_for(i)
