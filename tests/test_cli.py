@@ -1,0 +1,186 @@
+"""The `potluck` command as a user runs it: real subprocesses, real model, real errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from potluck.engine.generate import generate, load_model
+from potluck.engine.sampling import GREEDY, Sampler
+
+
+def potluck(
+    *args: str, stdin: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "potluck.cli", *args]
+    return subprocess.run(
+        cmd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+def test_run_default_model_greedy_equals_engine(smollm2_path: Path) -> None:
+    """No -m: the packaged default model; greedy output equals the engine's for the same prompt."""
+    done = potluck("run", "-n", "24", "--temp", "0", "-t", "2", "What is the capital of France?")
+    assert done.returncode == 0, done.stderr
+    m = load_model(smollm2_path)
+    ids = m.tokenizer.encode(
+        m.chat.render([{"role": "user", "content": "What is the capital of France?"}])
+    )
+    out = [t for t in generate(m, ids, 24, Sampler(GREEDY)) if t not in m.tokenizer.eot_ids]
+    assert done.stdout == m.tokenizer.decode(out) + "\n"
+    assert "Paris" in done.stdout
+    assert "(llama) · Q4_1 ×210, Q8_0 ×1 · 30 layers" in done.stderr  # the one-line summary
+    assert "generated" in done.stderr and "tok/s" in done.stderr
+
+
+def test_run_raw_with_split(smollm2_path: Path) -> None:
+    a = potluck(
+        "run",
+        "-m",
+        str(smollm2_path),
+        "--raw",
+        "-n",
+        "12",
+        "--temp",
+        "0",
+        "The capital of France is",
+    )
+    b = potluck(
+        "run",
+        "-m",
+        str(smollm2_path),
+        "--raw",
+        "-n",
+        "12",
+        "--temp",
+        "0",
+        "--split",
+        "10,20",
+        "The capital of France is",
+    )
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout == b.stdout and a.stdout.strip()
+
+
+def test_seeded_sampling_is_reproducible(smollm2_path: Path) -> None:
+    args = (
+        "run",
+        "-m",
+        str(smollm2_path),
+        "-n",
+        "16",
+        "--temp",
+        "1.0",
+        "--seed",
+        "42",
+        "Tell me a joke.",
+    )
+    a, b = potluck(*args), potluck(*args)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout
+
+
+def test_missing_model() -> None:
+    done = potluck("run", "-m", "/nonexistent/model.gguf", "hi")
+    assert done.returncode == 1
+    assert "no model file or known model named '/nonexistent/model.gguf'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_foreign_file(tmp_path: Path) -> None:
+    p = tmp_path / "notes.gguf"
+    p.write_text("just some text\n" * 20)
+    done = potluck("run", "-m", str(p), "hi")
+    assert done.returncode == 1
+    assert "not a GGUF file (starts with b'just', expected b'GGUF')" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_context_too_long_for_model(smollm2_path: Path) -> None:
+    done = potluck("run", "-m", str(smollm2_path), "-c", "100000", "hi")
+    assert done.returncode == 1
+    assert (
+        "context 100000 is longer than the model was trained for (8192); use -c 8192 or less"
+        in done.stderr
+    )
+
+
+def test_prompt_too_long_for_context(smollm2_path: Path) -> None:
+    done = potluck("run", "-m", str(smollm2_path), "-c", "32", "--raw", "word " * 100)
+    assert done.returncode == 1
+    assert "but the context is 32; shorten the prompt or raise -c" in done.stderr
+
+
+def test_chat_session(smollm2_path: Path) -> None:
+    done = potluck(
+        "chat",
+        "-m",
+        str(smollm2_path),
+        "--temp",
+        "0",
+        "-n",
+        "20",
+        stdin="What is 2+2?\n/reset\nSay hi.\n/exit\n",
+    )
+    assert done.returncode == 0, done.stderr
+    answers = [line for line in done.stdout.split("> ") if line.strip()]
+    assert len(answers) == 2, done.stdout
+
+
+def test_models_lists_cache(smollm2_path: Path) -> None:
+    done = potluck("models")
+    assert done.returncode == 0, done.stderr
+    assert "SmolLM2-135M-Instruct.Q4_1" in done.stdout and "potluck" in done.stdout
+
+
+def test_models_finds_ollama_blobs(tmp_path: Path, smollm2_path: Path) -> None:
+    """An Ollama store: a manifest naming a model-layer blob that is a GGUF file."""
+    root = tmp_path / "ollama"
+    blob = root / "blobs" / "sha256-abc123"
+    blob.parent.mkdir(parents=True)
+    blob.symlink_to(smollm2_path)
+    man = root / "manifests" / "registry.ollama.ai" / "library" / "smol" / "135m"
+    man.parent.mkdir(parents=True)
+    man.write_text(
+        '{"layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": "sha256:abc123"}]}'
+    )
+    env = {**os.environ, "OLLAMA_MODELS": str(root), "COLUMNS": "200"}
+    done = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "models"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert "smol:135m" in done.stdout and "ollama" in done.stdout
+    run = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "run", "-m", "smol:135m", "--raw", "-n", "4", "--temp", "0", "Hello"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+
+
+def test_perplexity_command(tmp_path: Path, smollm2_path: Path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text(("The sun rises in the east and sets in the west. " * 30).strip())
+    done = potluck("perplexity", "-m", str(smollm2_path), "-f", str(text), "-c", "64")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("perplexity: ") and "chunks of 64 tokens" in done.stdout
+    ppl = float(done.stdout.split()[1])
+    assert 1.0 < ppl < 3.0, ppl  # a sentence repeated 30 times is almost perfectly predictable
+
+
+@pytest.mark.parametrize("args", [["run"], ["run", "--top-p", "0", "x"]])
+def test_bad_arguments(args: list[str]) -> None:
+    done = potluck(*args)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr

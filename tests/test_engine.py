@@ -1,0 +1,137 @@
+"""Generation, batching of several sequences, sampling and the context rules, on real models."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from potluck.engine.generate import generate, layer_ranges, load_model
+from potluck.engine.sampling import GREEDY, Sampler, SamplingParams
+from potluck.errors import ContextError
+from potluck.model.stage import SeqChunk
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path: Path):
+    return load_model(smollm2_path, n_ctx=256)
+
+
+def test_layer_ranges() -> None:
+    assert layer_ranges(30, ()) == [(0, 30)]
+    assert layer_ranges(30, (10, 20)) == [(0, 10), (10, 20), (20, 30)]
+    with pytest.raises(ValueError, match="increase strictly"):
+        layer_ranges(30, (20, 10))
+    with pytest.raises(ValueError, match="increase strictly"):
+        layer_ranges(30, (30,))
+
+
+def test_batched_sequences_equal_one_at_a_time(smol) -> None:
+    """Two sequences decoded in one forward call give what each gives alone (prefill and decode)."""
+    tok = smol.tokenizer
+    prompts = [
+        tok.encode("The quick brown fox"),
+        tok.encode("In 1969, the first people to walk on"),
+    ]
+    alone = [list(generate(smol, p, 10, Sampler(GREEDY))) for p in prompts]
+    pipe = smol.pipeline
+    seqs = [smol.new_seq_id(), smol.new_seq_id()]
+    # prefill both prompts in one call (different lengths), then decode both together
+    logits = pipe.forward(
+        torch.tensor(prompts[0] + prompts[1]),
+        [SeqChunk(s, len(p)) for s, p in zip(seqs, prompts, strict=True)],
+    )
+    together: list[list[int]] = [[], []]
+    for _ in range(10):
+        nxt = [int(row.argmax()) for row in logits]
+        for out, t in zip(together, nxt, strict=True):
+            out.append(t)
+        logits = pipe.forward(torch.tensor(nxt), [SeqChunk(s, 1) for s in seqs])
+    for s in seqs:
+        pipe.drop(s)
+    assert together == alone
+
+
+def test_kv_cache_freed_after_generation(smol) -> None:
+    gen = generate(smol, smol.tokenizer.encode("Hello there"), 50, Sampler(GREEDY))
+    next(gen)
+    assert len(smol.pipeline.stages[0].caches) == 1
+    gen.close()  # a client that goes away
+    assert smol.pipeline.stages[0].caches == {}
+
+
+def test_prompt_longer_than_context(smol) -> None:
+    ids = smol.tokenizer.encode("word " * 300)
+    with pytest.raises(ContextError, match=rf"prompt is {len(ids)} tokens but the context is 256"):
+        list(generate(smol, ids, 5, Sampler(GREEDY)))
+
+
+def test_generation_stops_at_full_context(smol) -> None:
+    ids = smol.tokenizer.encode("count: " + "1 2 3 " * 40)
+    out = list(generate(smol, ids, 500, Sampler(GREEDY), stop_ids=frozenset()))
+    assert len(ids) + len(out) == 256
+
+
+def test_context_beyond_training(smollm2_path: Path) -> None:
+    with pytest.raises(
+        ContextError, match=r"context 9000 is longer than the model was trained for \(8192\)"
+    ):
+        load_model(smollm2_path, n_ctx=9000)
+
+
+def test_seed_reproducible_and_different(smol) -> None:
+    ids = smol.tokenizer.encode("Once upon a time")
+    hot = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    a = list(generate(smol, ids, 20, Sampler(hot), stop_ids=frozenset()))
+    b = list(generate(smol, ids, 20, Sampler(hot), stop_ids=frozenset()))
+    c = list(
+        generate(
+            smol,
+            ids,
+            20,
+            Sampler(SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=8)),
+            stop_ids=frozenset(),
+        )
+    )
+    assert a == b
+    assert a != c
+
+
+def _draws(params: SamplingParams, logits: torch.Tensor, n: int = 2000, history=()) -> Counter:
+    s = Sampler(params)
+    return Counter(s.sample(logits, history) for _ in range(n))
+
+
+def test_sampling_filters() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert set(
+        _draws(SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, seed=1), logits)
+    ) == {0, 1}
+    # top_p 0.8: tokens 0 and 1 reach 0.8
+    assert set(
+        _draws(SamplingParams(temperature=1.0, top_k=0, top_p=0.8, min_p=0.0, seed=1), logits)
+    ) == {0, 1}
+    # min_p 0.2: keep p >= 0.1 -> tokens 0, 1, 2
+    assert set(
+        _draws(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2, seed=1), logits)
+    ) == {0, 1, 2}
+    # temperature 1 reproduces the distribution (±4 sigma over 2000 draws)
+    c = _draws(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3), logits)
+    for i, p in enumerate([0.5, 0.3, 0.15, 0.05]):
+        assert abs(c[i] / 2000 - p) < 4 * (p * (1 - p) / 2000) ** 0.5
+    assert Sampler(GREEDY).sample(logits) == 0
+
+
+def test_penalties() -> None:
+    logits = torch.tensor([2.0, 1.9, -1.0])
+    greedy_pen = SamplingParams(temperature=0.0, repeat_penalty=1.2)
+    assert Sampler(greedy_pen).sample(logits, history=[0]) == 1  # 2.0/1.2 < 1.9
+    assert Sampler(GREEDY).sample(logits, history=[0]) == 0
+    pen = Sampler(SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.1))
+    assert torch.allclose(
+        pen.penalize(logits, [0, 0, 2]), torch.tensor([2.0 - 0.5 - 0.2, 1.9, -1.0 - 0.5 - 0.1])
+    )
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(top_p=0.0)
