@@ -106,3 +106,31 @@ def test_split_pipeline_equals_whole(case) -> None:
         assert torch.equal(a, b), (
             f"{name} split {splits}: logits differ by {float((a - b).abs().max()):.2e}"
         )
+
+
+def test_perplexity_matches_reference(case) -> None:
+    """llama-perplexity's method (second half of each chunk, BOS rule) over our logits equals the
+    same statistic over the reference's logits, within the fast path's precision."""
+    from potluck.engine.perplexity import perplexity
+
+    name, _, model, ref = case
+    text = " ".join(
+        f"In the year {1800 + 7 * i}, the town council met {i % 5 + 2} times and discussed the bridge, the mill and the harvest."
+        for i in range(40)
+    )
+    n_ctx = 64
+    ours = perplexity(model, text, n_ctx)
+    tok = model.tokenizer
+    ids = tok.encode(text, add_bos=tok.add_bos, parse_special=False)
+    nll, count = 0.0, 0
+    for c in range(len(ids) // n_ctx):
+        chunk = ids[c * n_ctx : (c + 1) * n_ctx]
+        if tok.add_bos:
+            chunk[0] = tok.bos_id
+        lp = torch.log_softmax(_ref_logits(ref, chunk), -1)
+        for j in range(n_ctx // 2, n_ctx - 1):
+            nll -= float(lp[j, chunk[j + 1]])
+            count += 1
+    want = float(torch.tensor(nll / count).exp())
+    assert ours.n_chunks == len(ids) // n_ctx and ours.n_scored == count
+    assert abs(ours.ppl - want) / want < 0.02, f"{name}: ppl {ours.ppl:.4f} vs reference {want:.4f}"
