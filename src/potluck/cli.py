@@ -61,8 +61,51 @@ def _setup_threads(threads: int | None) -> None:
     torch.set_num_threads(threads or _physical_cores())
 
 
-def _load(model: str | None, ctx: int | None, threads: int | None, splits: list[int] | None = None):
-    """Resolve, load with a progress bar, and print the one-line summary."""
+PeerOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--peer", help="A worker's host:port (repeatable); this machine takes the first layers."
+    ),
+]
+RpcOpt = Annotated[
+    str | None,
+    typer.Option("--rpc", help="Workers as llama.cpp users type them: host:port,host:port."),
+]
+SplitOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tensor-split", "-ts", help="Share of the layers per node, this machine first, e.g. 6,4."
+    ),
+]
+
+
+def _peers(peer: list[str] | None, rpc: str | None) -> list[str]:
+    peers = list(peer or []) + [p.strip() for p in (rpc or "").split(",") if p.strip()]
+    for p in peers:
+        host, _, port = p.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise typer.BadParameter(f"peer {p!r} is not host:port (e.g. 192.168.1.20:50052)")
+    return peers
+
+
+def _shares(text: str | None) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")] if text else []
+    except ValueError:
+        raise typer.BadParameter(
+            f"--tensor-split {text!r} is not a list of numbers like 6,4"
+        ) from None
+
+
+def _load(
+    model: str | None,
+    ctx: int | None,
+    threads: int | None,
+    splits: list[int] | None = None,
+    peers: list[str] | None = None,
+    shares: list[float] | None = None,
+):
+    """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan)."""
     from potluck.engine.generate import load_model
     from potluck.modelfile.sources import resolve_model
 
@@ -86,8 +129,10 @@ def _load(model: str | None, ctx: int | None, threads: int | None, splits: list[
         from potluck.modelfile.hparams import hparams_from_metadata
 
         bar.update(task, total=hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer)
-        m = load_model(path, ctx, splits or (), on_layer)
+        m = load_model(path, ctx, splits or (), on_layer, peers or (), shares or ())
     err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
+    for a in getattr(m.pipeline, "assignments", []):
+        err.print(f"[dim]  {a.describe()}[/]")
     return m
 
 
@@ -182,13 +227,16 @@ def run(
             help="Run as in-process stages split at these layers, e.g. 10,20 (checks the pipeline).",
         ),
     ] = None,
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
 ) -> None:
-    """Generate text from a prompt, streaming it to stdout."""
+    """Generate text from a prompt, streaming it to stdout (over a pool with --peer)."""
     from potluck.engine.sampling import Sampler
 
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
     splits = [int(s) for s in split.split(",")] if split else None
-    m = _load(model, ctx, threads, splits)
+    m = _load(model, ctx, threads, splits, _peers(peer, rpc), _shares(tensor_split))
     if raw:
         ids = m.tokenizer.encode(prompt)
     else:
@@ -215,12 +263,15 @@ def chat(
     repeat_penalty: RepeatOpt = 1.0,
     seed: SeedOpt = None,
     system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
 ) -> None:
     """Chat interactively with the model's chat template. Ctrl-D or /exit to leave."""
     from potluck.engine.sampling import Sampler
 
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
-    m = _load(model, ctx, threads)
+    m = _load(model, ctx, threads, None, _peers(peer, rpc), _shares(tensor_split))
     sampler = Sampler(params)
     msgs: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     err.print("[dim]type a message; /exit or Ctrl-D to quit, /reset to start over[/]")
@@ -290,6 +341,47 @@ def models() -> None:
     for f in found:
         table.add_row(f.name, f.source, f"{f.size_bytes / 2**20:.1f} MiB", str(f.path))
     Console().print(table)
+
+
+@app.command()
+def worker(
+    host: Annotated[str, typer.Option("-H", "--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("-p", "--port", help="Port to listen on.")] = 50052,
+    threads: ThreadsOpt = None,
+    model_dir: Annotated[
+        list[Path] | None,
+        typer.Option("--model-dir", help="Extra folder with GGUF files this machine already has."),
+    ] = None,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="Allow a non-loopback address without a pool secret.")
+    ] = False,
+) -> None:
+    """Serve layers to a pool: wait for a head (`potluck run --peer THIS_HOST:PORT`)."""
+    import ipaddress
+    import socket
+
+    from potluck.node.worker import serve
+
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        loopback = False
+    if not loopback and not insecure:
+        raise PotluckError(
+            f"refusing to listen on {host}: pool secrets are not implemented yet, so anyone on the "
+            "network could use this worker; pass --insecure to accept that on a trusted network"
+        )
+    _setup_threads(threads)
+    server, bound = serve(
+        host, port, threads=threads or _physical_cores(), model_dirs=tuple(model_dir or ())
+    )
+    err.print(
+        f"potluck worker {__version__} listening on {host}:{bound} · {_physical_cores()} cores · Ctrl-C to stop"
+    )
+    try:
+        server.wait_for_termination()
+    except KeyboardInterrupt:
+        server.stop(grace=1.0)
 
 
 @app.command()

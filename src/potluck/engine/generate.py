@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -47,9 +48,46 @@ class LocalPipeline:
             x = stage(x, chunks)
         return self.stages[-1](x, chunks, logits_rows)
 
+    def step(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+    ) -> list[int]:
+        """One forward of the chunks; one sampled token per chunk (from its last row)."""
+        logits = self.forward(tokens, chunks)
+        return [
+            samplers[c.seq_id].sample(row, histories.get(c.seq_id, ()))
+            for row, c in zip(logits, chunks, strict=True)
+        ]
+
     def drop(self, seq_id: int) -> None:
         for stage in self.stages:
             stage.drop(seq_id)
+
+
+class Pipeline(Protocol):
+    """What generation needs from a pipeline, local or spread over nodes (engine/pipeline.py)."""
+
+    stages: list[Stage]
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+    ) -> list[int]: ...
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def drop(self, seq_id: int) -> None: ...
 
 
 @dataclass
@@ -61,7 +99,7 @@ class Model:
     hp: HParams
     tokenizer: Tokenizer
     chat: ChatTemplate
-    pipeline: LocalPipeline
+    pipeline: Pipeline
     n_ctx: int
     _next_seq: int = field(default=0, repr=False)
 
@@ -83,8 +121,13 @@ def load_model(
     n_ctx: int | None = None,
     splits: Sequence[int] = (),
     on_layer: Callable[[int], None] | None = None,
+    peers: Sequence[str] = (),
+    tensor_split: Sequence[float] = (),
+    wire_dtype: str = "float32",
 ) -> Model:
-    """Open `path`, check it, and build one stage per layer range (one by default)."""
+    """Open `path`, check it, and build its pipeline: one local stage by default; in-process stages
+    split at `splits`; or with `peers` (host:port) a pool where this machine takes the first share
+    of the layers and each peer the next, in proportion to `tensor_split` (even by default)."""
     gguf = GGUFFile(path)
     hp = hparams_from_metadata(gguf.metadata, str(path))
     n_ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_CTX)
@@ -96,20 +139,53 @@ def load_model(
         raise ContextError(f"context must be at least 1 token, got {n_ctx}")
     tokenizer = Tokenizer(gguf.metadata)
     chat = ChatTemplate.from_metadata(gguf.metadata, hp.arch)
-    stages = [Stage(hp, gguf, a, b, n_ctx, on_layer) for a, b in layer_ranges(hp.n_layer, splits)]
-    return Model(Path(path), gguf, hp, tokenizer, chat, LocalPipeline(stages), n_ctx)
+    if peers:
+        from potluck.engine.pipeline import LOCAL, Assignment, RemotePipeline
+
+        nodes = [LOCAL, *peers]
+        bounds = split_points(hp.n_layer, tensor_split or [1.0] * len(nodes))
+        if len(bounds) + 1 != len(nodes):
+            raise ValueError(
+                f"--tensor-split needs one share per node ({len(nodes)}: this machine + {len(peers)} peers)"
+            )
+        ranges = layer_ranges(hp.n_layer, bounds)
+        plan = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True) if b > a]
+        pipe: Pipeline = RemotePipeline(gguf, hp, plan, n_ctx, wire_dtype)
+    else:
+        pipe = LocalPipeline(
+            [Stage(hp, gguf, a, b, n_ctx, on_layer) for a, b in layer_ranges(hp.n_layer, splits)]
+        )
+    return Model(Path(path), gguf, hp, tokenizer, chat, pipe, n_ctx)
+
+
+def split_points(n_layer: int, shares: Sequence[float]) -> list[int]:
+    """Layer boundaries giving each node a contiguous range in proportion to its share
+    (llama.cpp's --tensor-split); every node gets at least one layer."""
+    if len(shares) > n_layer or any(s <= 0 for s in shares):
+        raise ValueError(
+            f"shares {list(shares)} must be positive and at most {n_layer} (one layer each)"
+        )
+    total, acc, bounds = sum(shares), 0.0, []
+    for s in shares[:-1]:
+        acc += s
+        b = round(n_layer * acc / total)
+        b = max(b, (bounds[-1] if bounds else 0) + 1)
+        bounds.append(min(b, n_layer - (len(shares) - len(bounds) - 1)))
+    return bounds
 
 
 def prefill(
-    pipeline: LocalPipeline, seq_id: int, ids: Sequence[int], n_batch: int = 512
-) -> torch.Tensor:
-    """Run the prompt through in micro-batches of n_batch tokens; logits [V] of its last token."""
-    logits = None
+    pipeline: Pipeline, seq_id: int, ids: Sequence[int], sampler: Sampler, n_batch: int = 512
+) -> int:
+    """Run the prompt through in micro-batches of n_batch tokens; the first sampled token."""
+    history = {seq_id: list(ids)}
+    tok = -1
     for i in range(0, len(ids), n_batch):
         part = torch.tensor(ids[i : i + n_batch], dtype=torch.long)
-        logits = pipeline.forward(part, [SeqChunk(seq_id, len(part))])
-    assert logits is not None, "prefill needs at least one token"
-    return logits[-1]
+        last = i + n_batch >= len(ids)
+        samplers = {seq_id: sampler} if last else {}
+        tok = pipeline.step(part, [SeqChunk(seq_id, len(part))], samplers, history)[0]
+    return tok
 
 
 def generate(
@@ -136,14 +212,17 @@ def generate(
     seq = model.new_seq_id()
     pipe = model.pipeline
     history = list(prompt_ids)
+    if max_tokens <= 0:
+        return
     try:
-        logits = prefill(pipe, seq, prompt_ids, n_batch)
-        for _ in range(max_tokens):
-            tok = sampler.sample(logits, history)
+        tok = prefill(pipe, seq, prompt_ids, sampler, n_batch)
+        for i in range(max_tokens):
             history.append(tok)
             yield tok
-            if tok in stop or len(history) >= model.n_ctx:
+            if tok in stop or len(history) >= model.n_ctx or i + 1 == max_tokens:
                 break
-            logits = pipe.forward(torch.tensor([tok]), [SeqChunk(seq, 1)])[-1]
+            tok = pipe.step(
+                torch.tensor([tok]), [SeqChunk(seq, 1)], {seq: sampler}, {seq: history}
+            )[0]
     finally:
         pipe.drop(seq)

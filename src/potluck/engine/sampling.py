@@ -47,6 +47,7 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+        self.seed = seed  # a remote last stage rebuilds the same sampler from params + seed
         self.generator = torch.Generator().manual_seed(seed)
 
     def penalize(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:

@@ -57,32 +57,9 @@ class GGUFFile:
                 f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                 "convert it with llama.cpp's convert_hf_to_gguf.py or download a .gguf build"
             )
-        try:
-            with open(self.path, "rb") as f:
-                self.metadata, infos, data_start = _parse_header(f, size)
-        except (ValueError, UnicodeDecodeError, struct.error, EOFError) as exc:
-            raise ModelFileError(
-                f"{self.path}: GGUF header is corrupt or truncated ({exc}); re-download the file"
-            ) from exc
-        self.tensors: dict[str, TensorInfo] = {}
-        end = data_start
-        for name, dims, qtype_id, rel in infos:
-            try:
-                qtype = GGMLQuantizationType(qtype_id)
-            except ValueError:
-                raise ModelFileError(
-                    f"{self.path}: tensor {name!r} has unknown GGML type id {qtype_id}"
-                ) from None
-            shape = tuple(reversed(dims))
-            block, block_bytes = GGML_QUANT_SIZES[qtype]
-            n = math.prod(shape)
-            if shape[-1] % block:
-                raise ModelFileError(
-                    f"{self.path}: tensor {name!r} row of {shape[-1]} is not a multiple of the {qtype.name} block ({block})"
-                )
-            info = TensorInfo(name, qtype, shape, data_start + rel, n // block * block_bytes)
-            self.tensors[name] = info
-            end = max(end, info.offset + info.nbytes)
+        with open(self.path, "rb") as f:
+            self.metadata, self.tensors, self.data_start = read_header(f, size, str(self.path))
+        end = max((t.offset + t.nbytes for t in self.tensors.values()), default=self.data_start)
         if end > size:
             raise ModelFileError(
                 f"{self.path}: file is truncated: tensors need {end:,} bytes but the file has {size:,} "
@@ -107,6 +84,10 @@ class GGUFFile:
         rows = math.prod(info.shape[:-1]) if len(info.shape) > 1 else 1
         return flat.reshape(rows, info.nbytes // rows)
 
+    def header_bytes(self) -> bytes:
+        """The file's header (metadata + tensor index, no tensor data), as sent to workers."""
+        return bytes(self._map[: self.data_start])
+
     def has(self, name: str) -> bool:
         return name in self.tensors
 
@@ -121,6 +102,38 @@ class GGUFFile:
         for t in self.tensors.values():
             out[t.layer] = out.get(t.layer, 0) + t.nbytes
         return out
+
+
+def read_header(
+    f: BinaryIO, size: int, source: str
+) -> tuple[dict[str, Any], dict[str, TensorInfo], int]:
+    """Parse and check a GGUF header from a binary stream of `size` bytes that starts at the magic.
+
+    Returns (metadata, tensors by name with absolute offsets, data start). Raises ModelFileError.
+    """
+    try:
+        meta, infos, data_start = _parse_header(f, size)
+    except (ValueError, UnicodeDecodeError, struct.error, EOFError) as exc:
+        raise ModelFileError(
+            f"{source}: GGUF header is corrupt or truncated ({exc}); re-download the file"
+        ) from exc
+    tensors: dict[str, TensorInfo] = {}
+    for name, dims, qtype_id, rel in infos:
+        try:
+            qtype = GGMLQuantizationType(qtype_id)
+        except ValueError:
+            raise ModelFileError(
+                f"{source}: tensor {name!r} has unknown GGML type id {qtype_id}"
+            ) from None
+        shape = tuple(reversed(dims))
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        if shape[-1] % block or shape[-1] == 0:
+            raise ModelFileError(
+                f"{source}: tensor {name!r} row of {shape[-1]} is not a whole number of {qtype.name} blocks ({block})"
+            )
+        nbytes = math.prod(shape) // block * block_bytes
+        tensors[name] = TensorInfo(name, qtype, shape, data_start + rel, nbytes)
+    return meta, tensors, data_start
 
 
 _SCALAR = {

@@ -1,0 +1,217 @@
+"""The head's side of a pool: an optional local first stage, then a chain of remote stages.
+
+The head sends token ids (or, with a local first stage, hidden states) to the first remote node;
+each node forwards to the next; the last samples, and only token ids come back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from potluck.engine.sampling import Sampler
+from potluck.errors import PotluckError
+from potluck.model.layout import stage_tensor_names
+from potluck.model.stage import SeqChunk, Stage
+from potluck.modelfile.gguf_file import GGUFFile
+from potluck.modelfile.hparams import HParams
+from potluck.node.weights import sha256_bytes, sha256_file
+from potluck.transport import potluck_pb2 as pb
+from potluck.transport.client import NodeClient, NodeError
+from potluck.transport.codec import (
+    PROTOCOL_VERSION,
+    TENSOR_CHUNK_BYTES,
+    sampling_to_proto,
+    tensor_from_proto,
+    tensor_to_proto,
+)
+
+LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Layers [start, stop) on `node` ("local" = this process, else host:port)."""
+
+    node: str
+    start: int
+    stop: int
+
+    def describe(self) -> str:
+        where = "this machine (cpu)" if self.node == LOCAL else f"{self.node} (cpu)"
+        return f"layers {self.start}–{self.stop - 1} → {where}"
+
+
+def plan_id_of(model_sha: str, assignments: Sequence[Assignment], n_ctx: int) -> str:
+    text = (
+        model_sha
+        + "|"
+        + ";".join(f"{a.node}:{a.start}-{a.stop}" for a in assignments)
+        + f"|{n_ctx}"
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class RemotePipeline:
+    """Runs a plan whose first assignment may be local and whose others are remote nodes, in order."""
+
+    def __init__(
+        self,
+        file: GGUFFile,
+        hp: HParams,
+        assignments: Sequence[Assignment],
+        n_ctx: int,
+        wire_dtype: str = "float32",
+    ) -> None:
+        if any(a.node == LOCAL for a in assignments[1:]):
+            raise ValueError("only the first stage can run on this machine")
+        if assignments[0].node == LOCAL and len(assignments) == 1:
+            raise ValueError("a plan with no remote node is a LocalPipeline")
+        self.file, self.hp, self.assignments, self.n_ctx = file, hp, list(assignments), n_ctx
+        self.wire = {
+            "float32": torch.float32,
+            "float16": torch.float16,
+            "bfloat16": torch.bfloat16,
+        }[wire_dtype]
+        self.model_sha = sha256_file(file.path)
+        self.plan_id = plan_id_of(self.model_sha, self.assignments, n_ctx)
+        self.local: Stage | None = None
+        if assignments[0].node == LOCAL:
+            a = assignments[0]
+            self.local = Stage(hp, file, a.start, a.stop, n_ctx)
+        remotes = [a for a in self.assignments if a.node != LOCAL]
+        self.clients = [NodeClient(a.node) for a in remotes]
+        for client in self.clients:
+            reply = client.hello(
+                pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="head")
+            )
+            if reply.protocol_version != PROTOCOL_VERSION:
+                raise NodeError(
+                    f"node {client.address} speaks protocol {reply.protocol_version}, this head {PROTOCOL_VERSION}"
+                )
+        header = file.header_bytes()
+        for i, (a, client) in enumerate(zip(remotes, self.clients, strict=True)):
+            nxt = remotes[i + 1].node if i + 1 < len(remotes) else ""
+            names = stage_tensor_names(file.tensors.values(), hp.n_layer, a.start, a.stop)
+            digests = {n: sha256_bytes(file.raw(n)) for n in names}
+            req = pb.LoadRequest(
+                plan_id=self.plan_id, model_sha256=self.model_sha, start=a.start, stop=a.stop, n_ctx=n_ctx,
+                next_hop=nxt, metadata_gguf=header, tensor_sha256=digests, wire_dtype=wire_dtype,
+                model_bytes=file.size_bytes,
+            )  # fmt: skip
+            reply = client.load(req)
+            if reply.need_tensors:
+                client.put_tensors(self._tensor_chunks(list(reply.missing), digests))
+                reply = client.load(req)
+                if reply.need_tensors:
+                    raise NodeError(
+                        f"node {a.node} still lacks {len(reply.missing)} tensors after the transfer"
+                    )
+        self.last_stage_ms: list[float] = []
+        self.last_hop_ms: list[float] = []
+
+    def _tensor_chunks(
+        self, names: list[str], digests: Mapping[str, str]
+    ) -> Iterator[pb.TensorChunk]:
+        for name in names:
+            data = memoryview(self.file.raw(name).reshape(-1))
+            for off in range(0, len(data), TENSOR_CHUNK_BYTES):
+                piece = bytes(data[off : off + TENSOR_CHUNK_BYTES])
+                if off == 0:
+                    yield pb.TensorChunk(
+                        name=name, sha256=digests[name], total_bytes=len(data), data=piece
+                    )
+                else:
+                    yield pb.TensorChunk(name=name, data=piece)
+
+    def _send(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        wire_chunks: list[pb.SeqChunk],
+        want_logits: bool,
+    ) -> pb.ForwardReply:
+        t0 = time.perf_counter()
+        x: torch.Tensor = tokens
+        local_ms = []
+        if self.local is not None:
+            x = self.local(tokens, chunks)
+            local_ms = [(time.perf_counter() - t0) * 1e3]
+        t1 = time.perf_counter()
+        req = pb.ForwardRequest(
+            plan_id=self.plan_id,
+            chunks=wire_chunks,
+            input=tensor_to_proto(x, self.wire if self.local else None),
+            want_logits=want_logits,
+        )
+        reply = self.clients[0].forward(req)
+        first_hop = (time.perf_counter() - t1) * 1e3 - sum(reply.stage_ms) - sum(reply.hop_ms)
+        self.last_stage_ms = local_ms + list(reply.stage_ms)
+        self.last_hop_ms = [first_hop, *reply.hop_ms]
+        return reply
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+    ) -> list[int]:
+        """One forward of the chunks through every stage; one sampled token per chunk (-1 for a
+        chunk whose sequence has no sampler here: an earlier prompt micro-batch)."""
+        wire = []
+        for c in chunks:
+            s = samplers.get(c.seq_id)
+            if s is None:  # a prompt micro-batch that is not the last: nothing to sample
+                wire.append(pb.SeqChunk(seq_id=c.seq_id, n=c.n, sample=False))
+                continue
+            n = s.params.repeat_last_n
+            hist = histories.get(c.seq_id, ())
+            penal = (
+                s.params.repeat_penalty != 1.0
+                or s.params.presence_penalty
+                or s.params.frequency_penalty
+            )
+            recent = list(hist[-n:] if n > 0 else hist) if penal else []
+            wire.append(
+                pb.SeqChunk(
+                    seq_id=c.seq_id,
+                    n=c.n,
+                    sampling=sampling_to_proto(s.params, s.seed),
+                    recent=recent,
+                    sample=True,
+                )
+            )
+        return list(self._send(tokens, chunks, wire, False).tokens)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits of every row (perplexity), selected by logits_rows (default: last of each chunk)."""
+        wire = [pb.SeqChunk(seq_id=c.seq_id, n=c.n) for c in chunks]
+        logits = tensor_from_proto(
+            self._send(tokens, chunks, wire, True).logits, max_elements=1 << 31
+        )
+        if logits_rows is None:
+            logits_rows = torch.tensor(
+                [sum(c.n for c in chunks[: i + 1]) - 1 for i in range(len(chunks))]
+            )
+        return logits[logits_rows]
+
+    def drop(self, seq_id: int) -> None:
+        if self.local is not None:
+            self.local.drop(seq_id)
+        with contextlib.suppress(PotluckError):  # a node that is gone took its caches with it
+            self.clients[0].drop(pb.DropRequest(plan_id=self.plan_id, seq_ids=[seq_id]))
+
+    @property
+    def stages(self) -> list[Stage]:
+        return [self.local] if self.local is not None else []

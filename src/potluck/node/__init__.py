@@ -1,0 +1,1 @@
+"""A worker node: loaded stages, their KV caches, and the gRPC service around them."""

@@ -1,0 +1,132 @@
+"""Weights travel once: content hashes, a blob cache on disk, and a WeightSource over it.
+
+A worker that has the model file (same sha256) memory-maps it. Otherwise the head sends only the
+stage's tensors; each is verified against its sha256 and kept under the cache by that hash, so a
+later plan (or a restart) finds it again without any transfer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from potluck.errors import ModelFileError, PotluckError
+from potluck.modelfile.gguf_file import TensorInfo
+from potluck.modelfile.sources import cache_dir, find_models
+
+_HASH_BLOCK = 8 * 2**20
+
+
+class IntegrityError(PotluckError):
+    """Received bytes whose hash is not the one announced."""
+
+
+def sha256_bytes(data: bytes | memoryview | np.ndarray) -> str:
+    return hashlib.sha256(
+        memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    ).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a whole file, remembered in the cache by (path, size, mtime) — big GGUFs take seconds."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    memo = cache_dir() / "file-hashes.json"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    known[key] = h.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(known))
+    tmp.replace(memo)
+    return known[key]
+
+
+def find_local_model(sha256: str, size: int, extra_dirs: Iterable[Path] = ()) -> Path | None:
+    """A GGUF on this machine with this size and sha256 (only same-size files are hashed)."""
+    candidates = [m.path for m in find_models() if m.size_bytes == size]
+    for d in extra_dirs:
+        candidates += [
+            p for p in Path(d).glob("*.gguf") if p.is_file() and p.stat().st_size == size
+        ]
+    for p in dict.fromkeys(candidates):
+        if sha256_file(p) == sha256:
+            return p
+    return None
+
+
+class BlobStore:
+    """Tensors kept on disk by content hash: <root>/<sha256>."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or cache_dir() / "blobs"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, digest: str) -> Path:
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise IntegrityError(f"{digest!r} is not a sha256 hex digest")
+        return self.root / digest
+
+    def has(self, digest: str) -> bool:
+        return self.path(digest).is_file()
+
+    def put(self, digest: str, total: int, pieces: Iterator[bytes]) -> None:
+        """Write the pieces, check size and hash, then move into place (never a partial blob)."""
+        target = self.path(digest)
+        h, n = hashlib.sha256(), 0
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".part-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for piece in pieces:
+                    n += len(piece)
+                    if n > total:
+                        raise IntegrityError(
+                            f"tensor {digest[:12]} is longer than the announced {total:,} bytes"
+                        )
+                    h.update(piece)
+                    f.write(piece)
+            if n != total:
+                raise IntegrityError(f"tensor {digest[:12]} ended after {n:,} of {total:,} bytes")
+            if h.hexdigest() != digest:
+                raise IntegrityError(
+                    f"tensor {digest[:12]} arrived with a different sha256; the transfer was corrupted"
+                )
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+class BlobSource:
+    """A WeightSource over blobs: the tensor index from the model's header, bytes from the store."""
+
+    def __init__(
+        self, tensors: dict[str, TensorInfo], digests: dict[str, str], store: BlobStore
+    ) -> None:
+        self.tensors, self.digests, self.store = tensors, digests, store
+
+    def raw(self, name: str) -> np.ndarray:
+        info = self.tensors.get(name)
+        if info is None or name not in self.digests:
+            raise ModelFileError(f"tensor {name!r} was not sent to this worker")
+        flat = np.memmap(self.store.path(self.digests[name]), dtype=np.uint8, mode="r")
+        if flat.shape[0] != info.nbytes:
+            raise ModelFileError(
+                f"tensor {name!r} blob has {flat.shape[0]:,} bytes, expected {info.nbytes:,}"
+            )
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        return flat.reshape(rows, info.nbytes // rows)

@@ -1,0 +1,129 @@
+"""The cost of one stage on one node, and of one hop between two nodes, in integer nanoseconds.
+
+Integers make sums exact, so equal plans tie exactly and the search can break ties on purpose.
+
+A stage [start, stop) on a node: its accelerator (when it streams faster than the CPU) takes the
+trailing layers of the range, as many as fit in its memory with one set of activation buffers
+(llama.cpp's -ngl puts the last layers on the GPU too); the output head joins them when every
+layer of the stage is there and it still fits. The rest, the token embedding and the buffers stay
+in RAM. Time per token = bytes read / bytes per second of the device that holds them.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from itertools import accumulate
+
+from potluck.planner.footprint import ModelFootprint
+from potluck.planner.nodes import Link, Links, NodeInfo, link_between
+
+NS = 1_000_000_000
+
+
+def _ns(nbytes: int, bytes_per_s: float) -> int:
+    return round(nbytes * NS / bytes_per_s)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Layers [start, stop) on `node`; layers [gpu_start, stop) on its accelerator."""
+
+    node: NodeInfo
+    start: int
+    stop: int
+    gpu_start: int
+    head_on_gpu: bool
+    weight_bytes: int  # layers, plus the embedding on the first stage and the head on the last
+    kv_bytes: int
+    buffer_bytes: int  # once in RAM, and once more on the accelerator when it holds layers
+    ram_bytes: int  # all of the above that sits in RAM
+    gpu_bytes: int  # ... and on the accelerator (always within its memory)
+    compute_ns: int
+
+    @property
+    def fits(self) -> bool:
+        return self.ram_bytes <= self.node.memory_bytes
+
+    @property
+    def n_gpu_layers(self) -> int:
+        return self.stop - self.gpu_start
+
+
+class CostModel:
+    """Stage and hop costs of one model on a fixed list of nodes (indexed as given)."""
+
+    def __init__(self, model: ModelFootprint, nodes: list[NodeInfo], links: Links) -> None:
+        self.model, self.nodes = model, nodes
+        n = model.n_layer
+        held = [w + k for w, k in zip(model.layer_weight_bytes, model.layer_kv_bytes, strict=True)]
+        self._held = [0, *accumulate(held)]  # prefix sums: bytes of layers [0, i)
+        self._weights = [0, *accumulate(model.layer_weight_bytes)]
+        self._kv = [0, *accumulate(model.layer_kv_bytes)]
+        self._read = [0, *accumulate(model.layer_read_bytes)]
+        # per node, per stop: the first layer its accelerator can hold with [gpu_start, stop)
+        self._gpu_from = [[self._gpu_start(node, e) for e in range(n + 1)] for node in nodes]
+        self.links: list[list[Link]] = [
+            [link_between(links, a.name, b.name) for b in nodes] for a in nodes
+        ]
+
+    def _gpu_start(self, node: NodeInfo, stop: int) -> int:
+        if not node.uses_gpu:
+            return stop
+        room = node.gpu_memory_bytes - self.model.buffer_bytes
+        if room < 0:
+            return stop
+        # smallest s with held[s:stop] <= room, i.e. prefix[s] >= prefix[stop] - room
+        return min(stop, bisect_left(self._held, self._held[stop] - room))
+
+    def stage(self, i: int, start: int, stop: int) -> StageCost:
+        """Layers [start, stop) on node i (0 <= start < stop <= n_layer)."""
+        m, node = self.model, self.nodes[i]
+        first, last = start == 0, stop == m.n_layer
+        s = max(start, self._gpu_from[i][stop])
+        on_gpu = s < stop
+        gpu = self._held[stop] - self._held[s] + (m.buffer_bytes if on_gpu else 0)
+        head_on_gpu = last and on_gpu and s == start and gpu + m.head_bytes <= node.gpu_memory_bytes
+        if head_on_gpu:
+            gpu += m.head_bytes
+        ram = self._held[s] - self._held[start] + m.buffer_bytes
+        ram += (m.embd_bytes if first else 0) + (m.head_bytes if last and not head_on_gpu else 0)
+        cpu_read = self._read[s] - self._read[start] + (m.embd_read_bytes if first else 0)
+        gpu_read = self._read[stop] - self._read[s]
+        if last:
+            if head_on_gpu:
+                gpu_read += m.head_read_bytes
+            else:
+                cpu_read += m.head_read_bytes
+        compute = _ns(cpu_read, node.cpu_bytes_per_s)
+        if gpu_read:
+            compute += _ns(gpu_read, node.gpu_bytes_per_s)
+        weights = self._weights[stop] - self._weights[start]
+        weights += (m.embd_bytes if first else 0) + (m.head_bytes if last else 0)
+        return StageCost(
+            node=node,
+            start=start,
+            stop=stop,
+            gpu_start=s,
+            head_on_gpu=head_on_gpu,
+            weight_bytes=weights,
+            kv_bytes=self._kv[stop] - self._kv[start],
+            buffer_bytes=m.buffer_bytes * (2 if on_gpu else 1),
+            ram_bytes=ram,
+            gpu_bytes=gpu,
+            compute_ns=compute,
+        )
+
+    def hop_ns(self, i: int, j: int) -> int:
+        """One token's hidden state from node i's stage to node j's."""
+        link = self.links[i][j]
+        return round(link.seconds(self.model.wire_bytes) * NS)
+
+    def return_ns(self, i: int, j: int) -> int:
+        """One token id from the last stage (node i) back to the first (node j)."""
+        link = self.links[i][j]
+        return round(link.seconds(self.model.token_wire_bytes) * NS)
+
+    def transfer_ns(self, i: int, j: int, nbytes: int) -> int:
+        """The bandwidth part of a hop alone: what limits throughput once messages overlap."""
+        return _ns(nbytes, self.links[i][j].bytes_per_s)

@@ -1,0 +1,63 @@
+"""The plan as table rows for `potluck plan`; plain strings, the CLI draws them."""
+
+from __future__ import annotations
+
+from potluck.planner.errors import fmt_bytes
+from potluck.planner.plan import Plan, PlannedStage, layers_label
+
+PLAN_COLUMNS = (
+    "node",
+    "device",
+    "layers",
+    "on GPU",
+    "weights + KV + buffers / free",
+    "compute ms",
+    "net ms",
+)
+
+
+def _memory(st: PlannedStage) -> str:
+    used = f"{fmt_bytes(st.weight_bytes)} + {fmt_bytes(st.kv_bytes)} + {fmt_bytes(st.buffer_bytes)}"
+    free = fmt_bytes(st.memory_bytes + st.gpu_memory_bytes)
+    if st.gpu_memory_bytes:
+        return f"{used} / {free} (GPU {fmt_bytes(st.gpu_bytes)} / {fmt_bytes(st.gpu_memory_bytes)})"
+    return f"{used} / {free}"
+
+
+def format_plan(plan: Plan) -> list[tuple[str, ...]]:
+    """One row per stage, in PLAN_COLUMNS order."""
+    rows = []
+    for st in plan.stages:
+        if st.n_gpu_layers:
+            gpu = layers_label(st.gpu_start, st.stop) + (" + head" if st.head_on_gpu else "")
+        else:
+            gpu = "–"
+        rows.append(
+            (
+                st.node,
+                st.device,
+                layers_label(st.start, st.stop),
+                gpu,
+                _memory(st),
+                f"{st.compute_ms:.2f}",
+                f"{st.net_ms:.2f}",
+            )
+        )
+    return rows
+
+
+def format_summary(plan: Plan) -> list[str]:
+    """The lines under the table: predicted speeds and the verdict."""
+    lines = [
+        f"plan {plan.plan_id}: {plan.tokens_per_s:.1f} tok/s for one stream "
+        f"({plan.ms_per_token:.2f} ms/token), {plan.tokens_per_s_streams:.1f} tok/s with many"
+    ]
+    if plan.best_single is not None:
+        b = plan.best_single
+        lines.append(f"best single machine: {b.node} ({b.device}), {b.tokens_per_s:.1f} tok/s")
+    else:
+        lines.append("best single machine: none can hold the model")
+    if plan.left_out:
+        lines.append("left out: " + ", ".join(plan.left_out))
+    lines.append(plan.verdict)
+    return lines

@@ -1,0 +1,1 @@
+"""The wire between nodes: the versioned .proto, its codec, the gRPC client."""

@@ -1,0 +1,190 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "shape", "dtype")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ("protocol_version", "head_name")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEAD_NAME_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    head_name: str
+    def __init__(self, protocol_version: _Optional[int] = ..., head_name: _Optional[str] = ...) -> None: ...
+
+class Device(_message.Message):
+    __slots__ = ("kind", "name", "memory_bytes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    memory_bytes: int
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("protocol_version", "node_name", "potluck_version", "devices", "physical_cores", "decode_bytes_per_s", "model_sha256")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    POTLUCK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PHYSICAL_CORES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    node_name: str
+    potluck_version: str
+    devices: _containers.RepeatedCompositeFieldContainer[Device]
+    physical_cores: int
+    decode_bytes_per_s: float
+    model_sha256: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., node_name: _Optional[str] = ..., potluck_version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., physical_cores: _Optional[int] = ..., decode_bytes_per_s: _Optional[float] = ..., model_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes")
+    class TensorSha256Entry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HOP_FIELD_NUMBER: _ClassVar[int]
+    METADATA_GGUF_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_SHA256_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    model_sha256: str
+    start: int
+    stop: int
+    n_ctx: int
+    next_hop: str
+    metadata_gguf: bytes
+    threads: int
+    tensor_sha256: _containers.ScalarMap[str, str]
+    wire_dtype: str
+    model_bytes: int
+    def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ...) -> None: ...
+
+class LoadReply(_message.Message):
+    __slots__ = ("need_tensors", "missing", "weight_bytes", "load_seconds")
+    NEED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    need_tensors: bool
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    weight_bytes: int
+    load_seconds: float
+    def __init__(self, need_tensors: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("name", "sha256", "total_bytes", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sha256: str
+    total_bytes: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutReply(_message.Message):
+    __slots__ = ("received",)
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    received: int
+    def __init__(self, received: _Optional[int] = ...) -> None: ...
+
+class SamplingConfig(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "has_seed", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    repeat_last_n: int
+    presence_penalty: float
+    frequency_penalty: float
+    has_seed: bool
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SeqChunk(_message.Message):
+    __slots__ = ("seq_id", "n", "sampling", "recent", "sample")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    n: int
+    sampling: SamplingConfig
+    recent: _containers.RepeatedScalarFieldContainer[int]
+    sample: bool
+    def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("plan_id", "chunks", "input", "want_logits")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    chunks: _containers.RepeatedCompositeFieldContainer[SeqChunk]
+    input: Tensor
+    want_logits: bool
+    def __init__(self, plan_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., want_logits: _Optional[bool] = ...) -> None: ...
+
+class ForwardReply(_message.Message):
+    __slots__ = ("tokens", "logits", "stage_ms", "hop_ms")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_MS_FIELD_NUMBER: _ClassVar[int]
+    HOP_MS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    logits: Tensor
+    stage_ms: _containers.RepeatedScalarFieldContainer[float]
+    hop_ms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., stage_ms: _Optional[_Iterable[float]] = ..., hop_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class DropRequest(_message.Message):
+    __slots__ = ("plan_id", "seq_ids")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, plan_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DropReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,440 @@
+"""The planner: its memory model against real loaded stages, and the plans it makes (memory fit,
+slow nodes left out, GPU/CPU split, verdict, --tensor-split, errors, exactness of the search)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from dataclasses import replace
+from itertools import combinations, permutations
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from potluck.engine.generate import load_model
+from potluck.errors import PotluckError
+from potluck.kernels import dequant, qlinear
+from potluck.model.stage import Stage
+from potluck.modelfile.gguf_file import GGUFFile
+from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.planner import (
+    DEFAULT_LINK,
+    PLAN_COLUMNS,
+    Link,
+    ModelFootprint,
+    NodeInfo,
+    NotEnoughMemoryError,
+    PlanError,
+    footprint_from_gguf,
+    format_plan,
+    format_summary,
+    plan_pool,
+)
+from potluck.planner import footprint as fpmod
+from potluck.planner.cost import CostModel
+from potluck.planner.search import Route, route_cost, search
+
+from ggufgen import write_tiny_model
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+GB = 1e9
+
+
+# -- the memory model against what a loaded stage really holds --------------------------------
+
+
+def held_by(stage: Stage) -> int:
+    """Every tensor a stage keeps (buffers, parameters, plain tensor attributes, biases), once."""
+    seen: dict[int, int] = {}
+    for m in stage.modules():
+        tensors = [*m.buffers(recurse=False), *m.parameters(recurse=False)]
+        tensors += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
+        tensors += list(getattr(m, "biases", {}).values())
+        for t in tensors:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def planned_weights(fp: ModelFootprint, start: int, stop: int) -> int:
+    first, last = start == 0, stop == fp.n_layer
+    return fp.weights(start, stop) + first * fp.embd_bytes + last * fp.head_bytes
+
+
+def check_stages(fp: ModelFootprint, stages: list[Stage], real: bool = True) -> None:
+    for st in stages:
+        want = planned_weights(fp, st.start, st.stop)
+        assert held_by(st) == want, f"stage [{st.start}, {st.stop})"
+        if real:  # Stage.weight_bytes() leaves out the fp32 attn_norm and output_norm: ≈ 0.05 %
+            assert st.weight_bytes() == pytest.approx(want, rel=5e-3)
+        cache = st.cache(0)
+        cache.reserve(fp.n_ctx)  # the KV cache at a full context
+        assert cache.nbytes() == fp.kv(st.start, st.stop)
+        st.drop(0)
+
+
+def footprint_of(path: Path, n_ctx: int) -> ModelFootprint:
+    f = GGUFFile(path)
+    return footprint_from_gguf(f.tensors, hparams_from_metadata(f.metadata), n_ctx)
+
+
+def test_footprint_matches_loaded_smollm2(smollm2_path: Path) -> None:
+    model = load_model(smollm2_path, n_ctx=256, splits=(10,))
+    fp = footprint_from_gguf(model.file.tensors, model.hp, 256)
+    check_stages(fp, model.pipeline.stages)
+    # split or not, the model holds the same: the raw embedding on stage 0, the bf16 head at the end
+    whole = sum(s.weight_bytes() for s in model.pipeline.stages)
+    assert fp.total_bytes - fp.kv(0, 30) - fp.buffer_bytes == pytest.approx(whole, rel=5e-3)
+    costs = CostModel(fp, [NodeInfo("a", "cpu", 8 * GiB, 4, 10 * GB)], {})
+    assert costs.stage(0, 0, 10).weight_bytes == held_by(model.pipeline.stages[0])
+    assert costs.stage(0, 10, 30).weight_bytes == held_by(model.pipeline.stages[1])
+
+
+def test_footprint_matches_loaded_gemma3_first_layers(gemma3_path: Path) -> None:
+    """Q4_K (int4), Q5_0 / Q6_K / Q8_0 (bf16) layers and the raw Q8_0 embedding; fast."""
+    f = GGUFFile(gemma3_path)
+    hp = hparams_from_metadata(f.metadata)
+    fp = footprint_from_gguf(f.tensors, hp, 256)
+    check_stages(fp, [Stage(hp, f, 0, 3, 256)])
+
+
+@pytest.mark.slow
+def test_footprint_matches_loaded_gemma3(gemma3_path: Path) -> None:
+    model = load_model(gemma3_path, n_ctx=256, splits=(10,))
+    check_stages(footprint_from_gguf(model.file.tensors, model.hp, 256), model.pipeline.stages)
+
+
+TINY = {
+    # int4 where 16 | n_out, bf16 fallback for attn_k/attn_v (8 rows), untied head
+    "llama-Q4_0": dict(arch="llama", qtype=T.Q4_0, n_head=4, n_head_kv=1, head_dim=8, tied=False),
+    # Q4_K int4 layers; tied head of 267 rows (not a multiple of 16): bf16
+    "qwen3-Q4_K": dict(arch="qwen3", qtype=T.Q4_K, n_embd=256, n_ff=256, n_head=2, n_head_kv=1),
+    # biases, F16 -> bf16, an F32 matrix stays fp32
+    "qwen2-Q8_0": dict(arch="qwen2", qtype=T.Q8_0, qtypes={"ffn_down": T.F16, "attn_v": T.F32}),
+    "gemma3-Q5_0": dict(arch="gemma3", qtype=T.Q5_0, tied=False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TINY))
+def test_footprint_matches_tiny_models(case: str, tmp_path: Path) -> None:
+    kw = dict(TINY[case])
+    path = write_tiny_model(tmp_path / "m.gguf", kw.pop("arch"), None, n_layer=3, **kw)
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    fp = footprint_from_gguf(f.tensors, hp, 64)
+    whole = [Stage(hp, f, 0, 3, 64)]  # first and last at once: raw embedding + head
+    check_stages(fp, whole, real=False)
+    split = [Stage(hp, f, 0, 1, 64), Stage(hp, f, 1, 2, 64), Stage(hp, f, 2, 3, 64)]
+    check_stages(fp, split, real=False)
+
+
+def test_int4_rule_mirrors_the_kernels() -> None:
+    assert fpmod.INT4_TYPES == dequant.INT4_TYPES
+    assert fpmod.INT4_GROUP == dequant.INT4_GROUP
+    assert fpmod.INT4_N_TILE == qlinear.INT4_N_TILE
+    assert fpmod.held_bytes(T.Q4_1, (576, 576)) == 576 * 576 // 2 + 18 * 576 * 4
+    assert fpmod.held_bytes(T.Q4_1, (8, 64)) == 8 * 64 * 2  # 8 rows: no int4 tile, bf16
+    assert fpmod.held_bytes(T.Q6_K, (256, 256)) == 256 * 256 * 2
+    assert fpmod.held_bytes(T.F32, (4, 32)) == 4 * 32 * 4
+    assert fpmod.held_bytes(T.F16, (576,)) == 576 * 4  # vectors are fp32
+
+
+def test_planner_does_not_import_torch() -> None:
+    code = "import sys, potluck.planner; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- plans on synthetic numbers -----------------------------------------------------------------
+
+
+def synth(
+    n_layer: int = 10,
+    layer: int = 100 * MiB,
+    kv: int = 10 * MiB,
+    embd: int = 50 * MiB,
+    head: int = 80 * MiB,
+    buffer: int = 20 * MiB,
+    n_ctx: int = 4096,
+    layers: tuple[int, ...] | None = None,
+) -> ModelFootprint:
+    sizes = layers or (layer,) * n_layer
+    return ModelFootprint(
+        n_layer=len(sizes),
+        n_embd=2048,
+        n_vocab=32000,
+        n_ctx=n_ctx,
+        n_batch=512,
+        layer_weight_bytes=sizes,
+        layer_kv_bytes=(kv,) * len(sizes),
+        layer_read_bytes=sizes,
+        embd_bytes=embd,
+        embd_read_bytes=embd // 32000,
+        head_bytes=head,
+        head_read_bytes=head,
+        buffer_bytes=buffer,
+        wire_bytes=2048 * 2 + 128,
+        token_wire_bytes=132,
+    )
+
+
+def cpu(name: str, mem: int, speed: float = 10 * GB) -> NodeInfo:
+    return NodeInfo(name, "cpu", mem, 4, speed)
+
+
+def gpu(name: str, mem: int, vram: int, speed: float = 10 * GB, gspeed: float = 200 * GB):
+    return NodeInfo(name, "cuda", mem, 8, speed, vram, gspeed)
+
+
+LAN = Link(latency_s=0.2e-3, bytes_per_s=1e9 / 8)  # wired gigabit
+
+
+def lan(*names: str) -> dict[tuple[str, str], Link]:
+    return {(a, b): LAN for a, b in combinations(names, 2)}
+
+
+def covers(plan, n_layer: int) -> None:
+    assert plan.stages[0].start == 0 and plan.stages[-1].stop == n_layer
+    for a, b in zip(plan.stages, plan.stages[1:], strict=False):
+        assert a.stop == b.start and a.start < a.stop
+
+
+def test_memory_fit_splits_where_one_node_is_too_small() -> None:
+    fp = synth()  # 1000 MiB layers + 100 MiB KV + 50 embd + 80 head + 20 buffers = 1250 MiB
+    nodes = [cpu("a", 700 * MiB), cpu("b", 900 * MiB)]
+    plan = plan_pool(fp, nodes, lan("a", "b"))
+    covers(plan, 10)
+    assert [s.node for s in plan.stages] in (["a", "b"], ["b", "a"])
+    for st in plan.stages:
+        assert st.ram_bytes <= st.memory_bytes
+        assert st.ram_bytes == st.weight_bytes + st.kv_bytes + st.buffer_bytes
+    assert plan.best_single is None and plan.worth_it
+    assert plan.verdict.startswith("pooling is needed: no single machine can hold the model")
+    # equal speeds: one stream's time is the same for any split; the tie goes to even stages
+    assert max(s.compute_ms for s in plan.stages) <= min(s.compute_ms for s in plan.stages) + 11
+
+
+def test_slow_node_is_left_out() -> None:
+    fp = synth()
+    nodes = [cpu("a", 800 * MiB), cpu("b", 800 * MiB), cpu("slow", 64 * GiB, speed=1 * GB)]
+    plan = plan_pool(fp, nodes, lan("a", "b", "slow"))
+    assert {s.node for s in plan.stages} == {"a", "b"}
+    assert plan.left_out == ("slow",)
+    assert plan.best_single is not None and plan.best_single.node == "slow"
+    assert plan.worth_it and "pooling is worth it" in plan.verdict
+
+
+def test_weak_node_alone_verdict() -> None:
+    fp = synth()
+    plan = plan_pool(fp, [cpu("fast", 4 * GiB), cpu("weak", 4 * GiB, 2 * GB)], lan("fast", "weak"))
+    assert [s.node for s in plan.stages] == ["fast"] and plan.left_out == ("weak",)
+    assert not plan.worth_it
+    assert plan.verdict.startswith("use fast alone (")
+    assert "weak is too weak" in plan.verdict
+
+
+def test_network_verdict() -> None:
+    # two GPUs that each hold half the model: a split would keep everything on a GPU, but the link
+    # is slow (50 ms one way), so the best is one machine with half its layers on the CPU
+    fp = synth()
+    nodes = [gpu("g1", 8 * GiB, 700 * MiB), gpu("g2", 8 * GiB, 700 * MiB)]
+    slow = {("g1", "g2"): Link(latency_s=0.05, bytes_per_s=1e9 / 8)}
+    plan = plan_pool(fp, nodes, slow)
+    assert len(plan.stages) == 1 and not plan.worth_it
+    assert "the network: its 2 hops add" in plan.verdict
+    # on a wired LAN the same pool is worth it
+    fast = plan_pool(fp, nodes, lan("g1", "g2"))
+    assert len(fast.stages) == 2 and fast.worth_it, fast.verdict
+    assert fast.tokens_per_s >= 1.2 * fast.best_single.tokens_per_s
+    assert all(s.n_gpu_layers == s.stop - s.start for s in fast.stages)
+
+
+def test_small_gain_verdict_names_the_bottleneck() -> None:
+    # "big" holds everything on its CPU; "little" has a GPU for one layer: worth a bit, not 20 %
+    fp = synth()
+    nodes = [cpu("big", 8 * GiB), gpu("little", 100 * MiB, 130 * MiB)]
+    plan = plan_pool(fp, nodes, lan("big", "little"))
+    assert len(plan.stages) == 2, format_summary(plan)
+    assert not plan.worth_it
+    assert plan.verdict.startswith("use big alone (")
+    assert "needs +20%" in plan.verdict and "the slowest stage (big, layers 0–" in plan.verdict
+
+
+def test_gpu_cpu_split() -> None:
+    fp = synth()
+    # VRAM for the buffers and 3 layers of 110 MiB (weights + KV), not 4
+    node = gpu("g", 8 * GiB, 20 * MiB + 3 * 110 * MiB + 50 * MiB)
+    plan = plan_pool(fp, [node])
+    (st,) = plan.stages
+    assert (st.start, st.stop, st.gpu_start, st.n_gpu_layers) == (0, 10, 7, 3)
+    assert not st.head_on_gpu
+    assert st.gpu_bytes == 20 * MiB + 3 * 110 * MiB <= st.gpu_memory_bytes
+    assert st.ram_bytes == 50 * MiB + 7 * 110 * MiB + 80 * MiB + 20 * MiB
+    cpu_read = 7 * 100 * MiB + fp.embd_read_bytes + fp.head_bytes
+    want = cpu_read / (10 * GB) + 3 * 100 * MiB / (200 * GB)
+    assert st.compute_ms == pytest.approx(want * 1e3, rel=1e-6)
+    # enough VRAM for every layer and the head: all of it goes there (llama.cpp's -ngl 99)
+    (st,) = plan_pool(fp, [gpu("g", 8 * GiB, 2 * GiB)]).stages
+    assert st.n_gpu_layers == 10 and st.head_on_gpu
+    assert st.ram_bytes == 50 * MiB + 20 * MiB  # the embedding and buffers stay in RAM
+    # an accelerator slower than the CPU is not used
+    (st,) = plan_pool(fp, [gpu("igpu", 8 * GiB, 2 * GiB, gspeed=5 * GB)]).stages
+    assert st.n_gpu_layers == 0 and st.gpu_bytes == 0
+    rows = format_plan(plan)
+    assert rows[0][:4] == ("g", "cuda", "0–9", "7–9")
+    assert len(rows[0]) == len(PLAN_COLUMNS)
+
+
+def test_manual_split() -> None:
+    fp = synth(n_layer=30, layer=10 * MiB, kv=MiB)
+    nodes = [cpu("z", 4 * GiB), cpu("a", 4 * GiB), cpu("m", 4 * GiB)]
+    plan = plan_pool(fp, nodes, tensor_split=[6, 4, 0])
+    assert [(s.node, s.start, s.stop) for s in plan.stages] == [("z", 0, 18), ("a", 18, 30)]
+    assert plan.manual and plan.left_out == ("m",)
+    assert [r[2] for r in format_plan(plan)] == ["0–17", "18–29"]
+    assert plan_pool(fp, nodes).plan_id != plan.plan_id
+    alone = plan_pool(fp, nodes, tensor_split=[0, 1, 0])
+    assert [(s.node, s.start, s.stop) for s in alone.stages] == [("a", 0, 30)]
+    assert not alone.worth_it and "--tensor-split gives every layer to a" in alone.verdict
+    with pytest.raises(PlanError, match="has 2 shares but there are 3 nodes"):
+        plan_pool(fp, nodes, tensor_split=[1, 1])
+    with pytest.raises(PlanError, match="a gets no layer of 30"):
+        plan_pool(fp, nodes, tensor_split=[100, 1, 0])
+    small = [cpu("z", 4 * GiB), cpu("a", 100 * MiB)]
+    with pytest.raises(NotEnoughMemoryError, match=r"a gets layers 15–29, which need ") as err:
+        plan_pool(fp, small, tensor_split=[1, 1])
+    assert err.value.node == "a" and err.value.available_bytes == 100 * MiB
+    assert "but it has 100.0 MiB free" in str(err.value) and "smaller share" in str(err.value)
+
+
+def test_not_enough_memory_error_has_the_numbers() -> None:
+    fp = synth()  # 1250 MiB in all
+    nodes = [cpu("a", 500 * MiB), cpu("b", 400 * MiB)]
+    with pytest.raises(NotEnoughMemoryError) as err:
+        plan_pool(fp, nodes)
+    msg = str(err.value)
+    assert isinstance(err.value, PotluckError) and "\n" not in msg
+    assert msg.startswith(
+        "the model needs 1.2 GiB: 1000.0 MiB for 10 layers + 100.0 MiB KV at -c 4096"
+    )
+    assert "the 2 nodes have 900.0 MiB free together (a: 500.0 MiB, b: 400.0 MiB)" in msg
+    assert "350.0 MiB short: lower -c, use a smaller quantization, or add a node" in msg
+    assert err.value.needed_bytes == 1250 * MiB and err.value.available_bytes == 900 * MiB
+    # enough in total, but no node holds a single layer next to its buffers
+    crumbs = [cpu(f"n{i}", 100 * MiB) for i in range(8)]
+    with pytest.raises(NotEnoughMemoryError, match="no split fits: the 8 nodes have 800.0 MiB"):
+        plan_pool(synth(layer=10 * MiB, kv=0, embd=90 * MiB, buffer=20 * MiB), crumbs)
+
+
+def test_inputs_are_checked() -> None:
+    with pytest.raises(PlanError, match="device 'tpu'"):
+        NodeInfo("a", "tpu", GiB, 1, GB)
+    with pytest.raises(PlanError, match="GPU memory but its device is 'cpu'"):
+        NodeInfo("a", "cpu", GiB, 1, GB, GiB, GB)
+    with pytest.raises(PlanError, match="unique"):
+        plan_pool(synth(), [cpu("a", GiB), cpu("a", GiB)])
+    with pytest.raises(PlanError, match="no nodes"):
+        plan_pool(synth(), [])
+
+
+def test_default_link_for_unmeasured_pairs() -> None:
+    fp = synth()
+    plan = plan_pool(fp, [cpu("a", 700 * MiB), cpu("b", 900 * MiB)])
+    hop = plan.stages[0].net_ms
+    assert hop == pytest.approx((DEFAULT_LINK.latency_s + fp.wire_bytes / 12.5e6) * 1e3, abs=1e-6)
+    assert plan.stages[-1].net_ms == pytest.approx(
+        (DEFAULT_LINK.latency_s + fp.token_wire_bytes / 12.5e6) * 1e3, abs=1e-6
+    )
+    total = sum(s.compute_ms + s.net_ms for s in plan.stages)
+    assert plan.ms_per_token == pytest.approx(total)
+    assert plan.tokens_per_s_streams == pytest.approx(1e3 / max(s.compute_ms for s in plan.stages))
+
+
+def test_plan_id_is_stable_and_follows_the_inputs() -> None:
+    fp = synth()
+    nodes = [cpu("a", 700 * MiB), cpu("b", 900 * MiB)]
+    links = lan("a", "b")
+    ref = plan_pool(fp, nodes, links)
+    again = plan_pool(fp, list(reversed(nodes)), {("b", "a"): LAN})
+    assert again.plan_id == ref.plan_id and again.stages == ref.stages
+    assert len(ref.plan_id) == 16
+    changed = [
+        plan_pool(replace(fp, n_ctx=2048), nodes, links),
+        plan_pool(fp, [nodes[0], replace(nodes[1], memory_bytes=901 * MiB)], links),
+        plan_pool(fp, nodes, {("a", "b"): Link(0.3e-3, 1e9 / 8)}),
+        plan_pool(fp, nodes),  # the default link differs from LAN
+        plan_pool(fp, nodes, links, tensor_split=[1, 1]),
+    ]
+    assert len({p.plan_id for p in changed} | {ref.plan_id}) == len(changed) + 1
+
+
+# -- the search is exact: it equals brute force on small random pools ---------------------------
+
+
+def brute_force(costs: CostModel) -> tuple[Route | None, Route | None]:
+    n_nodes, n = len(costs.nodes), costs.model.n_layer
+    best: Route | None = None
+    multi: Route | None = None
+    for k in range(1, min(n_nodes, n) + 1):
+        for order in permutations(range(n_nodes), k):
+            for cuts in combinations(range(1, n), k - 1):
+                bounds = (0, *cuts, n)
+                stages = tuple((order[j], bounds[j], bounds[j + 1]) for j in range(k))
+                r = route_cost(costs, stages)
+                if r is None:
+                    continue
+                if best is None or r.key < best.key:
+                    best = r
+                if k > 1 and (multi is None or r.key < multi.key):
+                    multi = r
+    return best, multi
+
+
+def random_pool(rng: random.Random) -> CostModel:
+    n_layer = rng.randint(1, 6)
+    fp = synth(
+        layers=tuple(rng.choice([10, 20, 20, 35]) * MiB for _ in range(n_layer)),
+        kv=rng.choice([0, 2 * MiB]),
+        embd=rng.choice([5, 30]) * MiB,
+        head=rng.choice([5, 40]) * MiB,
+        buffer=rng.choice([1, 8]) * MiB,
+    )
+    nodes = []
+    for i in range(rng.randint(1, 4)):
+        mem = rng.choice([40, 60, 100, 400]) * MiB
+        speed = rng.choice([5, 10, 10, 20]) * GB  # repeated values make ties
+        if rng.random() < 0.3:
+            nodes.append(gpu(f"n{i}", mem, rng.choice([30, 60, 200]) * MiB, speed, 100 * GB))
+        else:
+            nodes.append(cpu(f"n{i}", mem, speed))
+    links = {
+        (a.name, b.name): Link(rng.choice([1e-5, 1e-4, 2e-3]), rng.choice([1e7, 1e9]))
+        for a in nodes
+        for b in nodes
+        if a is not b and rng.random() < 0.7
+    }
+    return CostModel(fp, nodes, links)
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_search_equals_brute_force(seed: int) -> None:
+    costs = random_pool(random.Random(seed))
+    best, multi = search(costs)
+    want_best, want_multi = brute_force(costs)
+    assert (best and best.key) == (want_best and want_best.key)
+    assert (multi and multi.key) == (want_multi and want_multi.key)
+    for r in (best, multi):
+        if r is not None:  # the route it returns really has the cost it claims
+            assert route_cost(costs, r.stages) == r
+
+
+def test_large_pool_keeps_the_fastest_nodes() -> None:
+    fp = synth(n_layer=40, layer=10 * MiB, kv=MiB)
+    nodes = [cpu(f"n{i}", 200 * MiB, (1 + i) * GB) for i in range(10)]
+    nodes.append(cpu("roomy", 8 * GiB, 0.5 * GB))  # slowest, but the only one that holds it all
+    plan = plan_pool(fp, nodes)
+    covers(plan, 40)
+    assert {"n0", "n1", "roomy"} <= set(plan.left_out)
+    assert plan.best_single is not None and plan.best_single.node == "roomy"
+    assert plan.worth_it
