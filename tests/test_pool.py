@@ -1,0 +1,167 @@
+"""A pool of real worker processes on loopback: the pipeline invariant across processes and
+sockets, weights shipped to a worker that lacks the file, and the errors a user can hit.
+
+(The workers are separate OS processes on 127.0.0.1 standing in for separate machines.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from potluck.engine.generate import generate, load_model
+from potluck.engine.sampling import GREEDY, Sampler, SamplingParams
+from potluck.transport import potluck_pb2 as pb
+from potluck.transport import potluck_pb2_grpc as pb_grpc
+from potluck.transport.client import NodeError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(
+    env_extra: dict[str, str] | None = None, threads: int = 1
+) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {**os.environ, **(env_extra or {})}
+    cmd = [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", str(threads)]
+    proc = subprocess.Popen(
+        cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+    deadline = time.monotonic() + 60
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    while "listening on" not in line:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"worker did not start: {line}{proc.stderr.read() if proc.poll() is not None else ''}"
+            )
+        line = proc.stderr.readline()
+    return proc, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """Two workers: the first finds the model in the shared cache, the second has an empty cache
+    (as on a machine that never downloaded it), so the head ships it only its layers' tensors."""
+    empty = tmp_path_factory.mktemp("empty-cache")
+    procs = [start_worker(), start_worker({"POTLUCK_CACHE": str(empty), "HOME": str(empty)})]
+    yield [addr for _, addr in procs]
+    for p, _ in procs:
+        p.terminate()
+        p.wait(timeout=10)
+    empty_blobs = empty / "blobs"
+    assert empty_blobs.is_dir() and any(empty_blobs.iterdir()), (
+        "no tensors were shipped to the bare worker"
+    )
+
+
+def _single(path: Path, prompt: str, n: int, params: SamplingParams = GREEDY) -> list[int]:
+    m = load_model(path, n_ctx=256)
+    ids = m.tokenizer.encode(m.chat.render([{"role": "user", "content": prompt}]))
+    return list(generate(m, ids, n, Sampler(params)))
+
+
+@pytest.mark.parametrize("shares", [None, "1,2,1", "0.5,1,1"])
+def test_pool_equals_single_process_smollm2(
+    workers: list[str], smollm2_path: Path, shares: str | None
+) -> None:
+    want = _single(smollm2_path, "Name three planets.", 16)
+    split = [float(x) for x in shares.split(",")] if shares else ()
+    pool = load_model(smollm2_path, n_ctx=256, peers=workers, tensor_split=split)
+    ids = pool.tokenizer.encode(
+        pool.chat.render([{"role": "user", "content": "Name three planets."}])
+    )
+    assert list(generate(pool, ids, 16, Sampler(GREEDY))) == want
+    stage_ms = pool.pipeline.last_stage_ms
+    assert len(stage_ms) == 3 and all(ms > 0 for ms in stage_ms)
+
+
+def test_pool_equals_single_process_gemma3(workers: list[str], gemma3_path: Path) -> None:
+    want = _single(gemma3_path, "Name three planets.", 12)
+    pool = load_model(gemma3_path, n_ctx=256, peers=workers, tensor_split=(1, 1, 2))
+    ids = pool.tokenizer.encode(
+        pool.chat.render([{"role": "user", "content": "Name three planets."}])
+    )
+    assert list(generate(pool, ids, 12, Sampler(GREEDY))) == want
+
+
+def test_seeded_sampling_through_pool(workers: list[str], smollm2_path: Path) -> None:
+    """The last stage rebuilds the head's sampler from its parameters and seed: same draws."""
+    params = SamplingParams(
+        temperature=1.2, top_k=50, top_p=0.9, min_p=0.0, repeat_penalty=1.1, seed=1234
+    )
+    want = _single(smollm2_path, "Tell me a story.", 16, params)
+    pool = load_model(smollm2_path, n_ctx=256, peers=workers)
+    ids = pool.tokenizer.encode(pool.chat.render([{"role": "user", "content": "Tell me a story."}]))
+    assert list(generate(pool, ids, 16, Sampler(params))) == want
+
+
+def test_prompt_in_micro_batches_through_pool(workers: list[str], smollm2_path: Path) -> None:
+    m = load_model(smollm2_path, n_ctx=256)
+    ids = m.tokenizer.encode("The history of astronomy is long. " * 8)
+    want = list(generate(m, ids, 8, Sampler(GREEDY)))
+    pool = load_model(smollm2_path, n_ctx=256, peers=workers)
+    assert list(generate(pool, ids, 8, Sampler(GREEDY), n_batch=16)) == want
+
+
+def test_unreachable_peer(smollm2_path: Path) -> None:
+    port = _free_port()  # nothing listens there
+    with pytest.raises(
+        NodeError,
+        match=rf"node 127.0.0.1:{port} is unreachable .* is `potluck worker` running there",
+    ):
+        load_model(smollm2_path, n_ctx=256, peers=[f"127.0.0.1:{port}"])
+
+
+def test_malformed_calls_rejected_worker_stays_up(workers: list[str], smollm2_path: Path) -> None:
+    stub = pb_grpc.NodeStub(grpc.insecure_channel(workers[0]))
+    with pytest.raises(grpc.RpcError) as bad_version:
+        stub.Hello(pb.HelloRequest(protocol_version=999), timeout=5)
+    assert bad_version.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "protocol version 999" in bad_version.value.details()
+    with pytest.raises(grpc.RpcError) as unknown_plan:
+        stub.Forward(pb.ForwardRequest(plan_id="nope"), timeout=5)
+    assert unknown_plan.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    pool = load_model(smollm2_path, n_ctx=256, peers=workers[:1])
+    plan_id = pool.pipeline.plan_id
+    bad = pb.Tensor(data=b"\x00" * 12, shape=[2, 576], dtype="float32")  # 12 bytes for 1152 floats
+    with pytest.raises(grpc.RpcError) as short:
+        stub.Forward(
+            pb.ForwardRequest(plan_id=plan_id, chunks=[pb.SeqChunk(seq_id=1, n=2)], input=bad),
+            timeout=5,
+        )
+    assert (
+        short.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "needs 4,608 bytes, got 12" in short.value.details()
+    )
+    weird = pb.Tensor(data=b"", shape=[0], dtype="complex128")
+    with pytest.raises(grpc.RpcError) as dtype:
+        stub.Forward(
+            pb.ForwardRequest(plan_id=plan_id, chunks=[pb.SeqChunk(seq_id=1, n=1)], input=weird),
+            timeout=5,
+        )
+    assert "dtype 'complex128' is not one of" in dtype.value.details()
+    # still serving the real head
+    ids = pool.tokenizer.encode("Hello")
+    assert len(list(generate(pool, ids, 3, Sampler(GREEDY)))) == 3
+
+
+def test_worker_refuses_open_address_without_secret() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "worker", "-H", "0.0.0.0", "-p", str(_free_port())],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "refusing to listen on 0.0.0.0" in done.stderr and "--insecure" in done.stderr
