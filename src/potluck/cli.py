@@ -129,7 +129,15 @@ def _load(
         from potluck.modelfile.hparams import hparams_from_metadata
 
         bar.update(task, total=hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer)
-        m = load_model(path, ctx, splits or (), on_layer, peers or (), shares or ())
+        assignments = []
+        if peers:
+            bar.update(task, description=f"{path.name} (asking {len(peers)} peers, planning)")
+            plan = _plan(path, ctx, peers, shares)
+            from potluck.engine.survey import assignments_of
+
+            assignments = assignments_of(plan)
+            err.print(f"[dim]{plan.verdict}[/]")
+        m = load_model(path, ctx, splits or (), on_layer, assignments=assignments)
     err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
     for a in getattr(m.pipeline, "assignments", []):
         err.print(f"[dim]  {a.describe()}[/]")
@@ -152,6 +160,21 @@ def _sampling(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+def _plan(path: Path, ctx: int | None, peers: list[str], shares: list[float] | None):
+    """Survey the peers, then run the planner for this model and context."""
+    from potluck.engine.generate import DEFAULT_CTX
+    from potluck.engine.survey import survey
+    from potluck.modelfile.gguf_file import GGUFFile
+    from potluck.modelfile.hparams import hparams_from_metadata
+    from potluck.planner import footprint_from_gguf, plan_pool
+
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata, str(path))
+    n_ctx = ctx or min(hp.n_ctx_train, DEFAULT_CTX)
+    nodes, links = survey(peers)
+    return plan_pool(footprint_from_gguf(f.tensors, hp, n_ctx), nodes, links, shares or None)
 
 
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")]
@@ -341,6 +364,30 @@ def models() -> None:
     for f in found:
         table.add_row(f.name, f.source, f"{f.size_bytes / 2**20:.1f} MiB", str(f.path))
     Console().print(table)
+
+
+@app.command()
+def plan(
+    model: ModelOpt = None,
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    ctx: CtxOpt = None,
+    tensor_split: SplitOpt = None,
+) -> None:
+    """Dry run: who would get which layers, memory per node, predicted tok/s, and whether pooling
+    beats the best single machine at all."""
+    from potluck.modelfile.sources import resolve_model
+    from potluck.planner import PLAN_COLUMNS, format_plan, format_summary
+
+    _setup_threads(None)
+    path = resolve_model(model)
+    p = _plan(path, ctx, _peers(peer, rpc), _shares(tensor_split))
+    table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}")
+    for row in format_plan(p):
+        table.add_row(*row)
+    Console().print(table)
+    for line in format_summary(p):
+        print(line)
 
 
 @app.command()

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from potluck.engine.pipeline import LOCAL, Assignment
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.chat import ChatTemplate
@@ -124,10 +125,12 @@ def load_model(
     peers: Sequence[str] = (),
     tensor_split: Sequence[float] = (),
     wire_dtype: str = "float32",
+    assignments: Sequence[Assignment] = (),
 ) -> Model:
     """Open `path`, check it, and build its pipeline: one local stage by default; in-process stages
     split at `splits`; or with `peers` (host:port) a pool where this machine takes the first share
-    of the layers and each peer the next, in proportion to `tensor_split` (even by default)."""
+    of the layers and each peer the next, in proportion to `tensor_split` (even by default); or
+    exactly the given `assignments` (the planner's, see engine/survey.py)."""
     gguf = GGUFFile(path)
     hp = hparams_from_metadata(gguf.metadata, str(path))
     n_ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_CTX)
@@ -139,8 +142,15 @@ def load_model(
         raise ContextError(f"context must be at least 1 token, got {n_ctx}")
     tokenizer = Tokenizer(gguf.metadata)
     chat = ChatTemplate.from_metadata(gguf.metadata, hp.arch)
-    if peers:
-        from potluck.engine.pipeline import LOCAL, Assignment, RemotePipeline
+    if assignments:
+        from potluck.engine.pipeline import RemotePipeline
+
+        if len(assignments) == 1 and assignments[0].node == LOCAL:
+            pipe: Pipeline = LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx, on_layer)])
+        else:
+            pipe = RemotePipeline(gguf, hp, assignments, n_ctx, wire_dtype)
+    elif peers:
+        from potluck.engine.pipeline import RemotePipeline
 
         nodes = [LOCAL, *peers]
         bounds = split_points(hp.n_layer, tensor_split or [1.0] * len(nodes))
@@ -150,7 +160,7 @@ def load_model(
             )
         ranges = layer_ranges(hp.n_layer, bounds)
         plan = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True) if b > a]
-        pipe: Pipeline = RemotePipeline(gguf, hp, plan, n_ctx, wire_dtype)
+        pipe = RemotePipeline(gguf, hp, plan, n_ctx, wire_dtype)
     else:
         pipe = LocalPipeline(
             [Stage(hp, gguf, a, b, n_ctx, on_layer) for a, b in layer_ranges(hp.n_layer, splits)]

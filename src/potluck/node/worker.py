@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import psutil
 import torch
 
 from potluck import __version__
@@ -27,6 +26,7 @@ from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage, WeightSource
 from potluck.modelfile.gguf_file import GGUFFile, read_header
 from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.node.probe import decode_bytes_per_s, physical_cores, usable_memory_bytes
 from potluck.node.weights import BlobSource, BlobStore, IntegrityError, find_local_model
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
@@ -65,6 +65,10 @@ class NodeService(pb_grpc.NodeServicer):
         self.store = BlobStore()
         self.plans: dict[str, LoadedStage] = {}
         self.compute = threading.Lock()
+        with self.compute:
+            if threads:
+                torch.set_num_threads(threads)
+            self.speed = decode_bytes_per_s()  # measured once, before any stage is loaded
 
     # -- handshake ---------------------------------------------------------------------------------
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
@@ -74,13 +78,13 @@ class NodeService(pb_grpc.NodeServicer):
                 f"protocol version {request.protocol_version} from the head, this node speaks "
                 f"{PROTOCOL_VERSION} (potluck {__version__}); install the same Potluck version on every machine",
             )
-        mem = psutil.virtual_memory()
         return pb.HelloReply(
             protocol_version=PROTOCOL_VERSION,
             node_name=self.name,
             potluck_version=__version__,
-            devices=[pb.Device(kind="cpu", name="cpu", memory_bytes=mem.available)],
-            physical_cores=psutil.cpu_count(logical=False) or 1,
+            devices=[pb.Device(kind="cpu", name="cpu", memory_bytes=usable_memory_bytes())],
+            physical_cores=physical_cores(),
+            decode_bytes_per_s=self.speed,
         )
 
     # -- loading -----------------------------------------------------------------------------------

@@ -321,13 +321,15 @@ def _verdict(
     k = len(multi.stages)
     compute = sum(costs.stage(i, a, b).compute_ns for i, a, b in multi.stages)
     net = multi.total_ns - compute
-    if compute < single.compute_ns:
+    others = [st for st in multi.stages if costs.nodes[st[0]].name != name]
+    if compute < single.compute_ns or not others:
         why = (
             f"the network: its {k} hops add {net / 1e6:.2f} ms per token, more than the "
             f"{(single.compute_ns - compute) / 1e6:.2f} ms a split saves"
         )
     else:
-        i, a, b = max(multi.stages, key=lambda s: costs.stage(*s).compute_ns / (s[2] - s[1]))
+        # the weakest of the other machines (per layer, so the head's extra work doesn't count)
+        i, a, b = max(others, key=lambda s: costs.stage(*s).compute_ns / (s[2] - s[1]))
         per_layer = costs.stage(i, a, b).compute_ns / (b - a)
         why = (
             f"{costs.nodes[i].name} is too weak: {per_layer / 1e6:.2f} ms per layer vs "

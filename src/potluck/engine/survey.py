@@ -1,0 +1,66 @@
+"""Ask every node what it can do and time the links to it: the planner's inputs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from potluck.engine.pipeline import LOCAL, Assignment
+from potluck.node.probe import decode_bytes_per_s, physical_cores, usable_memory_bytes
+from potluck.planner import DEFAULT_LINK, Link, NodeInfo, Plan
+from potluck.transport import potluck_pb2 as pb
+from potluck.transport.client import NodeClient
+from potluck.transport.codec import PROTOCOL_VERSION
+
+THIS_MACHINE = "this machine"
+
+
+def this_machine() -> NodeInfo:
+    return NodeInfo(
+        THIS_MACHINE, "cpu", usable_memory_bytes(), physical_cores(), decode_bytes_per_s()
+    )
+
+
+def survey(
+    peers: Sequence[str], pings: int = 5
+) -> tuple[list[NodeInfo], dict[tuple[str, str], Link]]:
+    """This machine plus every peer (Hello), and head→peer links with the measured one-way latency
+    (half the median Hello round trip). Peer↔peer links are not measured yet: the planner's
+    conservative default stands for them, and for every link's bandwidth."""
+    nodes = [this_machine()]
+    links: dict[tuple[str, str], Link] = {}
+    for address in peers:
+        client = NodeClient(address)
+        try:
+            rtts, reply = [], None
+            for _ in range(pings):
+                t0 = time.perf_counter()
+                reply = client.hello(
+                    pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name=THIS_MACHINE)
+                )
+                rtts.append(time.perf_counter() - t0)
+        finally:
+            client.close()
+        assert reply is not None
+        dev = reply.devices[0] if reply.devices else pb.Device(kind="cpu", memory_bytes=0)
+        speed = reply.decode_bytes_per_s or nodes[0].cpu_bytes_per_s
+        nodes.append(
+            NodeInfo(address, "cpu", dev.memory_bytes, max(1, reply.physical_cores), speed)
+        )
+        rtts.sort()
+        links[(THIS_MACHINE, address)] = Link(rtts[len(rtts) // 2] / 2, DEFAULT_LINK.bytes_per_s)
+    return nodes, links
+
+
+def assignments_of(plan: Plan) -> list[Assignment]:
+    """The plan's stages as the head runs them. The head can only run the first stage itself, so
+    if the plan puts this machine later in the chain, its stage moves to the front with the same
+    number of layers (the ranges shift; layers are near-equal in size, so the memory check holds
+    up to the embedding/head difference, which the worker's own load still checks)."""
+    order = sorted(plan.stages, key=lambda st: st.node != THIS_MACHINE)  # stable: keeps the rest
+    out, start = [], 0
+    for st in order:
+        n = st.stop - st.start
+        out.append(Assignment(LOCAL if st.node == THIS_MACHINE else st.node, start, start + n))
+        start += n
+    return out
