@@ -165,3 +165,47 @@ def test_worker_refuses_open_address_without_secret() -> None:
     )  # fmt: skip
     assert done.returncode == 1
     assert "refusing to listen on 0.0.0.0" in done.stderr and "--insecure" in done.stderr
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "potluck.cli", *args], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+
+
+def test_plan_command(workers: list[str], smollm2_path: Path) -> None:
+    done = _cli(
+        "plan", "-m", str(smollm2_path), "--peer", workers[0], "--rpc", workers[1], "-c", "256"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "weights + KV + buffers" in done.stdout and "tok/s for one stream" in done.stdout
+    assert "best single machine:" in done.stdout
+    verdict = done.stdout.strip().splitlines()[-1]
+    assert verdict.startswith(("use ", "pooling is worth it")), verdict
+    manual = _cli(
+        "plan", "-m", str(smollm2_path), "--peer", workers[0], "-c", "256", "--tensor-split", "1,2"
+    )
+    assert manual.returncode == 0, manual.stderr
+    assert "0–9" in manual.stdout and "10–29" in manual.stdout
+
+
+def test_run_over_pool_cli(workers: list[str], smollm2_path: Path) -> None:
+    args = (
+        "run",
+        "-m",
+        str(smollm2_path),
+        "--temp",
+        "0",
+        "-n",
+        "12",
+        "-c",
+        "256",
+        "Name a colour.",
+    )
+    alone = _cli(*args)
+    pooled = _cli(*args, "--peer", workers[0], "--peer", workers[1], "--tensor-split", "1,1,1")
+    assert alone.returncode == 0 and pooled.returncode == 0, pooled.stderr
+    assert pooled.stdout == alone.stdout and pooled.stdout.strip()
+    assert "layers 0–9 → this machine (cpu)" in pooled.stderr
+    assert f"layers 20–29 → {workers[1]} (cpu)" in pooled.stderr
