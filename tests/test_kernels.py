@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from potluck.errors import ModelFileError, UnsupportedError
+from potluck.kernels import native, ops
 from potluck.kernels.dequant import (
     INT4_GROUP,
     INT4_TYPES,
@@ -15,9 +19,17 @@ from potluck.kernels.dequant import (
     dequantize,
     int4_groups,
 )
-from potluck.kernels.qlinear import QEmbedding, QLinear
+from potluck.kernels.levels import NATIVE_TYPES, native_form, native_groups
+from potluck.kernels.qlinear import GEMV_MAX_ROWS, QConcat, QEmbedding, QLinear, plan, stack
 
 T = GGMLQuantizationType
+HAS_NATIVE = native.library() is not None
+# Both kernel sets where this machine has the native ones; torch's alone elsewhere.
+KERNELS = (
+    [pytest.param(True, id="native"), pytest.param(False, id="torch")]
+    if HAS_NATIVE
+    else [pytest.param(False, id="torch")]
+)
 ALL = sorted(SUPPORTED_TYPES, key=lambda t: t.value)
 FLOATS = (T.F32, T.F16, T.BF16)
 # Byte offsets of the fp16 scale fields in each block (ggml's block layouts). Random bytes there
@@ -173,6 +185,31 @@ def test_int4_groups_reproduce_the_weights(qtype: GGMLQuantizationType) -> None:
     assert ((w - want).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("qtype", sorted(NATIVE_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
+def test_native_groups_reproduce_the_weights(qtype: GGMLQuantizationType) -> None:
+    rows, cols = 16, _cols(qtype, 2)
+    raw = raw_matrix(qtype, rows, cols)
+    u, scale, mins = native_groups(as_bytes(raw), qtype, (rows, cols))
+    u4, offset = native_form(qtype).u4, native_form(qtype).offset
+    if native_form(qtype).half:  # held as fp16: must be exact
+        for t in (scale, mins) if mins is not None else (scale,):
+            assert torch.equal(t.half().float(), t)
+    if u4:  # two per byte: value j of each group of 32 low, value j + 16 high
+        pairs = u.view(rows, -1, 1, 16)
+        u = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).view(rows, cols)
+    assert u.dtype == torch.uint8 and u.shape == (rows, cols)
+    group = cols // scale.shape[1]
+    assert group in (16, 32) and (mins is None or mins.shape == scale.shape)
+    w = (u.double().view(rows, -1, group) - offset) * scale.double()[..., None]
+    if mins is not None:
+        w = w + mins.double()[..., None]
+    w, want = w.view(rows, cols), reference(raw, qtype).double()
+    # Same reordering of gguf's float32 arithmetic as the int4 form: a few ulps of the terms.
+    m = mins.abs().double() if mins is not None else torch.zeros_like(scale).double()
+    eps = 2.0**-24 * (300 * scale.abs().double() + 2 * m).repeat_interleave(group, 1)
+    assert ((w - want).abs() <= eps).all()
+
+
 # --- QLinear ------------------------------------------------------------------------------------
 
 
@@ -186,11 +223,23 @@ def error_bound(
     int4: each group's scale s and zero z are rounded to bf16, so |dw| <= U * (8|s| + |z|)
     (|q - 8| <= 8), not U * |w| (the two terms may cancel); plus x and output rounding as above.
     f32: only float32 accumulation: 1e-5 relative is generous at these sizes.
+    u4 / u8, up to GEMV_MAX_ROWS rows: x in 15-bit fixed point per group g, |dx| <= max|x_g| /
+    32766, times sum over the group of |s (u - offset)| (the part the fixed-point x multiplies);
+    fp32 scaling and accumulation as for f32. More rows: dense bf16, as for bf16.
     """
     n_out, n_in = layer.out_features, layer.in_features
     w_abs = reference(raw, qtype).double().abs()
     if layer.kind == "f32":
         return 1e-5 * x.double().abs() @ w_abs.T
+    if layer.kind in ("u4", "u8") and x.shape[0] <= GEMV_MAX_ROWS:
+        u, scale, _ = native_groups(as_bytes(raw), qtype, (n_out, n_in))
+        if layer.kind == "u4":
+            pairs = u.view(n_out, -1, 1, 16)
+            u = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).view(n_out, n_in)
+        offset, g = layer.format.offset, layer.group
+        scaled = (u.double().view(n_out, -1, g) - offset).abs() * scale.double().abs()[..., None]
+        x_max = x.double().abs().view(x.shape[0], -1, g).amax(-1)  # (M, n_in / g)
+        return x_max / 32766 @ scaled.sum(-1).T + 1e-5 * x.double().abs() @ w_abs.T
     if layer.kind == "int4":
         _, scale, zero = int4_groups(as_bytes(raw), qtype, (n_out, n_in))
         dw = U * (8 * scale.abs() + zero.abs()).double().repeat_interleave(INT4_GROUP, 1)
@@ -198,14 +247,24 @@ def error_bound(
     return 4 * U * (x.double().abs() @ w_abs.T)
 
 
+def expected_kind(qtype: GGMLQuantizationType, use_native: bool) -> str:
+    if qtype == T.F32:
+        return "f32"
+    if use_native and qtype in NATIVE_TYPES:
+        return "u4" if qtype in INT4_TYPES else "u8"
+    return "int4" if qtype in INT4_TYPES else "bf16"
+
+
+@pytest.mark.parametrize("use_native", KERNELS)
 @pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 7])
-def test_qlinear_matches_float64_reference(qtype: GGMLQuantizationType, m: int) -> None:
+@pytest.mark.parametrize("m", [1, 7, 40])  # 40 > GEMV_MAX_ROWS: the native kinds' dense path
+def test_qlinear_matches_float64_reference(
+    qtype: GGMLQuantizationType, m: int, use_native: bool
+) -> None:
     n_out, n_in = 32, _cols(qtype, 2 if GGML_QUANT_SIZES[qtype][0] > 1 else 64)
     raw = raw_matrix(qtype, n_out, n_in, seed=m)
-    layer = QLinear.from_raw(as_bytes(raw), qtype, (n_out, n_in))
-    expected_kind = "int4" if qtype in INT4_TYPES else "f32" if qtype == T.F32 else "bf16"
-    assert layer.kind == expected_kind
+    layer = QLinear.from_raw(as_bytes(raw), qtype, (n_out, n_in), use_native=use_native)
+    assert layer.kind == expected_kind(qtype, use_native)
     x = torch.randn(m, n_in, generator=torch.Generator().manual_seed(m))
     y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (m, n_out)
@@ -218,26 +277,73 @@ def test_qlinear_matches_float64_reference(qtype: GGMLQuantizationType, m: int) 
     assert ((x.double() @ swapped.T - want).abs() > bound).any()
 
 
+@pytest.mark.parametrize("use_native", KERNELS)
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0], ids=lambda t: t.name)
-def test_qlinear_keeps_leading_dims(qtype: GGMLQuantizationType) -> None:
-    layer = QLinear.from_raw(as_bytes(raw_matrix(qtype, 16, 64)), qtype, (16, 64))
+def test_qlinear_keeps_leading_dims(qtype: GGMLQuantizationType, use_native: bool) -> None:
+    raw = as_bytes(raw_matrix(qtype, 16, 64))
+    layer = QLinear.from_raw(raw, qtype, (16, 64), use_native=use_native)
     x = torch.randn(2, 3, 64)
     assert torch.equal(layer(x), layer(x.view(6, 64)).view(2, 3, 16))
 
 
 def test_qlinear_int4_only_when_shape_fits() -> None:
     raw = raw_matrix(T.Q4_0, 24, 64)  # 24 output rows: not a multiple of 16
-    layer = QLinear.from_raw(as_bytes(raw), T.Q4_0, (24, 64))
+    layer = QLinear.from_raw(as_bytes(raw), T.Q4_0, (24, 64), use_native=False)
     assert layer.kind == "bf16"
     assert layer.nbytes == 24 * 64 * 2
 
 
 def test_qlinear_nbytes_int4() -> None:
     n_out, n_in = 32, 512
-    layer = QLinear.from_raw(as_bytes(raw_matrix(T.Q4_K, n_out, n_in)), T.Q4_K, (n_out, n_in))
+    raw = as_bytes(raw_matrix(T.Q4_K, n_out, n_in))
+    layer = QLinear.from_raw(raw, T.Q4_K, (n_out, n_in), use_native=False)
     # 4 bits per weight + a bf16 (scale, zero) pair per group of 32
     assert layer.kind == "int4"
     assert layer.nbytes == n_out * n_in // 2 + (n_in // INT4_GROUP) * n_out * 2 * 2
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="no native kernels on this machine")
+@pytest.mark.parametrize(
+    "qtype,kind,group,has_min,scale_bytes",
+    [(T.Q4_0, "u4", 32, False, 2), (T.Q4_1, "u4", 32, True, 2), (T.Q4_K, "u4", 32, True, 4),
+     (T.Q8_0, "u8", 32, False, 2), (T.Q6_K, "u8", 16, False, 4), (T.Q5_K, "u8", 32, True, 4)],
+    ids=lambda v: getattr(v, "name", None),
+)  # fmt: skip
+def test_qlinear_nbytes_native(
+    qtype: GGMLQuantizationType, kind: str, group: int, has_min: bool, scale_bytes: int
+) -> None:
+    # fp16 scales and mins where the file's are fp16 (legacy types), fp32 for the K-quants' d * sc
+    n_out, n_in = 22, 768  # rows pad to tiles of 4; 768 = 6 u4 / 12 u8 chunks of 64 bytes
+    layer = QLinear.from_raw(as_bytes(raw_matrix(qtype, n_out, n_in)), qtype, (n_out, n_in))
+    assert (layer.kind, layer.group) == (kind, group)
+    assert layer.format.half == (scale_bytes == 2)
+    rows = 24  # whole tiles
+    values = rows * n_in // (2 if kind == "u4" else 1)  # 4 or 8 bits per weight
+    scales = rows * n_in // group * scale_bytes  # per group (no chunk padding at this n_in)
+    mins = n_out * n_in // group * scale_bytes if has_min else 0
+    assert layer.nbytes == values + scales + mins
+
+
+@pytest.mark.parametrize("use_native", KERNELS)
+@pytest.mark.parametrize(
+    "qtypes",
+    [(T.Q4_1, T.Q4_1, T.Q4_1), (T.Q5_0, T.Q8_0, T.Q5_0), (T.Q4_K, T.Q4_K, T.Q6_K)],
+    ids=lambda ts: "+".join(t.name for t in ts),
+)
+def test_stack_equals_separate_layers(qtypes: tuple, use_native: bool) -> None:
+    n_in, rows = 256, (64, 32, 48)
+    parts = [
+        (as_bytes(raw_matrix(q, n, n_in, seed=i)), q, (n, n_in))
+        for i, (q, n) in enumerate(zip(qtypes, rows, strict=True))
+    ]
+    stacked = stack(parts, use_native=use_native)
+    plans = {plan(q, s, use_native=use_native) for _, q, s in parts}
+    assert isinstance(stacked, QLinear) == (len(plans) == 1)
+    assert isinstance(stacked, QLinear | QConcat)
+    for m in (1, 40):
+        x = torch.randn(m, n_in)
+        separate = torch.cat([QLinear.from_raw(*p, use_native=use_native)(x) for p in parts], -1)
+        assert torch.allclose(stacked(x), separate, rtol=0, atol=1e-6 * float(separate.abs().max()))
 
 
 # --- QEmbedding ---------------------------------------------------------------------------------
@@ -257,12 +363,121 @@ def test_qembedding_rows_bit_exact(qtype: GGMLQuantizationType) -> None:
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-@pytest.mark.parametrize("qtype,kind", [(T.Q8_0, "bf16"), (T.Q4_0, "int4")])
-def test_qembedding_as_linear_is_the_tied_head(qtype: GGMLQuantizationType, kind: str) -> None:
+@pytest.mark.parametrize("use_native", KERNELS)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
+def test_qembedding_as_linear_is_the_tied_head(
+    qtype: GGMLQuantizationType, use_native: bool
+) -> None:
     n_vocab, dim = 64, 96
     raw = raw_matrix(qtype, n_vocab, dim, seed=5)
-    head = QEmbedding.from_raw(as_bytes(raw), qtype, (n_vocab, dim)).as_linear()
-    assert head.kind == kind and (head.in_features, head.out_features) == (dim, n_vocab)
+    emb = QEmbedding.from_raw(as_bytes(raw), qtype, (n_vocab, dim))
+    head = emb.as_linear(use_native=use_native)
+    assert head.kind == expected_kind(qtype, use_native)
+    assert (head.in_features, head.out_features) == (dim, n_vocab)
     h = torch.randn(3, dim, generator=torch.Generator().manual_seed(0))
     want = h.double() @ reference(raw, qtype).double().T
     assert ((head(h).double() - want).abs() <= error_bound(head, raw, qtype, h)).all()
+
+
+# --- native kernels and ops -----------------------------------------------------------------------
+
+
+def test_native_kernels_build_where_the_cpu_has_them() -> None:
+    # A compile error would otherwise pass silently: everything falls back to torch's kernels.
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    if "avx512_vnni" not in flags or not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no AVX-512 VNNI CPU or no C compiler here")
+    assert native.library() is not None, native.unavailable_reason()
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="no native kernels on this machine")
+def test_native_norm_and_activations_match_torch() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, a = torch.randn(3, 5, 48, generator=g) * 3, torch.randn(3, 5, 48, generator=g)
+    w, w_rows = torch.randn(48, generator=g), torch.randn(5, 48, generator=g)
+    for weight in (w, w_rows):  # one weight, or one per row of the second-last dim
+        want = ops.rms_norm(x, weight, 1e-6, use_native=False)
+        assert torch.allclose(ops.rms_norm(x, weight, 1e-6), want, rtol=1e-5, atol=1e-6)
+    s, h = ops.add_rms_norm(x, a, w, 1e-6)
+    assert torch.equal(s, x + a)
+    assert torch.allclose(h, ops.rms_norm(x + a, w, 1e-6, use_native=False), rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(4, 2 * 40, generator=g) * 4
+    for act in ("silu", "gelu_tanh"):
+        exact = ops.gated_act(gate_up.double(), act, use_native=False)
+        err = (ops.gated_act(gate_up, act) - exact).abs()
+        # torch's own fp32 result is the yardstick: its 1 + tanh cancels for negative gates
+        torch_err = (ops.gated_act(gate_up, act, use_native=False) - exact).abs()
+        assert (err <= torch_err + 1e-6 * exact.abs() + 1e-7).all()
+
+
+@pytest.mark.parametrize("n_head,n_kv,hd,length,window", [(9, 3, 64, 37, 0), (4, 1, 256, 20, 8),
+                                                            (4, 4, 32, 1, 0), (6, 2, 48, 70, 16)])  # fmt: skip
+def test_decode_attention_matches_sdpa(
+    n_head: int, n_kv: int, hd: int, length: int, window: int
+) -> None:
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(1, n_head, hd, generator=g)
+    k, v = torch.randn(length, n_kv, hd, generator=g), torch.randn(length, n_kv, hd, generator=g)
+    want = ops.attention(q, k, v, length - 1, hd**-0.5, window, use_native=False)
+    # the same query as the last row of a prefill (SDPA's causal / masked path)
+    rows = torch.cat([torch.zeros(length - 1, n_head, hd), q])
+    full = ops.attention(rows, k, v, 0, hd**-0.5, window, use_native=False)[-1:]
+    assert torch.allclose(want, full, rtol=1e-5, atol=1e-6)
+    got = ops.attention(q, k, v, length - 1, hd**-0.5, window)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _rope_reference(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, base: float, style: str):
+    """RoPE as written before the pair reordering: x [T, H, hd] at positions pos [T]."""
+    inv = 1.0 / base ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    ang = pos[:, None].double() * inv[None, :]
+    c, s = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+    rot, rest = x[..., :rope_dim], x[..., rope_dim:]
+    if style == "norm":
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., : rope_dim // 2], rot[..., rope_dim // 2 :]
+        out = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    return torch.cat((out, rest), dim=-1)
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+@pytest.mark.parametrize("rope_dim", [64, 32])  # 32 < head_dim: partial rotary
+def test_rope_in_pair_order_matches_reference(style: str, rope_dim: int) -> None:
+    hd, start, n = 64, 5, 7
+    x = torch.randn(n, 3, hd, generator=torch.Generator().manual_seed(1))
+    want = _rope_reference(x, torch.arange(start, start + n), rope_dim, 10000.0, style)
+    order = ops.neox_to_pairs(hd, rope_dim) if style == "neox" else torch.arange(hd)
+    got = x[..., order].contiguous()  # what the reordered rows of W_q / W_k produce
+    ops.rotate_pairs_(got, ops.RotaryTable(rope_dim, hd, 10000.0).get(start, n))
+    assert torch.allclose(got, want[..., order], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_native", KERNELS)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_decode_matches_prefill(arch: str, use_native: bool, tmp_path) -> None:
+    # Token-by-token decode (the fused native step, or ops' per-op path) against one prefill of
+    # the same tokens; gemma3's sliding window (8) is crossed. Exact weights: fp32 round-off only.
+    from potluck.model.stage import SeqChunk, Stage
+    from potluck.modelfile.gguf_file import GGUFFile
+    from potluck.modelfile.hparams import hparams_from_metadata
+
+    from ggufgen import write_tiny_model
+
+    shape = {"n_head_kv": 1, "head_dim": 64} if arch == "gemma3" else {}
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, None, T.Q8_0, **shape)
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    tokens = torch.tensor([5, 70, 71, 72, 100, 3, 200, 150, 260, 9, 33, 34, 35, 36, 40, 41, 42])
+    for exact in (True, False):
+        stage = Stage(hp, f, 0, hp.n_layer, 64, exact=exact, use_native=use_native)
+        whole = stage(tokens, [SeqChunk(0, len(tokens))], torch.arange(len(tokens)))
+        stage(tokens[:3], [SeqChunk(1, 3)])
+        steps = [stage(tokens[i : i + 1], [SeqChunk(1, 1)]) for i in range(3, len(tokens))]
+        stepped = torch.cat(steps)
+        scale = float(whole.abs().max())
+        # exact: fp32 only; fast: bf16 prefill vs fixed-point decode (both ≈ 1e-3 of the range)
+        tol = 1e-4 if exact else 2e-2
+        assert (stepped - whole[3:]).abs().max() / scale < tol

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as T
 from potluck.engine.generate import load_model
 from potluck.errors import PotluckError
 from potluck.kernels import dequant, qlinear
+from potluck.kernels.qlinear import held_bytes
 from potluck.model.stage import Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
@@ -66,7 +67,11 @@ def planned_weights(fp: ModelFootprint, start: int, stop: int) -> int:
 def check_stages(fp: ModelFootprint, stages: list[Stage], real: bool = True) -> None:
     for st in stages:
         want = planned_weights(fp, st.start, st.stop)
-        assert held_by(st) == want, f"stage [{st.start}, {st.stop})"
+        # exact but for a few derived fp32 vectors of head_dim per layer that the stage keeps beside
+        # q/k-norm weights in qk-norm architectures (gemma3: 3 KiB per layer)
+        assert abs(held_by(st) - want) <= 4096 * (st.stop - st.start), (
+            f"stage [{st.start}, {st.stop})"
+        )
         if real:  # Stage.weight_bytes() leaves out the fp32 attn_norm and output_norm: ≈ 0.05 %
             assert st.weight_bytes() == pytest.approx(want, rel=5e-3)
         cache = st.cache(0)
@@ -82,7 +87,7 @@ def footprint_of(path: Path, n_ctx: int) -> ModelFootprint:
 
 def test_footprint_matches_loaded_smollm2(smollm2_path: Path) -> None:
     model = load_model(smollm2_path, n_ctx=256, splits=(10,))
-    fp = footprint_from_gguf(model.file.tensors, model.hp, 256)
+    fp = footprint_from_gguf(model.file.tensors, model.hp, 256, held=held_bytes)
     check_stages(fp, model.pipeline.stages)
     # split or not, the model holds the same: the raw embedding on stage 0, the bf16 head at the end
     whole = sum(s.weight_bytes() for s in model.pipeline.stages)
@@ -96,14 +101,17 @@ def test_footprint_matches_loaded_gemma3_first_layers(gemma3_path: Path) -> None
     """Q4_K (int4), Q5_0 / Q6_K / Q8_0 (bf16) layers and the raw Q8_0 embedding; fast."""
     f = GGUFFile(gemma3_path)
     hp = hparams_from_metadata(f.metadata)
-    fp = footprint_from_gguf(f.tensors, hp, 256)
+    fp = footprint_from_gguf(f.tensors, hp, 256, held=held_bytes)
     check_stages(fp, [Stage(hp, f, 0, 3, 256)])
 
 
 @pytest.mark.slow
 def test_footprint_matches_loaded_gemma3(gemma3_path: Path) -> None:
     model = load_model(gemma3_path, n_ctx=256, splits=(10,))
-    check_stages(footprint_from_gguf(model.file.tensors, model.hp, 256), model.pipeline.stages)
+    check_stages(
+        footprint_from_gguf(model.file.tensors, model.hp, 256, held=held_bytes),
+        model.pipeline.stages,
+    )
 
 
 TINY = {
@@ -123,7 +131,7 @@ def test_footprint_matches_tiny_models(case: str, tmp_path: Path) -> None:
     path = write_tiny_model(tmp_path / "m.gguf", kw.pop("arch"), None, n_layer=3, **kw)
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata)
-    fp = footprint_from_gguf(f.tensors, hp, 64)
+    fp = footprint_from_gguf(f.tensors, hp, 64, held=held_bytes)
     whole = [Stage(hp, f, 0, 3, 64)]  # first and last at once: raw embedding + head
     check_stages(fp, whole, real=False)
     split = [Stage(hp, f, 0, 1, 64), Stage(hp, f, 1, 2, 64), Stage(hp, f, 2, 3, 64)]

@@ -174,7 +174,10 @@ def _plan(path: Path, ctx: int | None, peers: list[str], shares: list[float] | N
     hp = hparams_from_metadata(f.metadata, str(path))
     n_ctx = ctx or min(hp.n_ctx_train, DEFAULT_CTX)
     nodes, links = survey(peers)
-    return plan_pool(footprint_from_gguf(f.tensors, hp, n_ctx), nodes, links, shares or None)
+    from potluck.kernels.qlinear import held_bytes
+
+    fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes)
+    return plan_pool(fp, nodes, links, shares or None)
 
 
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")]

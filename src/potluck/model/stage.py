@@ -14,13 +14,21 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from potluck.errors import ModelFileError, UnsupportedError
+from potluck.kernels import native
 from potluck.kernels.dequant import SUPPORTED_TYPES
-from potluck.kernels.ops import RotaryTable, apply_rope, attention, rms_norm
-from potluck.kernels.qlinear import QEmbedding, QLinear
+from potluck.kernels.ops import (
+    RotaryTable,
+    add_rms_norm,
+    attention,
+    gated_act,
+    neox_to_pairs,
+    rms_norm,
+    rotate_pairs_,
+)
+from potluck.kernels.qlinear import QConcat, QEmbedding, QLinear, stack
 from potluck.model.kv_cache import SeqCache
 from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import HParams
@@ -42,9 +50,29 @@ class SeqChunk:
     n: int
 
 
-def _qlinear(src: WeightSource, name: str, shape: tuple[int, int], exact: bool) -> QLinear:
+def _qlinear(
+    src: WeightSource, name: str, shape: tuple[int, int], exact: bool, use_native: bool
+) -> QLinear:
     info = _check(src, name, shape)
-    return QLinear.from_raw(torch.from_numpy(np.array(src.raw(name))), info.qtype, shape, exact)
+    raw = torch.from_numpy(np.array(src.raw(name)))
+    return QLinear.from_raw(raw, info.qtype, shape, exact, use_native)
+
+
+def _projection(
+    src: WeightSource,
+    weights: Sequence[tuple[str, tuple[int, int], torch.Tensor | None]],
+    exact: bool,
+    use_native: bool,
+) -> QLinear | QConcat:
+    """Weights (name, shape, row order or None) over one input as one layer, outputs side by side."""
+    parts = []
+    for name, shape, rows in weights:
+        info = _check(src, name, shape)
+        raw = np.array(src.raw(name))  # (n_out, bytes per row)
+        if rows is not None:
+            raw = raw[rows.numpy()]
+        parts.append((torch.from_numpy(raw), info.qtype, shape))
+    return stack(parts, exact, use_native)
 
 
 def _vector(src: WeightSource, name: str, n: int) -> torch.Tensor:
@@ -72,40 +100,74 @@ def _check(src: WeightSource, name: str, shape: tuple[int, ...]) -> TensorInfo:
 
 
 class Block(nn.Module):
-    """One transformer block: attention and a gated FFN, each behind an RMSNorm residual."""
+    """One transformer block: attention and a gated FFN, each behind an RMSNorm residual.
 
-    def __init__(self, hp: HParams, index: int, src: WeightSource, exact: bool = False) -> None:
+    attn_qkv holds attn_q, attn_k and attn_v stacked (one matmul; GGUF's name for the fused
+    weight), ffn_gate_up holds ffn_gate and ffn_up. For neox-style RoPE the rows of attn_q/attn_k
+    are reordered per head (ops.neox_to_pairs) so that RoPE is one complex multiply in place.
+    """
+
+    def __init__(
+        self,
+        hp: HParams,
+        index: int,
+        src: WeightSource,
+        exact: bool = False,
+        use_native: bool = True,
+    ) -> None:
         super().__init__()
         p, d = f"blk.{index}.", hp.n_embd
-        self.index, self.hp = index, hp
+        H, Hkv, hd, hdv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
+        self.index, self.hp, self.use_native = index, hp, use_native
+        head_rows = neox_to_pairs(hd, hp.rope_dim) if hp.rules.rope_style == "neox" else None
+
+        def rows(n_heads: int) -> torch.Tensor | None:
+            if head_rows is None:
+                return None
+            return (torch.arange(n_heads)[:, None] * hd + head_rows).flatten()
+
         self.attn_norm = nn.Parameter(_vector(src, p + "attn_norm.weight", d), requires_grad=False)
-        self.attn_q = _qlinear(src, p + "attn_q.weight", (hp.n_head * hp.head_dim, d), exact)
-        self.attn_k = _qlinear(src, p + "attn_k.weight", (hp.n_head_kv * hp.head_dim, d), exact)
-        self.attn_v = _qlinear(src, p + "attn_v.weight", (hp.n_head_kv * hp.head_dim_v, d), exact)
-        self.attn_output = _qlinear(
-            src, p + "attn_output.weight", (d, hp.n_head * hp.head_dim_v), exact
-        )
-        self.biases: dict[str, torch.Tensor] = {}
-        for name, n in (("attn_q", hp.n_head * hp.head_dim), ("attn_k", hp.n_head_kv * hp.head_dim),
-                        ("attn_v", hp.n_head_kv * hp.head_dim_v)):  # fmt: skip
-            if p + name + ".bias" in src.tensors:  # qwen2
-                self.biases[name] = _vector(src, p + name + ".bias", n)
+        qkv = [
+            (p + "attn_q.weight", (H * hd, d), rows(H)),
+            (p + "attn_k.weight", (Hkv * hd, d), rows(Hkv)),
+            (p + "attn_v.weight", (Hkv * hdv, d), None),
+        ]
+        self.attn_qkv = _projection(src, qkv, exact, use_native)
+        self.attn_qkv_bias: torch.Tensor | None = None
+        if p + "attn_q.bias" in src.tensors:  # qwen2
+            biases = [
+                _vector(src, name[: -len("weight")] + "bias", shape[0]) for name, shape, _ in qkv
+            ]
+            for i, (_, _, order) in enumerate(qkv):
+                if order is not None:
+                    biases[i] = biases[i][order]
+            self.attn_qkv_bias = torch.cat(biases)
         if hp.rules.qk_norm:
-            self.attn_q_norm = _vector(src, p + "attn_q_norm.weight", hp.head_dim)
-            self.attn_k_norm = _vector(src, p + "attn_k_norm.weight", hp.head_dim)
+            # one norm over the H + Hkv heads of q and k: [H + Hkv, hd], rows in RoPE pair order
+            q_norm = _vector(src, p + "attn_q_norm.weight", hd)
+            k_norm = _vector(src, p + "attn_k_norm.weight", hd)
+            if head_rows is not None:
+                q_norm, k_norm = q_norm[head_rows], k_norm[head_rows]
+            self.attn_qk_norm = torch.cat([q_norm.expand(H, hd), k_norm.expand(Hkv, hd)])
+        self.attn_output = _qlinear(src, p + "attn_output.weight", (d, H * hdv), exact, use_native)
         self.ffn_norm = _vector(src, p + "ffn_norm.weight", d)
-        self.ffn_gate = _qlinear(src, p + "ffn_gate.weight", (hp.n_ff, d), exact)
-        self.ffn_up = _qlinear(src, p + "ffn_up.weight", (hp.n_ff, d), exact)
-        self.ffn_down = _qlinear(src, p + "ffn_down.weight", (d, hp.n_ff), exact)
+        gate_up = [
+            (p + "ffn_gate.weight", (hp.n_ff, d), None),
+            (p + "ffn_up.weight", (hp.n_ff, d), None),
+        ]
+        self.ffn_gate_up = _projection(src, gate_up, exact, use_native)
+        self.ffn_down = _qlinear(src, p + "ffn_down.weight", (d, hp.n_ff), exact, use_native)
         if hp.rules.post_norms:
             self.post_attention_norm = _vector(src, p + "post_attention_norm.weight", d)
             self.post_ffw_norm = _vector(src, p + "post_ffw_norm.weight", d)
         self.window = hp.sliding_window if hp.is_sliding(index) else 0
-
-    def _proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        y = getattr(self, name)(x)
-        bias = self.biases.get(name)
-        return y + bias if bias is not None else y
+        # A single decoded token: q/k norms, RoPE, the cache write and attention in one call.
+        self.decode_attention: native.DecodeAttention | None = None
+        if use_native and native.library() is not None and native.attention_decode_fits(hd, hdv):
+            qk_norm = self.attn_qk_norm if hp.rules.qk_norm else None
+            self.decode_attention = native.DecodeAttention(
+                H, Hkv, (hd, hdv), hp.attn_scale, qk_norm, hp.rms_eps
+            )
 
     def forward(
         self,
@@ -115,34 +177,44 @@ class Block(nn.Module):
         rope: RotaryTable,
     ) -> torch.Tensor:
         """x: [T_total, D] -> [T_total, D]."""
-        hp, eps = self.hp, self.hp.rms_eps
-        h = rms_norm(x, self.attn_norm, eps)
-        q = self._proj("attn_q", h).unflatten(-1, (hp.n_head, hp.head_dim))  # [T, H, hd]
-        k = self._proj("attn_k", h).unflatten(-1, (hp.n_head_kv, hp.head_dim))  # [T, Hkv, hd]
-        v = self._proj("attn_v", h).unflatten(-1, (hp.n_head_kv, hp.head_dim_v))
-        if hp.rules.qk_norm:
-            q, k = rms_norm(q, self.attn_q_norm, eps), rms_norm(k, self.attn_k_norm, eps)
-        outs, t0 = [], 0
-        for chunk, cache in zip(chunks, caches, strict=True):
-            t1 = t0 + chunk.n
-            start = cache.length
-            cos, sin = rope.get(torch.arange(start, start + chunk.n))
-            qs = apply_rope(q[t0:t1], cos, sin, hp.rules.rope_style).transpose(0, 1)  # [H, n, hd]
-            ks = apply_rope(k[t0:t1], cos, sin, hp.rules.rope_style).transpose(0, 1)
-            kall, vall = cache.write(self.index, ks, v[t0:t1].transpose(0, 1))
-            o = attention(qs, kall, vall, start, hp.attn_scale, self.window)  # [H, n, hdv]
-            outs.append(o.transpose(0, 1).flatten(1))  # [n, H*hdv]
-            t0 = t1
-        a = self.attn_output(torch.cat(outs) if len(outs) > 1 else outs[0])
+        hp, eps, fast = self.hp, self.hp.rms_eps, self.use_native
+        H, Hkv, hd, hdv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
+        h = rms_norm(x, self.attn_norm, eps, fast)
+        qkv = self.attn_qkv(h)  # [T, (H + Hkv) hd + Hkv hdv], a new tensor: changed in place
+        if self.attn_qkv_bias is not None:
+            qkv = qkv + self.attn_qkv_bias
+        if self.decode_attention is not None and all(c.n == 1 for c in chunks):
+            outs = []  # decode: one token per sequence, one native call each
+            for i, cache in enumerate(caches):
+                pos = cache.length
+                first = pos + 1 - self.window if self.window and pos + 1 > self.window else 0
+                table, kv = rope.upto(pos + 1), cache.buffers(self.index)
+                outs.append(self.decode_attention(qkv[i : i + 1], table, kv, pos, first))
+            o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H hdv]
+        else:
+            qk = qkv[:, : (H + Hkv) * hd].unflatten(-1, (H + Hkv, hd))  # [T, H + Hkv, hd]
+            v = qkv[:, (H + Hkv) * hd :].unflatten(-1, (Hkv, hdv))  # [T, Hkv, hdv]
+            if hp.rules.qk_norm:
+                qk = rms_norm(qk, self.attn_qk_norm, eps, fast)
+            outs, t0 = [], 0
+            for chunk, cache in zip(chunks, caches, strict=True):
+                t1 = t0 + chunk.n
+                start = cache.length
+                part = qk[t0:t1]
+                rotate_pairs_(part, rope.get(start, chunk.n))
+                kall, vall = cache.write(self.index, part[:, H:], v[t0:t1])  # [L, Hkv, hd]
+                outs.append(
+                    attention(part[:, :H], kall, vall, start, hp.attn_scale, self.window, fast)
+                )
+                t0 = t1
+            o = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H hdv]
+        a = self.attn_output(o)
         if hp.rules.post_norms:
-            a = rms_norm(a, self.post_attention_norm, eps)
-        x = x + a
-        h = rms_norm(x, self.ffn_norm, eps)
-        gate = self.ffn_gate(h)
-        act = F.silu(gate) if hp.rules.activation == "silu" else F.gelu(gate, approximate="tanh")
-        f = self.ffn_down(act * self.ffn_up(h))
+            a = rms_norm(a, self.post_attention_norm, eps, fast)
+        x, h = add_rms_norm(x, a, self.ffn_norm, eps, fast)
+        f = self.ffn_down(gated_act(self.ffn_gate_up(h), hp.rules.activation, fast))
         if hp.rules.post_norms:
-            f = rms_norm(f, self.post_ffw_norm, eps)
+            f = rms_norm(f, self.post_ffw_norm, eps, fast)
         return x + f
 
 
@@ -163,11 +235,13 @@ class Stage(nn.Module):
         n_ctx: int,
         on_layer: Callable[[int], None] | None = None,
         exact: bool = False,
+        use_native: bool = True,
     ) -> None:
         super().__init__()
         if not 0 <= start < stop <= hp.n_layer:
             raise ValueError(f"layer range [{start}, {stop}) is not inside [0, {hp.n_layer})")
         self.hp, self.start, self.stop, self.n_ctx = hp, start, stop, n_ctx
+        self.use_native = use_native
         self.is_first, self.is_last = start == 0, stop == hp.n_layer
         if self.is_first or self.is_last:
             info = _check(src, "token_embd.weight", (hp.n_vocab, hp.n_embd))
@@ -176,20 +250,22 @@ class Stage(nn.Module):
             self.token_embd = QEmbedding.from_raw(embd_raw, info.qtype, (hp.n_vocab, hp.n_embd))
         self.blk = nn.ModuleDict()
         for i in range(start, stop):
-            self.blk[str(i)] = Block(hp, i, src, exact)
+            self.blk[str(i)] = Block(hp, i, src, exact, use_native)
             if on_layer is not None:
                 on_layer(i)
         if self.is_last:
             self.output_norm = _vector(src, "output_norm.weight", hp.n_embd)
             if "output.weight" in src.tensors:
-                self.output = _qlinear(src, "output.weight", (hp.n_vocab, hp.n_embd), exact)
+                shape = (hp.n_vocab, hp.n_embd)
+                self.output = _qlinear(src, "output.weight", shape, exact, use_native)
             else:  # tied embeddings: the head reads the embedding matrix
-                self.output = QLinear.from_raw(embd_raw, info.qtype, (hp.n_vocab, hp.n_embd), exact)
+                shape = (hp.n_vocab, hp.n_embd)
+                self.output = QLinear.from_raw(embd_raw, info.qtype, shape, exact, use_native)
         self.ropes: dict[float, RotaryTable] = {}
         for i in range(start, stop):
             base = hp.rope_base_for(i)
             if base not in self.ropes:
-                self.ropes[base] = RotaryTable(hp.rope_dim, base, hp.rope_scale)
+                self.ropes[base] = RotaryTable(hp.rope_dim, hp.head_dim, base, hp.rope_scale)
         self.caches: dict[int, SeqCache] = {}
 
     # -- sequences -------------------------------------------------------------------------------
@@ -242,7 +318,11 @@ class Stage(nn.Module):
             cache.commit(c.n)
         if not self.is_last:
             return x
-        if logits_rows is None:
-            logits_rows = torch.tensor(np.cumsum([c.n for c in chunks]) - 1)
-        h = rms_norm(x[logits_rows], self.output_norm, self.hp.rms_eps)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        elif len(chunks) == 1:
+            x = x[-1:]
+        else:
+            x = x[torch.tensor(np.cumsum([c.n for c in chunks]) - 1)]
+        h = rms_norm(x, self.output_norm, self.hp.rms_eps, self.use_native)
         return self.output(h)

@@ -28,7 +28,7 @@ scales every machine alike.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gguf import QK_K, GGMLQuantizationType
@@ -68,6 +68,9 @@ def held_bytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
         scales_and_zeros = n_in // INT4_GROUP * n_out * 2 * BF16_BYTES
         return packed + scales_and_zeros
     return n * BF16_BYTES
+
+
+HeldBytes = Callable[[GGMLQuantizationType, tuple[int, ...]], int]
 
 
 @dataclass(frozen=True)
@@ -130,9 +133,18 @@ def activation_bytes(hp: HParams, n_ctx: int, n_batch: int) -> int:
 
 
 def footprint_from_gguf(
-    tensors: Mapping[str, TensorInfo], hp: HParams, n_ctx: int, n_batch: int = DEFAULT_BATCH
+    tensors: Mapping[str, TensorInfo],
+    hp: HParams,
+    n_ctx: int,
+    n_batch: int = DEFAULT_BATCH,
+    held: HeldBytes | None = None,
 ) -> ModelFootprint:
-    """The footprint of the model whose tensor index is `tensors` (GGUFFile.tensors) at `n_ctx`."""
+    """The footprint of the model whose tensor index is `tensors` (GGUFFile.tensors) at `n_ctx`.
+
+    held(qtype, shape) gives the bytes a weight occupies once loaded; pass the kernels' own
+    (`potluck.kernels.qlinear.held_bytes`, which knows the formats this CPU gets) — the default is
+    the portable torch-kernel rule above (int4 for Q4 types, bf16 otherwise)."""
+    held = held or held_bytes
     if n_ctx < 1 or n_batch < 1:
         raise PlanError(f"context ({n_ctx}) and batch ({n_batch}) must be at least 1 token")
     embd = tensors.get("token_embd.weight")
@@ -141,11 +153,11 @@ def footprint_from_gguf(
     layers = [0] * hp.n_layer
     for t in tensors.values():
         if t.layer is not None and t.layer < hp.n_layer:
-            layers[t.layer] += held_bytes(t.qtype, t.shape)
+            layers[t.layer] += held(t.qtype, t.shape)
     head_matrix = tensors.get("output.weight", embd)  # tied: the head copies token_embd
-    head = held_bytes(head_matrix.qtype, head_matrix.shape)
+    head = held(head_matrix.qtype, head_matrix.shape)
     if norm := tensors.get("output_norm.weight"):
-        head += held_bytes(norm.qtype, norm.shape)
+        head += held(norm.qtype, norm.shape)
     kv = hp.kv_bytes_per_token(1, F32_BYTES) * n_ctx
     return ModelFootprint(
         n_layer=hp.n_layer,

@@ -1,0 +1,770 @@
+"""Kernels in C (AVX-512 VNNI) for batch-1 decoding, built once per machine with its C compiler.
+
+Why: at batch 1 torch has no kernel that reads GGML-style group-quantized weights at memory speed
+(its packed int4 matmul covers 4-bit types only; the rest ran as dense bf16, twice Q8_0's bytes),
+and each small torch op costs ≈ 2 µs of dispatch, ≈ 25 ops per layer. One core, medians:
+Gemma-3's 262144 x 640 Q8_0 head 28 ms as bf16, 7.3 ms here; SmolLM2's q/k/v 960 x 576 Q4_1
+27 µs here against ≈ 45 µs as three torch int4 calls.
+
+  Gemv            y = x @ W.T for a weight held as 4-bit (u4, groups of 32) or 8-bit (u8, groups
+                  of 16 or 32) values u with a scale and an optional min per group:
+                  w = scale * (u - offset) + min (`Format`), in tiles of TILE_ROWS rows (`pack`).
+                  Each group of activations becomes 15-bit fixed point (error <= max|x_group| /
+                  32766 per value; bf16: |x| / 512); VNNI byte dot products sum exactly in int32;
+                  scales, mins and the result are fp32.
+  dequant_bf16    the same weight as dense bf16, for large batches (oneDNN's matmul).
+  rms_norm        RMSNorm, optionally of x + residual.
+  gated           act(gate) * up (SiLU or GELU-tanh).
+  DecodeAttention one decoded token's q/k norms, RoPE, KV-cache write and attention.
+
+`library()` compiles the source below on first use into the potluck cache (≈ 1 s; keyed by the
+source, the flags and the CPU's feature flags) and returns None where that is not possible (no C
+compiler, no AVX-512 VNNI, not x86-64; `unavailable_reason()` says which): callers then use
+torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from potluck.modelfile.sources import cache_dir
+
+TILE_ROWS = 4  # weight rows interleaved per tile (ROWS in the C source)
+CHUNK_BYTES = 64  # weight bytes per row per step: one AVX-512 register
+U4_GROUP = 32
+MAX_HEAD_DIM = 512  # MAX_HD in the C source
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
+#error "these kernels need AVX-512 F/BW and VNNI"
+#endif
+
+#define XMAX 16383.0f  /* activations become 15-bit fixed point: |X| <= XMAX */
+/* Weight rows per tile. A tile's rows share the activation loads and are interleaved chunk by
+ * chunk in memory, so that it streams in order (rows apart: the 262144 x 640 head took 18-19 ms
+ * instead of 7-8). */
+#define ROWS 4
+/* Work (weights times rows) below which a kernel runs on one thread, like torch's grain size:
+ * waking a second thread costs µs, far more on a busy machine where it may not get a core. */
+#define PAR_MIN 262144
+/* Bytes prefetched ahead of the tile being read: without, 30 cold 3072 x 576 Q4_1 weights take
+ * 78 instead of 65 µs each, 4096 x 640 u8 156 instead of 131 (2048-8192 measured alike). */
+#define PF 4096
+
+/* A row walks its weights in 64-byte chunks. u4: a chunk is 4 groups of 32 (128 weights; the two
+ * nibbles of a byte land in the same int32 lane); u8: 4 groups of 16 or 2 of 32 (64 weights).
+ * LPG int32 lanes (4 bytes each) belong to one group: 4, or 8 for u8 with G = 32. The last chunk
+ * of a row may be short (16-48 bytes, e.g. SmolLM2's n_in = 576: 288 bytes per u4 row): a tile
+ * holds its full chunks, [n_full][ROWS][64] bytes, then the short ones, [ROWS][tail]. */
+static int n_chunks(int K, int u4) { return u4 ? (K + 127) / 128 : (K + 63) / 64; }
+static int row_bytes(int K, int u4) { return u4 ? K / 2 : K; }
+static int lanes_per_group(int G, int u4) { return (u4 || G == 16) ? 4 : 8; }
+
+/* One row of activations laid out like the weight chunks. Per chunk c: xh, xl: X = 128 xh + xl at
+ * the byte of the weight it multiplies (u4: 128 bytes, low-nibble half then high-nibble half);
+ * sx: the group scale in each of its lanes; corr: offset * sum(X) of each group in its first lane
+ * (removes the weights' +8 / +128 exactly, in int32). xsum: exact fp32 sum of x per group. */
+typedef struct {
+    int8_t *xh, *xl;
+    float *sx;
+    int32_t *corr;
+    float *xsum;
+} Acts;
+
+static void prepare(const float *x, int K, int G, int u4, int off, Acts *a) {
+    const int ng = K / G, nc = n_chunks(K, u4), cb = u4 ? 128 : 64;
+    const int lpg = lanes_per_group(G, u4), gpc = 16 / lpg;
+    memset(a->xh, 0, (size_t)nc * cb);
+    memset(a->xl, 0, (size_t)nc * cb);
+    memset(a->sx, 0, (size_t)nc * 16 * sizeof(float));
+    memset(a->corr, 0, (size_t)nc * 16 * sizeof(int32_t));
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int g = 0; g < ng; g++) {
+        /* the group as 1 or 2 vectors of 16 (G = 16 or 32) */
+        const __m512 v0 = _mm512_loadu_ps(x + (size_t)g * G);
+        const __m512 v1 = G == 32 ? _mm512_loadu_ps(x + (size_t)g * G + 16) : _mm512_setzero_ps();
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
+        a->xsum[g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? XMAX / amax : 0.0f);
+        const __m512i X0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)); /* round to nearest even */
+        const __m512i X1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        const int c = g / gpc, lane0 = (g % gpc) * lpg;
+        /* byte positions of values 0-15 and 16-31: u4 puts them in the chunk's two halves */
+        const size_t p0 = u4 ? (size_t)c * 128 + (g % 4) * 16 : (size_t)g * G, p1 = u4 ? p0 + 64 : p0 + 16;
+        const __m512i m127 = _mm512_set1_epi32(127);
+        _mm_storeu_si128((__m128i *)(a->xh + p0), _mm512_cvtepi32_epi8(_mm512_srai_epi32(X0, 7)));
+        _mm_storeu_si128((__m128i *)(a->xl + p0), _mm512_cvtepi32_epi8(_mm512_and_si512(X0, m127)));
+        if (G == 32) {
+            _mm_storeu_si128((__m128i *)(a->xh + p1), _mm512_cvtepi32_epi8(_mm512_srai_epi32(X1, 7)));
+            _mm_storeu_si128((__m128i *)(a->xl + p1), _mm512_cvtepi32_epi8(_mm512_and_si512(X1, m127)));
+        }
+        for (int l = 0; l < lpg; l++) a->sx[c * 16 + lane0 + l] = amax / XMAX;
+        a->corr[c * 16 + lane0] = off * _mm512_reduce_add_epi32(_mm512_add_epi32(X0, X1));
+    }
+}
+
+/* 16 scales or mins from fp16 (half) or fp32 storage, masked */
+static inline __m512 load16(const void *p, size_t i, __mmask16 k, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i))
+                : _mm512_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+/* sum of mn[i] * xsum[i], i < n; mn fp16 (half) or fp32 */
+static float min_term(const void *mn, const float *xsum, int n, int half) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(load16(mn, i, k, half), _mm512_maskz_loadu_ps(k, xsum + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* One tile (ROWS weight rows) against one row of activations; writes y[n0 .. n0 + n_valid). */
+static inline __attribute__((always_inline)) void tile(
+    const uint8_t *qt, const void *st, const void *mn, const Acts *a, float *y,
+    int n0, int n_valid, int K, int G, int u4, int half, int has_off) {
+    const int nc = n_chunks(K, u4), ng = K / G;
+    const int lpg = lanes_per_group(G, u4), gpc = 16 / lpg;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i idx[ROWS];
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        /* lane l of row r takes scale r * gpc + l / lpg of the chunk's [ROWS, gpc] scales */
+        idx[r] = _mm512_add_epi32(_mm512_set1_epi32(r * gpc),
+                                  _mm512_srli_epi32(lane, lpg == 4 ? 2 : 3));
+        acc[r] = _mm512_setzero_ps();
+    }
+    const int tail = row_bytes(K, u4) % 64, n_full = row_bytes(K, u4) / 64;
+    for (int c = 0; c < nc; c++) {
+        /* a short last chunk: its rows are `tail` bytes apart, read with a byte mask */
+        const int step = c < n_full ? 64 : tail;
+        const __mmask64 kb = c < n_full ? ~0ULL : (1ULL << tail) - 1;
+        const uint8_t *q = qt + (size_t)c * ROWS * 64;
+        for (int r = 0; r < ROWS; r++) _mm_prefetch((const char *)(q + PF + 64 * r), _MM_HINT_T0);
+        const __m512 s = load16(st, (size_t)c * ROWS * gpc, gpc * ROWS == 16 ? 0xFFFF : 0xFF, half);
+        const __m512i corr = _mm512_load_si512(a->corr + 16 * c);
+        const __m512 sx = _mm512_load_ps(a->sx + 16 * c);
+        if (u4) {
+            const __m512i xlh = _mm512_load_si512(a->xh + 128 * c), xhh = _mm512_load_si512(a->xh + 128 * c + 64);
+            const __m512i xll = _mm512_load_si512(a->xl + 128 * c), xhl = _mm512_load_si512(a->xl + 128 * c + 64);
+            for (int r = 0; r < ROWS; r++) {
+                const __m512i v = _mm512_maskz_loadu_epi8(kb, q + step * r);
+                const __m512i lo = _mm512_and_si512(v, m4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlh);
+                __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xll);
+                h = _mm512_dpbusd_epi32(h, hi, xhh);
+                l = _mm512_dpbusd_epi32(l, hi, xhl);
+                __m512i t = _mm512_add_epi32(_mm512_slli_epi32(h, 7), l);
+                if (has_off) t = _mm512_sub_epi32(t, corr); /* Q4_1 has none: -5 % time */
+                const __m512 sr = _mm512_mul_ps(_mm512_permutexvar_ps(idx[r], s), sx);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sr, acc[r]);
+            }
+        } else {
+            const __m512i xh = _mm512_load_si512(a->xh + 64 * c), xl = _mm512_load_si512(a->xl + 64 * c);
+            for (int r = 0; r < ROWS; r++) {
+                const __m512i v = _mm512_maskz_loadu_epi8(kb, q + step * r);
+                const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xh);
+                const __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xl);
+                __m512i t = _mm512_add_epi32(_mm512_slli_epi32(h, 7), l);
+                if (has_off) t = _mm512_sub_epi32(t, corr);
+                const __m512 sr = _mm512_mul_ps(_mm512_permutexvar_ps(idx[r], s), sx);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sr, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < n_valid; r++) {
+        float v = _mm512_reduce_add_ps(acc[r]);
+        if (mn) v += min_term((const char *)mn + (size_t)(n0 + r) * ng * (half ? 2 : 4), a->xsum, ng, half);
+        y[n0 + r] = v;
+    }
+}
+
+static Acts acts_row(const Acts *a, int m, int K, int G, int u4) {
+    const size_t nc = n_chunks(K, u4), cb = u4 ? 128 : 64;
+    Acts r = {a->xh + m * nc * cb, a->xl + m * nc * cb, a->sx + m * nc * 16,
+              a->corr + m * nc * 16, a->xsum + (size_t)m * (K / G)};
+    return r;
+}
+
+/* y[M, N] = x[M, K] @ W.T. qt: tiles [ceil(N / ROWS), n_chunks, ROWS, 64] bytes; st: scales
+ * [ceil(N / ROWS), n_chunks, ROWS, groups per chunk]; mn: [N, K / G] or NULL; scales and mins
+ * fp16 when half, else fp32. w = scale * (u - off) + min. Returns 0, or -1 when out of memory. */
+int potluck_gemv(const uint8_t *qt, const void *st, const void *mn, const float *x, float *y,
+                 int M, int N, int K, int G, int u4, int off, int half, int n_threads) {
+    const size_t nc = n_chunks(K, u4), cb = u4 ? 128 : 64;
+    Acts all = {aligned_alloc(64, M * nc * cb), aligned_alloc(64, M * nc * cb),
+                aligned_alloc(64, M * nc * 64), aligned_alloc(64, M * nc * 64),
+                malloc(sizeof(float) * M * (K / G))};
+    int ok = all.xh && all.xl && all.sx && all.corr && all.xsum;
+    if (ok) {
+        for (int m = 0; m < M; m++) {
+            Acts am = acts_row(&all, m, K, G, u4);
+            prepare(x + (size_t)m * K, K, G, u4, off, &am);
+        }
+        const int gpc = 16 / lanes_per_group(G, u4), n_tiles = (N + ROWS - 1) / ROWS;
+        #pragma omp parallel for num_threads(n_threads) schedule(static) if ((size_t)M * N * K >= PAR_MIN)
+        for (int t = 0; t < n_tiles; t++) {
+            const uint8_t *qtile = qt + (size_t)t * ROWS * row_bytes(K, u4);
+            const char *stile = (const char *)st + (size_t)t * nc * ROWS * gpc * (half ? 2 : 4);
+            const int n0 = t * ROWS, nv = N - n0 < ROWS ? N - n0 : ROWS;
+            for (int m = 0; m < M; m++) {
+                Acts am = acts_row(&all, m, K, G, u4);
+                float *ym = y + (size_t)m * N;
+                /* constant G, u4, half and offset per call site: each is specialised */
+#define TILE(G_, U4_, HALF_, OFF_) tile(qtile, stile, mn, &am, ym, n0, nv, K, G_, U4_, HALF_, OFF_)
+                if (u4 && off == 0) { if (half) TILE(32, 1, 1, 0); else TILE(32, 1, 0, 0); }
+                else if (u4) { if (half) TILE(32, 1, 1, 1); else TILE(32, 1, 0, 1); }
+                else if (G == 16) { if (half) TILE(16, 0, 1, 1); else TILE(16, 0, 0, 1); }
+                else { if (half) TILE(32, 0, 1, 1); else TILE(32, 0, 0, 1); }
+#undef TILE
+            }
+        }
+    }
+    free(all.xh); free(all.xl); free(all.sx); free(all.corr); free(all.xsum);
+    return ok ? 0 : -1;
+}
+
+/* A weight as bound once from Python (native.Gemv): one short call per product. */
+typedef struct {
+    const uint8_t *qt;
+    const void *st, *mn;
+    int N, K, G, u4, off, half;
+} Weight;
+
+int potluck_gemv_w(const Weight *w, const float *x, float *y, int M, int n_threads) {
+    return potluck_gemv(w->qt, w->st, w->mn, x, y, M, w->N, w->K, w->G, w->u4, w->off, w->half, n_threads);
+}
+
+/* fp32 -> bf16, round to nearest even (finite values). */
+static inline __m256i to_bf16(__m512 v) {
+    __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16));
+}
+
+static inline float load1(const void *p, size_t i, int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Rows [n0, n1) of the weight as bf16 [n1 - n0, K]: fma(scale, u - off, min), rounded once. */
+void potluck_dequant_bf16(const uint8_t *qt, const void *st, const void *mn, uint16_t *out,
+                          int n0, int n1, int K, int G, int u4, int off, int half, int n_threads) {
+    const int ng = K / G, nc = n_chunks(K, u4), gpc = 16 / lanes_per_group(G, u4);
+    #pragma omp parallel for num_threads(n_threads) schedule(static) if ((size_t)(n1 - n0) * K >= PAR_MIN)
+    for (int n = n0; n < n1; n++) {
+        const int t = n / ROWS, r = n % ROWS;
+        uint16_t *o = out + (size_t)(n - n0) * K;
+        for (int g = 0; g < ng; g++) {
+            const int c = g / gpc, gi = g % gpc;
+            const int n_full = row_bytes(K, u4) / 64, step = c < n_full ? 64 : row_bytes(K, u4) % 64;
+            const uint8_t *q = qt + (size_t)t * ROWS * row_bytes(K, u4) + (size_t)c * ROWS * 64 + r * step;
+            const __m512 s = _mm512_set1_ps(load1(st, ((size_t)t * nc + c) * ROWS * gpc + r * gpc + gi, half));
+            const __m512 m = _mm512_set1_ps(mn ? load1(mn, (size_t)n * ng + g, half) : 0.0f);
+            const __m512i vo = _mm512_set1_epi32(off);
+            if (u4) {
+                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * gi)));
+                const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), vo);
+                const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), vo);
+                _mm256_storeu_si256((__m256i *)(o + 32 * g), to_bf16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), s, m)));
+                _mm256_storeu_si256((__m256i *)(o + 32 * g + 16), to_bf16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), s, m)));
+            } else {
+                for (int j = 0; j < G; j += 16) {
+                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + G * gi + j)));
+                    v = _mm512_sub_epi32(v, vo);
+                    _mm256_storeu_si256((__m256i *)(o + G * g + j), to_bf16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, m)));
+                }
+            }
+        }
+    }
+}
+/* y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w[r % w_rows]; x, y: [rows, D], w: [w_rows, D].
+ * With a (not NULL): x[r] + a[r] is normalised and stored into s (the residual stream). */
+void potluck_rms_norm(const float *x, const float *a, float *s, const float *w, float *y,
+                      int rows, int D, int w_rows, float eps) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * D, *wr = w + (size_t)(r % w_rows) * D;
+        float *yr = y + (size_t)r * D;
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < D; i += 16) {
+            const __mmask16 k = D - i >= 16 ? 0xFFFF : (__mmask16)((1u << (D - i)) - 1);
+            __m512 v = _mm512_maskz_loadu_ps(k, xr + i);
+            if (a) {
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, a + (size_t)r * D + i));
+                _mm512_mask_storeu_ps(s + (size_t)r * D + i, k, v);
+            }
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        if (a) xr = s + (size_t)r * D;
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / D + eps));
+        for (int i = 0; i < D; i += 16) {
+            const __mmask16 k = D - i >= 16 ? 0xFFFF : (__mmask16)((1u << (D - i)) - 1);
+            const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, xr + i), inv);
+            _mm512_mask_storeu_ps(yr + i, k, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, wr + i)));
+        }
+    }
+}
+
+/* e^x: 2^n * p(r), n = round(x log2 e), r = x - n ln 2 in two steps (Cody-Waite), p a degree-6
+ * Taylor polynomial: ≈ 2 ulp. x is clamped to [-87, 88]. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Sums of 16 vectors as one vector: lane j = sum of v[j]'s lanes (a transpose-and-add tree,
+ * ≈ 45 instructions instead of 16 horizontal reductions). */
+static inline __m512 sum16(__m512 v[16]) {
+    __m512 s[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit segment: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per segment: partial sums of keys 4i .. 4i + 3 */
+        const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++) /* add segments 0 + 1 and 2 + 3 */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+#define MAX_HD 512 /* head dims the decode kernel handles (hd, hdv <= MAX_HD, multiples of 16) */
+
+/* One query per head over keys [first, L) of a token-major cache (decode).
+ * q: [H, hd]; kc: [L, Hkv, hd]; vc: [L, Hkv, hdv]; out: [H, hdv]. Head h reads kv head h / (H / Hkv).
+ * Returns 0, or -1 for unsupported head dims or no memory. */
+int potluck_attn_decode(const float *q, const float *kc, const float *vc, float *out,
+                        int H, int Hkv, int hd, int hdv, int first, int L, float scale,
+                        int n_threads) {
+    if (hd % 16 || hdv % 16 || hd > MAX_HD || hdv > MAX_HD) return -1;
+    const int G = H / Hkv, n = L - first, n16 = (n + 15) / 16 * 16;
+    float *scores = malloc(sizeof(float) * (size_t)H * n16);
+    if (!scores) return -1;
+    #pragma omp parallel for num_threads(n_threads) schedule(static) if ((size_t)H * n * hd >= PAR_MIN / 4)
+    for (int h = 0; h < H; h++) {
+        float *s = scores + (size_t)h * n16;
+        const float *qh = q + (size_t)h * hd;
+        const size_t kstride = (size_t)Hkv * hd, vstride = (size_t)Hkv * hdv;
+        const float *k0 = kc + ((size_t)first * Hkv + h / G) * hd;
+        const float *v0 = vc + ((size_t)first * Hkv + h / G) * hdv;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int j0 = 0; j0 < n; j0 += 16) {
+            __m512 acc[16];
+            for (int t = 0; t < 16; t++) {
+                acc[t] = _mm512_setzero_ps();
+                if (j0 + t >= n) continue;
+                const float *kj = k0 + (size_t)(j0 + t) * kstride;
+                for (int i = 0; i < hd; i += 16)
+                    acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), _mm512_loadu_ps(kj + i), acc[t]);
+            }
+            const __mmask16 k = n - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j0)) - 1);
+            const __m512 sj = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+            _mm512_storeu_ps(s + j0, sj);
+            mx = _mm512_mask_max_ps(mx, k, mx, sj);
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 k = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
+            _mm512_storeu_ps(s + j, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        __m512 o[MAX_HD / 16];
+        for (int i = 0; i < hdv / 16; i++) o[i] = _mm512_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            const __m512 p = _mm512_set1_ps(s[j]);
+            const float *vj = v0 + (size_t)j * vstride;
+            for (int i = 0; i < hdv / 16; i++) o[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16 * i), o[i]);
+        }
+        for (int i = 0; i < hdv / 16; i++) _mm512_storeu_ps(out + (size_t)h * hdv + 16 * i, _mm512_mul_ps(o[i], inv));
+    }
+    free(scores);
+    return 0;
+}
+
+/* One layer's attention shape, bound once from Python (native.DecodeAttention). */
+typedef struct {
+    const float *qk_norm; /* [H + Hkv, hd] RMSNorm weights of the q and k heads, or NULL */
+    float eps, scale;
+    int H, Hkv, hd, hdv;
+} Attn;
+
+/* One decoded token of one sequence: qkv = [q (H heads) | k (Hkv) | v (Hkv)] of the new position
+ * pos. Optionally RMSNorm each q/k head; rotate q and k (RoPE in pair order: (2j, 2j+1) by
+ * rope[pos][j] = (cos, sin)); store k and v at row pos of the caches; attend over keys
+ * [first, pos]. qkv is modified in place; caches: [> pos, Hkv, hd | hdv]; out: [H, hdv]. */
+int potluck_decode_attend(const Attn *a, float *qkv, const float *rope, float *kc, float *vc,
+                          float *out, int pos, int first, int n_threads) {
+    const int H = a->H, Hkv = a->Hkv, hd = a->hd, hdv = a->hdv;
+    const float *rot = rope + (size_t)pos * hd; /* hd / 2 (cos, sin) pairs */
+    if (a->qk_norm)
+        potluck_rms_norm(qkv, NULL, NULL, a->qk_norm, qkv, H + Hkv, hd, H + Hkv, a->eps);
+    for (int h = 0; h < H + Hkv; h++) {
+        float *x = qkv + (size_t)h * hd;
+        for (int i = 0; i < hd; i += 16) {
+            const __mmask16 k = hd - i >= 16 ? 0xFFFF : (__mmask16)((1u << (hd - i)) - 1);
+            const __m512 xv = _mm512_maskz_loadu_ps(k, x + i), r = _mm512_maskz_loadu_ps(k, rot + i);
+            const __m512 swapped = _mm512_permute_ps(xv, 0xB1);                /* (b, a) pairs */
+            const __m512 bs = _mm512_mul_ps(swapped, _mm512_movehdup_ps(r));   /* (b s, a s) */
+            /* even lanes a c - b s, odd lanes b c + a s */
+            _mm512_mask_storeu_ps(x + i, k, _mm512_fmaddsub_ps(xv, _mm512_moveldup_ps(r), bs));
+        }
+    }
+    memcpy(kc + (size_t)pos * Hkv * hd, qkv + (size_t)H * hd, sizeof(float) * Hkv * hd);
+    memcpy(vc + (size_t)pos * Hkv * hdv, qkv + (size_t)(H + Hkv) * hd, sizeof(float) * Hkv * hdv);
+    return potluck_attn_decode(qkv, kc, vc, out, H, Hkv, hd, hdv, first, pos + 1, a->scale, n_threads);
+}
+
+/* out[t] = act(gate[t]) * up[t] with gu = [gate | up] per row: [T, 2F] -> [T, F].
+ * act 0: silu g / (1 + e^-g); act 1: gelu, tanh form 0.5 g (1 + tanh z), z = sqrt(2/pi) (g +
+ * 0.044715 g^3), computed as g / (1 + e^-2z): the same value without 1 + tanh z's cancellation
+ * for negative g (torch's form loses ≈ 1e-3 relative at g = -4). */
+void potluck_gated(const float *gu, float *out, int T, int F, int act) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (size_t)t * 2 * F, *u = g + F;
+        float *o = out + (size_t)t * F;
+        for (int i = 0; i < F; i += 16) {
+            const __mmask16 k = F - i >= 16 ? 0xFFFF : (__mmask16)((1u << (F - i)) - 1);
+            const __m512 x = _mm512_maskz_loadu_ps(k, g + i);
+            __m512 y;
+            if (act == 0) {
+                y = _mm512_div_ps(x, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            } else {
+                const __m512 z2 = _mm512_mul_ps(_mm512_set1_ps(-1.5957691216057308f), /* -2 sqrt(2/pi) */
+                    _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
+                y = _mm512_div_ps(x, _mm512_add_ps(one, exp_ps(z2)));
+            }
+            _mm512_mask_storeu_ps(o + i, k, _mm512_mul_ps(y, _mm512_maskz_loadu_ps(k, u + i)));
+        }
+    }
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_P, _I = ctypes.c_void_p, ctypes.c_int
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+_why_not: list[str] = []  # why library() is None, for `unavailable_reason`
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels are not in use here (None when they are)."""
+    return None if library() is not None else (_why_not[-1] if _why_not else "unknown")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot be built or run here (see module doc)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    flags = _cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64") or "avx512_vnni" not in flags:
+        _why_not.append(f"needs an x86-64 CPU with AVX-512 VNNI ({platform.machine()})")
+        return None
+    if cc is None:
+        _why_not.append("no C compiler (cc or gcc) on PATH")
+        return None
+    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, flags]).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"potluck-kernels-{key}.so"
+    if not path.is_file() and not _compile(cc, path):
+        return None
+    # Linked against libgomp.so.1, which resolves to the copy torch already loaded: one OpenMP
+    # runtime, one thread pool.
+    lib = ctypes.CDLL(str(path))
+    lib.potluck_gemv_w.argtypes = [_P, _P, _P, _I, _I]
+    lib.potluck_gemv_w.restype = _I
+    lib.potluck_dequant_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I]
+    lib.potluck_dequant_bf16.restype = None
+    lib.potluck_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_float]
+    lib.potluck_rms_norm.restype = None
+    lib.potluck_attn_decode.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I]
+    lib.potluck_attn_decode.restype = _I
+    lib.potluck_decode_attend.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I]
+    lib.potluck_decode_attend.restype = _I
+    lib.potluck_gated.argtypes = [_P, _P, _I, _I, _I]
+    lib.potluck_gated.restype = None
+    return lib
+
+
+def _compile(cc: str, path: Path) -> bool:
+    """Build the library into `path` (atomically: workers may start together). False on failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        src, out = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
+        src.write_text(_SOURCE)
+        try:
+            subprocess.run([cc, *_FLAGS, str(src), "-o", str(out)], check=True,
+                           capture_output=True, timeout=120)  # fmt: skip
+        except subprocess.CalledProcessError as e:
+            _why_not.append(f"{cc} failed: {e.stderr.decode(errors='replace')[-2000:]}")
+            return False  # torch's kernels are used instead
+        except (OSError, subprocess.TimeoutExpired) as e:
+            _why_not.append(f"{cc} did not run: {e}")
+            return False
+        os.replace(out, path)
+    return True
+
+
+@dataclass(frozen=True)
+class Format:
+    """How a weight is held: w = scale * (u - offset) + min per group of `group` weights.
+
+    u4: 4-bit u (group 32), else 8-bit u (group 16 or 32); half: scales and mins stored as fp16
+    (chosen only where that is exact, e.g. the fp16 d and m of Q4_0/Q4_1/Q5_0/Q8_0).
+    """
+
+    u4: bool
+    group: int
+    offset: int
+    half: bool = False
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float16 if self.half else torch.float32
+
+
+def n_chunks(n_in: int, u4: bool) -> int:
+    """64-byte chunks per row: u4 packs 128 weights in one, u8 64."""
+    return -(-n_in // (128 if u4 else 64))
+
+
+def pack(
+    u: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, fmt: Format
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Tile a weight for the kernels.
+
+    u: uint8 [N, K] values, or for u4 [N, K / 2] bytes each holding two: in every group of 32,
+    byte j has value j in its low nibble and value j + 16 in its high one (GGML's Q4_0 order).
+    scale, mins: fp32 [N, K / group] (mins may be None).
+    Returns qt uint8 [ceil(N / 4), 4 * row bytes]: per tile of 4 rows their full 64-byte chunks
+    chunk by chunk ([n_full, 4, 64]), then the rows' short last chunks if any ([4, tail]); st
+    [ceil(N / 4), n_chunks, 4, gpc] (gpc = groups per chunk: 4, or 2 for u8 with group 32),
+    zero-padded past N and past K; mins [N, K / group]. st and mins in fmt.scale_dtype.
+    """
+    n, row_bytes = u.shape
+    k = row_bytes * (2 if fmt.u4 else 1)
+    nc, gpc = n_chunks(k, fmt.u4), (4 if fmt.u4 or fmt.group == 16 else 2)
+    n_full, tail = divmod(row_bytes, CHUNK_BYTES)
+    n_pad = -(-n // TILE_ROWS) * TILE_ROWS
+    if n_pad != n:
+        u = torch.cat([u, u.new_zeros(n_pad - n, row_bytes)])
+    tiles = u.view(-1, TILE_ROWS, row_bytes)
+    full = tiles[:, :, : n_full * CHUNK_BYTES].unflatten(-1, (n_full, CHUNK_BYTES))
+    parts = [full.transpose(1, 2).reshape(tiles.shape[0], -1)]  # [n_full][ROWS][64] per tile
+    if tail:  # the short last chunk: [ROWS][tail]
+        parts.append(tiles[:, :, n_full * CHUNK_BYTES :].reshape(tiles.shape[0], -1))
+    qt = torch.cat(parts, dim=1) if tail else parts[0].contiguous()
+    sb = torch.zeros(n_pad, nc * gpc, dtype=fmt.scale_dtype)
+    sb[:n, : scale.shape[1]] = scale
+    st = sb.view(-1, TILE_ROWS, nc, gpc).transpose(1, 2).contiguous()
+    return qt, st, None if mins is None else mins.to(fmt.scale_dtype).contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("qt", _P), ("st", _P), ("mn", _P)] + [
+        (f, _I) for f in ["N", "K", "G", "u4", "off", "half"]
+    ]
+
+
+class Gemv:
+    """A tiled weight bound to the kernel: pointers and shape sit in a C struct made once, so a
+    product is one 5-argument call (ctypes converts every argument: ≈ 1.5 µs for 13 of them,
+    0.6 µs for 5). Holds the tensors it points into."""
+
+    def __init__(
+        self,
+        qt: torch.Tensor,
+        st: torch.Tensor,
+        mins: torch.Tensor | None,
+        shape: tuple[int, int],
+        fmt: Format,
+    ) -> None:
+        lib = library()
+        assert lib is not None, "native kernels are not available"
+        self.tensors = (qt, st, mins)
+        n_out, n_in = shape
+        self.n_out = n_out
+        self._w = _Weight(qt.data_ptr(), st.data_ptr(), _ptr(mins), n_out, n_in, fmt.group,
+                          fmt.u4, fmt.offset, fmt.half)  # fmt: skip
+        self._ref = ctypes.byref(self._w)
+        self._fn = lib.potluck_gemv_w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [M, K] contiguous -> fp32 [M, n_out]."""
+        m = x.shape[0]
+        y = torch.empty(m, self.n_out)
+        if self._fn(self._ref, x.data_ptr(), y.data_ptr(), m, torch.get_num_threads()):
+            raise MemoryError(f"native gemv: no memory for {m} prepared activation rows")
+        return y
+
+
+def dequant_bf16(
+    qt: torch.Tensor,
+    st: torch.Tensor,
+    mins: torch.Tensor | None,
+    rows: tuple[int, int],
+    n_in: int,
+    fmt: Format,
+) -> torch.Tensor:
+    """Rows [start, stop) of the weight as dense bf16 [stop - start, n_in]."""
+    lib = library()
+    assert lib is not None, "native kernels are not available"
+    start, stop = rows
+    out = torch.empty(stop - start, n_in, dtype=torch.bfloat16)
+    lib.potluck_dequant_bf16(
+        qt.data_ptr(), st.data_ptr(), _ptr(mins), out.data_ptr(), start, stop, n_in,
+        fmt.group, fmt.u4, fmt.offset, fmt.half, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.rms_norm for a contiguous fp32 x [..., D]; weight [D] or [W, D] (row r of x's rows
+    uses weight row r % W). One call instead of six ops (≈ 2 vs 12-20 µs at D = 576).
+
+    residual (x's shape): normalise s = x + residual instead. Returns (s or x, the norm)."""
+    lib = library()
+    assert lib is not None, "native kernels are not available"
+    d = x.shape[-1]
+    y = torch.empty_like(x)
+    s = x if residual is None else torch.empty_like(x)
+    lib.potluck_rms_norm(
+        x.data_ptr(), _ptr(residual), s.data_ptr(), weight.data_ptr(), y.data_ptr(),
+        x.numel() // d, d, weight.numel() // d, eps,
+    )  # fmt: skip
+    return s, y
+
+
+GATED_ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
+def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for gate_up = [gate | up], contiguous fp32 [T, 2F] -> [T, F]; one call
+    instead of two slices and two ops. exp to ≈ 2 ulp (torch's: ≈ 1)."""
+    lib = library()
+    assert lib is not None, "native kernels are not available"
+    t, f2 = gate_up.shape
+    out = torch.empty(t, f2 // 2)
+    lib.potluck_gated(gate_up.data_ptr(), out.data_ptr(), t, f2 // 2, GATED_ACTS[activation])
+    return out
+
+
+class _Attn(ctypes.Structure):
+    _fields_ = [("qk_norm", _P), ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
+        (f, _I) for f in ("H", "Hkv", "hd", "hdv")
+    ]
+
+
+class DecodeAttention:
+    """One layer's attention for a single decoded token, bound once: (q/k RMSNorm,) RoPE, the KV
+    cache write and attention in one 9-argument call instead of ≈ 20 ops and 14-argument calls
+    (≈ 25 µs less per layer at SmolLM2 shapes)."""
+
+    def __init__(
+        self,
+        n_head: int,
+        n_kv: int,
+        head_dims: tuple[int, int],
+        scale: float,
+        qk_norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> None:
+        lib = library()
+        assert lib is not None, "native kernels are not available"
+        hd, hdv = head_dims
+        assert attention_decode_fits(hd, hdv)
+        self.qk_norm = qk_norm  # [n_head + n_kv, hd] contiguous fp32, kept alive here
+        self.out_features = n_head * hdv
+        self._a = _Attn(_ptr(qk_norm), eps, scale, n_head, n_kv, hd, hdv)
+        self._ref = ctypes.byref(self._a)
+        self._fn = lib.potluck_decode_attend
+
+    def __call__(
+        self,
+        qkv: torch.Tensor,
+        rope: torch.Tensor,
+        caches: tuple[torch.Tensor, torch.Tensor],
+        pos: int,
+        first: int,
+    ) -> torch.Tensor:
+        """qkv: contiguous fp32 [1, (H + Hkv) hd + Hkv hdv], changed in place; rope: complex64
+        [> pos, hd / 2]; caches: contiguous K and V buffers [> pos, Hkv, dim] -> [1, H hdv]."""
+        k_cache, v_cache = caches
+        out = torch.empty(1, self.out_features)
+        rc = self._fn(
+            self._ref, qkv.data_ptr(), rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            out.data_ptr(), pos, first, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc:
+            raise MemoryError(f"native attention: no memory for {pos + 1 - first} scores")
+        return out
+
+
+def attention_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scale: float
+) -> torch.Tensor:
+    """One query per head over keys [first, L): q [H, hd], k [L, Hkv, hd] and v [L, Hkv, hdv]
+    contiguous, token-major -> [1, H * hdv]. fp32 throughout; exp to ≈ 2 ulp."""
+    lib = library()
+    assert lib is not None, "native kernels are not available"
+    h, hd = q.shape
+    n_kv, hdv = k.shape[1], v.shape[2]
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    out = torch.empty(1, h * hdv)
+    rc = lib.potluck_attn_decode(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), h, n_kv, hd, hdv, first,
+        k.shape[0], scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise MemoryError(f"native attention: no memory for {h} x {k.shape[0]} scores")
+    return out
+
+
+def attention_decode_fits(hd: int, hdv: int) -> bool:
+    """Head dims the native decode attention handles."""
+    return hd % 16 == 0 and hdv % 16 == 0 and max(hd, hdv) <= MAX_HEAD_DIM
