@@ -15,7 +15,8 @@ def rms_norm(
     """x * rsqrt(mean(x²) + eps) * weight over the last dim. (GGUF stores Gemma's 1 + w already.)
 
     weight: [D], or [W, D] for x [..., W, D] (q/k norms of all heads at once). A contiguous x
-    takes the native kernel where there is one: one call instead of six ops (2 vs 12-20 µs).
+    takes the native kernel where there is one: one call instead of six ops (2.8 vs 12.9 µs at
+    D = 576, one core).
     """
     if use_native and x.is_contiguous() and native.library() is not None:
         return native.rms_norm(x, weight, eps)[1]
@@ -109,7 +110,7 @@ def attention(
     if T == 1:  # decode: every key is visible, bar those that left the window
         first = L - window if window and L > window else 0
         if use_native and native.library() is not None and native.attention_decode_fits(hd, hdv):
-            # 4-6 µs at L = 20-300 (SmolLM2, one core) vs SDPA's 10-40 µs plus transposes
+            # SmolLM2's 9 heads at L = 20 / 300: 11 / 34 µs against SDPA's 18 / 51 (one core)
             return native.attention_decode(q[0].contiguous(), k[first:], v[first:], 0, scale)
         kh, vh = k[first:].transpose(0, 1), v[first:].transpose(0, 1)  # [Hkv, L', dim]
         # SDPA wants [1, heads, L, dim] and 4-D inputs: with 3-D or enable_gqa it takes its

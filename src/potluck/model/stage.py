@@ -1,7 +1,8 @@
 """A stage: the layers [start, stop) of a llama-family model, with its own KV caches.
 
-Module attributes carry GGUF tensor names (`token_embd`, `blk["12"].attn_q`, `output_norm`), and a
-stage keeps global layer indices. The first stage embeds token ids; the others take hidden states;
+Module attributes carry GGUF tensor names (`token_embd`, `blk["12"].attn_output`, `output_norm`;
+weights over one input are stacked into one layer: `attn_qkv`, `ffn_gate_up`), and a stage keeps
+global layer indices. The first stage embeds token ids; the others take hidden states;
 the last one ends in the output head and returns logits for the rows asked for. Several sequences
 go through one call: their tokens are concatenated for the matmuls, attention runs per sequence.
 """
@@ -281,7 +282,7 @@ class Stage(nn.Module):
         self.caches.pop(seq_id, None)
 
     def weight_bytes(self) -> int:
-        """Bytes of weights this stage holds in memory (packed int4, bf16 or fp32)."""
+        """Bytes of weights this stage holds in memory (see QLinear: u4/u8, int4, bf16 or fp32)."""
         total = 0
         for m in self.modules():
             if isinstance(m, QLinear | QEmbedding):
