@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -35,6 +36,8 @@ def layer_ranges(n_layer: int, splits: Sequence[int]) -> list[tuple[int, int]]:
 class LocalPipeline:
     """Stages chained in this process: the first takes token ids, the last returns logits."""
 
+    depth = 1  # one process computes one batch at a time: nothing gains from a second in flight
+
     def __init__(self, stages: Sequence[Stage]) -> None:
         self.stages = list(stages)
 
@@ -63,6 +66,21 @@ class LocalPipeline:
             for row, c in zip(logits, chunks, strict=True)
         ]
 
+    def submit(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+    ) -> Future[list[int]]:
+        """`step` as a future; here it runs now, in the caller's thread."""
+        fut: Future[list[int]] = Future()
+        try:
+            fut.set_result(self.step(tokens, chunks, samplers, histories))
+        except BaseException as exc:  # the caller sees it from fut.result()
+            fut.set_exception(exc)
+        return fut
+
     def drop(self, seq_id: int) -> None:
         for stage in self.stages:
             stage.drop(seq_id)
@@ -72,6 +90,7 @@ class Pipeline(Protocol):
     """What generation needs from a pipeline, local or spread over nodes (engine/pipeline.py)."""
 
     stages: list[Stage]
+    depth: int  # how many batches may usefully be in flight at once (the number of pipelined stages)
 
     def step(
         self,
@@ -80,6 +99,19 @@ class Pipeline(Protocol):
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
     ) -> list[int]: ...
+
+    def submit(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+    ) -> Future[list[int]]:
+        """Start a `step` and return at once. Batches for the same sequence run in submission
+        order; batches of different sequences overlap across stages (up to `depth` of them usefully).
+        The caller must not submit a sequence's next token before its previous one is known, and
+        must not mutate `histories` entries it passed until the future is done."""
+        ...
 
     def forward(
         self,

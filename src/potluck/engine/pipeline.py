@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -188,6 +189,24 @@ class RemotePipeline:
                 )
             )
         return list(self._send(tokens, chunks, wire, False).tokens)
+
+    @property
+    def depth(self) -> int:
+        return len(self.assignments)
+
+    def submit(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+    ) -> Future[list[int]]:
+        fut: Future[list[int]] = Future()
+        try:
+            fut.set_result(self.step(tokens, chunks, samplers, histories))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        return fut
 
     def forward(
         self,
