@@ -209,3 +209,96 @@ def test_run_over_pool_cli(workers: list[str], smollm2_path: Path) -> None:
     assert pooled.stdout == alone.stdout and pooled.stdout.strip()
     assert "layers 0–9 → this machine (cpu)" in pooled.stderr
     assert f"layers 20–29 → {workers[1]} (cpu)" in pooled.stderr
+
+
+def _whole_model_on(worker: str, path: Path):
+    from potluck.engine.pipeline import Assignment
+
+    n_layer = load_model(path, n_ctx=64).hp.n_layer
+    return load_model(path, n_ctx=256, assignments=[Assignment(worker, 0, n_layer)])
+
+
+def test_batches_arriving_out_of_order_run_in_sequence_order(
+    workers: list[str], smollm2_path: Path
+) -> None:
+    """With several batches in flight, a node may receive a sequence's second batch first: it
+    waits for the first and computes them in position order (tokens equal one process)."""
+    from potluck.transport.codec import sampling_to_proto, tensor_to_proto
+
+    m = load_model(smollm2_path, n_ctx=256)
+    ids = m.tokenizer.encode("The history of astronomy is long and")
+    assert len(ids) >= 6
+    want = list(generate(m, ids, 1, Sampler(GREEDY)))[0]
+    pool = _whole_model_on(workers[0], smollm2_path)
+    stub = pb_grpc.NodeStub(grpc.insecure_channel(workers[0]))
+    cut = len(ids) // 2
+    greedy = sampling_to_proto(GREEDY, 0)
+
+    def req(pos: int, part: list[int], sample: bool) -> pb.ForwardRequest:
+        import torch
+
+        chunk = pb.SeqChunk(seq_id=77, n=len(part), pos=pos, sample=sample, sampling=greedy)
+        return pb.ForwardRequest(
+            plan_id=pool.pipeline.plan_id,
+            chunks=[chunk],
+            input=tensor_to_proto(torch.tensor(part, dtype=torch.long)),
+        )
+
+    second = stub.Forward.future(req(cut, ids[cut:], True), timeout=30)
+    time.sleep(0.3)  # the second batch is now waiting on the node
+    first = stub.Forward(req(0, ids[:cut], False), timeout=30)
+    assert list(first.tokens) == [-1]
+    assert list(second.result().tokens) == [want]
+    with pytest.raises(grpc.RpcError) as stale:
+        stub.Forward(req(0, ids[:cut], False), timeout=10)
+    assert stale.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"sequence 77 is at position {len(ids)} here" in stale.value.details()
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as lost:  # its predecessor never comes: bounded wait
+        stub.Forward(req(len(ids) + 5, [1], True), timeout=1.5)
+    assert lost.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 10
+    stub.Drop(pb.DropRequest(plan_id=pool.pipeline.plan_id, seq_ids=[77]), timeout=5)
+
+
+def test_concurrent_sequences_in_flight_equal_one_process(
+    workers: list[str], smollm2_path: Path
+) -> None:
+    """Two groups of sequences kept in flight at once over a three-stage pool (what the scheduler
+    does to keep every stage busy) give each sequence exactly its single-process tokens."""
+    import torch
+
+    from potluck.model.stage import SeqChunk
+
+    prompts = ["Name three planets.", "What is a cat?", "Count to five.", "Say hello."]
+    want = [_single(smollm2_path, p, 10) for p in prompts]
+    pool = load_model(smollm2_path, n_ctx=256, peers=workers)
+    assert pool.pipeline.depth == 3
+    seqs = [pool.new_seq_id() for _ in prompts]
+    samplers = {s: Sampler(GREEDY) for s in seqs}
+    hist: dict[int, list[int]] = {}
+    for s, p in zip(seqs, prompts, strict=True):
+        hist[s] = pool.tokenizer.encode(pool.chat.render([{"role": "user", "content": p}]))
+    firsts = [
+        pool.pipeline.submit(torch.tensor(hist[s]), [SeqChunk(s, len(hist[s]))], samplers, hist)
+        for s in seqs
+    ]
+    out = {s: [f.result()[0]] for s, f in zip(seqs, firsts, strict=True)}
+    groups = [seqs[:2], seqs[2:]]
+
+    def launch(g: list[int]):
+        for s in g:
+            hist[s] = hist[s] + [out[s][-1]]
+        toks = torch.tensor([out[s][-1] for s in g])
+        return pool.pipeline.submit(toks, [SeqChunk(s, 1) for s in g], samplers, hist)
+
+    flying = [launch(g) for g in groups]
+    for _ in range(9):
+        for i, g in enumerate(groups):
+            for s, t in zip(g, flying[i].result(), strict=True):
+                out[s].append(t)
+            if len(out[g[0]]) < 10:
+                flying[i] = launch(g)
+    assert [out[s] for s in seqs] == want
+    for s in seqs:
+        pool.pipeline.drop(s)

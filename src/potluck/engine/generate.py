@@ -219,15 +219,18 @@ def split_points(n_layer: int, shares: Sequence[float]) -> list[int]:
 def prefill(
     pipeline: Pipeline, seq_id: int, ids: Sequence[int], sampler: Sampler, n_batch: int = 512
 ) -> int:
-    """Run the prompt through in micro-batches of n_batch tokens; the first sampled token."""
+    """Run the prompt through in micro-batches of n_batch tokens; the first sampled token.
+
+    Every micro-batch is submitted at once: over a pool, stage k works on micro-batch i while
+    stage k+1 works on micro-batch i-1 (nodes keep each sequence's batches in order)."""
     history = {seq_id: list(ids)}
-    tok = -1
+    pending = []
     for i in range(0, len(ids), n_batch):
         part = torch.tensor(ids[i : i + n_batch], dtype=torch.long)
         last = i + n_batch >= len(ids)
         samplers = {seq_id: sampler} if last else {}
-        tok = pipeline.step(part, [SeqChunk(seq_id, len(part))], samplers, history)[0]
-    return tok
+        pending.append(pipeline.submit(part, [SeqChunk(seq_id, len(part))], samplers, history))
+    return [f.result() for f in pending][-1][0]
 
 
 def generate(

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,10 @@ class RemotePipeline:
                     )
         self.last_stage_ms: list[float] = []
         self.last_hop_ms: list[float] = []
+        self._lock = threading.Lock()
+        self._pos: dict[int, int] = {}  # tokens of each sequence sent down the chain so far
+        # the local first stage computes on one thread, in submission order
+        self._local_thread = ThreadPoolExecutor(1, thread_name_prefix="potluck-local-stage")
 
     def _tensor_chunks(
         self, names: list[str], digests: Mapping[str, str]
@@ -130,41 +135,68 @@ class RemotePipeline:
                 else:
                     yield pb.TensorChunk(name=name, data=piece)
 
-    def _send(
+    def _start(
         self,
         tokens: torch.Tensor,
         chunks: Sequence[SeqChunk],
         wire_chunks: list[pb.SeqChunk],
         want_logits: bool,
-    ) -> pb.ForwardReply:
-        t0 = time.perf_counter()
-        x: torch.Tensor = tokens
-        local_ms = []
-        if self.local is not None:
-            x = self.local(tokens, chunks)
-            local_ms = [(time.perf_counter() - t0) * 1e3]
-        t1 = time.perf_counter()
-        req = pb.ForwardRequest(
-            plan_id=self.plan_id,
-            chunks=wire_chunks,
-            input=tensor_to_proto(x, self.wire if self.local else None),
-            want_logits=want_logits,
-        )
-        reply = self.clients[0].forward(req)
-        first_hop = (time.perf_counter() - t1) * 1e3 - sum(reply.stage_ms) - sum(reply.hop_ms)
-        self.last_stage_ms = local_ms + list(reply.stage_ms)
-        self.last_hop_ms = [first_hop, *reply.hop_ms]
-        return reply
+    ) -> Future[pb.ForwardReply]:
+        """Send one batch down the chain without waiting. Each chunk gets its position in its
+        sequence, so that nodes compute a sequence's batches in order even when several batches
+        are in flight; the local first stage (if any) runs on its own thread, in submission order."""
+        with self._lock:
+            for c in wire_chunks:
+                c.pos = self._pos.get(c.seq_id, 0)
+                self._pos[c.seq_id] = c.pos + c.n
+        out: Future[pb.ForwardReply] = Future()
 
-    def step(
+        def remote(x: torch.Tensor, local_ms: list[float]) -> None:
+            req = pb.ForwardRequest(
+                plan_id=self.plan_id,
+                chunks=wire_chunks,
+                input=tensor_to_proto(x, self.wire if self.local else None),
+                want_logits=want_logits,
+            )
+            t1 = time.perf_counter()
+
+            def done(f: Future[pb.ForwardReply]) -> None:
+                exc = f.exception()
+                if exc is not None:
+                    out.set_exception(exc)
+                    return
+                reply = f.result()
+                wall = (time.perf_counter() - t1) * 1e3
+                first_hop = wall - sum(reply.stage_ms) - sum(reply.hop_ms)
+                self.last_stage_ms = local_ms + list(reply.stage_ms)
+                self.last_hop_ms = [first_hop, *reply.hop_ms]
+                out.set_result(reply)
+
+            self.clients[0].forward_async(req).add_done_callback(done)
+
+        if self.local is None:
+            remote(tokens, [])
+            return out
+        local = self.local
+
+        def run_local() -> None:
+            t0 = time.perf_counter()
+            try:
+                x = local(tokens, chunks)
+            except Exception as exc:  # handed to the caller through the future
+                out.set_exception(exc)
+                return
+            remote(x, [(time.perf_counter() - t0) * 1e3])
+
+        self._local_thread.submit(run_local)
+        return out
+
+    def _wire_chunks(
         self,
-        tokens: torch.Tensor,
         chunks: Sequence[SeqChunk],
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
-    ) -> list[int]:
-        """One forward of the chunks through every stage; one sampled token per chunk (-1 for a
-        chunk whose sequence has no sampler here: an earlier prompt micro-batch)."""
+    ) -> list[pb.SeqChunk]:
         wire = []
         for c in chunks:
             s = samplers.get(c.seq_id)
@@ -188,11 +220,7 @@ class RemotePipeline:
                     sample=True,
                 )
             )
-        return list(self._send(tokens, chunks, wire, False).tokens)
-
-    @property
-    def depth(self) -> int:
-        return len(self.assignments)
+        return wire
 
     def submit(
         self,
@@ -201,12 +229,35 @@ class RemotePipeline:
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
     ) -> Future[list[int]]:
-        fut: Future[list[int]] = Future()
-        try:
-            fut.set_result(self.step(tokens, chunks, samplers, histories))
-        except BaseException as exc:
-            fut.set_exception(exc)
-        return fut
+        """Start one forward of the chunks through every stage; its future gives one sampled token
+        per chunk (-1 for a chunk whose sequence has no sampler here: an earlier prompt
+        micro-batch)."""
+        wire = self._wire_chunks(chunks, samplers, histories)
+        out: Future[list[int]] = Future()
+
+        def done(f: Future[pb.ForwardReply]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(list(f.result().tokens))
+
+        self._start(tokens, chunks, wire, False).add_done_callback(done)
+        return out
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+    ) -> list[int]:
+        """`submit` and wait."""
+        return self.submit(tokens, chunks, samplers, histories).result()
+
+    @property
+    def depth(self) -> int:
+        return len(self.assignments)
 
     def forward(
         self,
@@ -216,9 +267,8 @@ class RemotePipeline:
     ) -> torch.Tensor:
         """Logits of every row (perplexity), selected by logits_rows (default: last of each chunk)."""
         wire = [pb.SeqChunk(seq_id=c.seq_id, n=c.n) for c in chunks]
-        logits = tensor_from_proto(
-            self._send(tokens, chunks, wire, True).logits, max_elements=1 << 31
-        )
+        reply = self._start(tokens, chunks, wire, True).result()
+        logits = tensor_from_proto(reply.logits, max_elements=1 << 31)
         if logits_rows is None:
             logits_rows = torch.tensor(
                 [sum(c.n for c in chunks[: i + 1]) - 1 for i in range(len(chunks))]
@@ -226,8 +276,10 @@ class RemotePipeline:
         return logits[logits_rows]
 
     def drop(self, seq_id: int) -> None:
+        with self._lock:
+            self._pos.pop(seq_id, None)
         if self.local is not None:
-            self.local.drop(seq_id)
+            self._local_thread.submit(self.local.drop, seq_id).result()
         with contextlib.suppress(PotluckError):  # a node that is gone took its caches with it
             self.clients[0].drop(pb.DropRequest(plan_id=self.plan_id, seq_ids=[seq_id]))
 

@@ -281,6 +281,11 @@ class Stage(nn.Module):
     def drop(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
 
+    def position(self, seq_id: int) -> int:
+        """Tokens of `seq_id` already in this stage's cache (0 for a sequence it has not seen)."""
+        cache = self.caches.get(seq_id)
+        return 0 if cache is None else cache.length
+
     def weight_bytes(self) -> int:
         """Bytes of weights this stage holds in memory (see QLinear: u4/u8, int4, bf16 or fp32)."""
         total = 0

@@ -11,7 +11,7 @@ import contextlib
 import io
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +39,7 @@ from potluck.transport.codec import (
     tensor_to_proto,
 )
 
+ORDER_WAIT_S = 30.0  # longest a batch waits for an earlier batch of its sequence (seconds)
 MAX_PLANS = 2  # a node keeps the stage of the previous plan while the new one takes over
 _WIRE = {
     "": torch.float32,
@@ -46,6 +47,10 @@ _WIRE = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+class OrderError(PotluckError):
+    """A batch waited too long for an earlier batch of the same sequence."""
 
 
 @dataclass
@@ -65,6 +70,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.store = BlobStore()
         self.plans: dict[str, LoadedStage] = {}
         self.compute = threading.Lock()
+        self.turn = threading.Condition(self.compute)  # compute, and wait for a sequence's turn
         with self.compute:
             if threads:
                 torch.set_num_threads(threads)
@@ -187,6 +193,8 @@ class NodeService(pb_grpc.NodeServicer):
                 raise WireError(
                     f"{len(chunks)} chunks of {[c.n for c in chunks]} tokens are not a valid batch"
                 )
+            if len({c.seq_id for c in chunks}) != len(chunks):
+                raise WireError("a sequence appears twice in one batch")
             x = tensor_from_proto(request.input)
             if stage.is_first:
                 if x.dtype != torch.int64 or x.shape != (total,):
@@ -200,14 +208,21 @@ class NodeService(pb_grpc.NodeServicer):
                     f"expected hidden states [{total}, {stage.hp.n_embd}], got {x.dtype} {tuple(x.shape)}"
                 )
             rows = torch.arange(total) if request.want_logits else None
-            t0 = time.perf_counter()
-            with self.compute:
-                y = stage(x, chunks, rows) if stage.is_last else stage(x, chunks)
-            stage_ms = (time.perf_counter() - t0) * 1e3
+            wait = min(ORDER_WAIT_S, context.time_remaining() or ORDER_WAIT_S)
+            with self.turn:
+                self._wait_turn(stage, request.chunks, wait)
+                t0 = time.perf_counter()
+                try:
+                    y = stage(x, chunks, rows) if stage.is_last else stage(x, chunks)
+                finally:
+                    self.turn.notify_all()
+                stage_ms = (time.perf_counter() - t0) * 1e3
         except WireError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ContextError as exc:
             context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        except OrderError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         if loaded.next_hop is not None:
             down = pb.ForwardRequest(
                 plan_id=request.plan_id,
@@ -245,6 +260,31 @@ class NodeService(pb_grpc.NodeServicer):
             tokens.append(sampler.sample(row, list(chunk.recent)))
         return pb.ForwardReply(tokens=tokens, stage_ms=[stage_ms])
 
+    def _wait_turn(self, stage: Stage, chunks: Sequence[pb.SeqChunk], wait_s: float) -> None:
+        """Hold `self.turn` until every chunk's sequence is exactly at the chunk's position: batches
+        of one sequence may arrive out of order when several are in flight (pipelining)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            late = None
+            for c in chunks:
+                at = stage.position(c.seq_id)
+                if at > c.pos:
+                    raise WireError(
+                        f"sequence {c.seq_id} is at position {at} here, but a batch for position "
+                        f"{c.pos} came: a repeated or stale batch"
+                    )
+                if at < c.pos:
+                    late = (c, at)
+            if late is None:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.turn.wait(left):
+                c, at = late
+                raise OrderError(
+                    f"waited {wait_s:.0f} s for sequence {c.seq_id}'s tokens {at}–{c.pos - 1} before "
+                    f"the batch at position {c.pos}; the head or the previous node lost a batch"
+                )
+
     def Drop(self, request: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropReply:
         loaded = self.plans.get(request.plan_id)
         if loaded is not None:
@@ -263,7 +303,7 @@ class NodeService(pb_grpc.NodeServicer):
 def serve(host: str, port: int, name: str | None = None, threads: int | None = None,
           model_dirs: tuple[Path, ...] = ()) -> tuple[grpc.Server, int]:  # fmt: skip
     """Start the node's gRPC server; returns it and the bound port (port 0 picks a free one)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=CHANNEL_OPTIONS)
     pb_grpc.add_NodeServicer_to_server(
         NodeService(name or f"{host}:{port}", threads, model_dirs), server
     )
