@@ -1,0 +1,103 @@
+"""One measurement for bench_pool.py, run in its own process (pinned by the caller).
+
+    python bench/_pool_child.py MODEL_PATH MODE TASK N [PEER ...]
+
+MODE: single (whole model in this process) | pool (all layers on the PEERs, split evenly; this
+process only sends token ids). TASK: decode (one stream, N tokens) | pp (a prompt of N tokens;
+the pool runs it in micro-batches of 64 so that both stages work at once) | streams (4 streams,
+N tokens each; over the pool two groups of two are kept in flight). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from potluck.engine.generate import load_model, prefill
+from potluck.engine.pipeline import Assignment
+from potluck.engine.sampling import GREEDY, Sampler
+from potluck.model.stage import SeqChunk
+from potluck.modelfile.gguf_file import GGUFFile
+from potluck.modelfile.hparams import hparams_from_metadata
+
+N_STREAMS = 4
+POOL_UBATCH = 64
+
+
+def main() -> None:
+    path, mode, task, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    peers = sys.argv[5:]
+    torch.set_num_threads(1)
+    n_ctx = max(512, n + 64)
+    if mode == "single":
+        m = load_model(path, n_ctx=n_ctx)
+    else:
+        n_layer = hparams_from_metadata(GGUFFile(path).metadata).n_layer
+        cut = [round(n_layer * i / len(peers)) for i in range(len(peers) + 1)]
+        m = load_model(
+            path,
+            n_ctx=n_ctx,
+            assignments=[Assignment(p, a, b) for p, a, b in zip(peers, cut, cut[1:], strict=False)],
+        )
+    pipe = m.pipeline
+    text = "The history of the printing press begins in the fifteenth century, when " * 64
+    if task == "pp":
+        ids = m.tokenizer.encode(text)[:n]
+        seq = m.new_seq_id()
+        ubatch = POOL_UBATCH if mode == "pool" else n
+        prefill(pipe, seq, ids[:8], Sampler(GREEDY))  # warm-up of every stage
+        pipe.drop(seq)
+        seq = m.new_seq_id()
+        t0 = time.perf_counter()
+        prefill(pipe, seq, ids, Sampler(GREEDY), n_batch=ubatch)
+        dt = time.perf_counter() - t0
+        pipe.drop(seq)
+        out = {"tok_s": n / dt, "ubatch": ubatch}
+    elif task == "decode":
+        ids = m.tokenizer.encode("The history of the printing press")
+        seq = m.new_seq_id()
+        s = Sampler(GREEDY)
+        tok = prefill(pipe, seq, ids, s)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = pipe.step(torch.tensor([tok]), [SeqChunk(seq, 1)], {seq: s}, {})[0]
+        dt = time.perf_counter() - t0
+        pipe.drop(seq)
+        out = {"tok_s": n / dt}
+    else:  # streams
+        seqs = [m.new_seq_id() for _ in range(N_STREAMS)]
+        samplers = {s: Sampler(GREEDY) for s in seqs}
+        last = {}
+        for i, s in enumerate(seqs):
+            last[s] = prefill(
+                pipe, s, m.tokenizer.encode(f"Story number {i}: once upon a time"), samplers[s]
+            )
+        depth = pipe.depth if mode == "pool" else 1
+        groups = [seqs[i::depth] for i in range(depth)]
+
+        def launch(g: list[int]):
+            toks = torch.tensor([last[s] for s in g])
+            return pipe.submit(toks, [SeqChunk(s, 1) for s in g], samplers, {})
+
+        t0 = time.perf_counter()
+        flying = [launch(g) for g in groups]
+        for step in range(n):
+            for i, g in enumerate(groups):
+                for s, t in zip(g, flying[i].result(), strict=True):
+                    last[s] = t
+                if step + 1 < n:
+                    flying[i] = launch(g)
+        dt = time.perf_counter() - t0
+        for s in seqs:
+            pipe.drop(s)
+        out = {"tok_s": N_STREAMS * n / dt, "groups": depth}
+    if mode == "pool":
+        out |= {"stage_ms": list(pipe.last_stage_ms), "hop_ms": list(pipe.last_hop_ms)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
