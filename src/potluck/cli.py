@@ -435,6 +435,68 @@ def worker(
 
 
 @app.command()
+def serve(
+    model: ModelOpt = None,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    batch: BatchOpt = 512,
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free one).")] = 8080,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            help="Clients must send 'Authorization: Bearer KEY' (default: $POTLUCK_API_KEY).",
+        ),
+    ] = None,
+    no_api_key: Annotated[
+        bool,
+        typer.Option("--no-api-key", help="Allow a non-loopback address without an API key."),
+    ] = False,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", help="Requests that may wait; more get HTTP 429.")
+    ] = 64,
+    parallel: Annotated[
+        int, typer.Option("-np", "--parallel", help="Requests generating at once.")
+    ] = 16,
+) -> None:
+    """Serve the model (over a pool with --peer) as an OpenAI-compatible API with a web page."""
+    from potluck.api.server import ServerConfig, create_app, is_loopback, model_id_of
+    from potluck.api.server import serve as run_server
+    from potluck.engine.scheduler import Scheduler, SchedulerConfig
+
+    key = api_key or os.environ.get("POTLUCK_API_KEY") or None
+    if not is_loopback(host) and key is None and not no_api_key:
+        raise PotluckError(
+            f"refusing to listen on {host} without an API key: anyone on the network could use "
+            "the model; pass --api-key KEY (or set POTLUCK_API_KEY), or --no-api-key to accept that"
+        )
+    try:
+        sched_config = SchedulerConfig(n_batch=batch, max_queue=max_queue, max_active=parallel)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    m = _load(model, ctx, threads, None, _peers(peer, rpc), _shares(tensor_split))
+    scheduler = Scheduler(m, sched_config)
+    app_ = create_app(m, scheduler, ServerConfig(model_id=model_id_of(m), api_key=key))
+
+    def on_listen(url: str) -> None:
+        auth = "API key required" if key else "no API key"
+        err.print(
+            f"potluck serve {__version__} listening on {url} · model {model_id_of(m)} · {auth} · "
+            "Ctrl-C to stop",
+            soft_wrap=True,
+        )
+
+    try:
+        run_server(app_, host, port, on_listen)
+    finally:
+        scheduler.close()
+
+
+@app.command()
 def version() -> None:
     """Print Potluck's version."""
     print(__version__)

@@ -59,10 +59,13 @@ class LocalPipeline:
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
     ) -> list[int]:
-        """One forward of the chunks; one sampled token per chunk (from its last row)."""
+        """One forward of the chunks; one sampled token per chunk (from its last row), -1 for a
+        chunk whose sequence has no sampler here (an earlier prompt micro-batch)."""
         logits = self.forward(tokens, chunks)
         return [
             samplers[c.seq_id].sample(row, histories.get(c.seq_id, ()))
+            if c.seq_id in samplers
+            else -1
             for row, c in zip(logits, chunks, strict=True)
         ]
 

@@ -12,6 +12,28 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs limit)
+
+
+class Token(int):
+    """A sampled id (an `int` everywhere) that also carries its log-probability under the model's
+    distribution (raw logits: before penalties, filters and temperature, as vLLM reports them) and
+    the `top` alternatives as (id, logprob), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+    def __new__(
+        cls, token_id: int, logprob: float, top: tuple[tuple[int, float], ...] = ()
+    ) -> Token:
+        self = super().__new__(cls, token_id)
+        self.logprob = logprob
+        self.top = top
+        return self
+
+    def __repr__(self) -> str:
+        return f"Token({int(self)}, logprob={self.logprob:.4f})"
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,8 +46,13 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI-style, subtracted once per token seen
     frequency_penalty: float = 0.0  # OpenAI-style, subtracted per occurrence
     seed: int | None = None
+    # None: plain ids. k >= 0: each sampled id carries its log-probability and the k most likely
+    # alternatives (a `Token`), as OpenAI's logprobs / top_logprobs ask.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -69,7 +96,19 @@ class Sampler:
         return logits
 
     def sample(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
-        """logits: [V] fp32 -> one token id."""
+        """logits: [V] fp32 -> one token id (a `Token` with its logprobs when params.logprobs is set)."""
+        tok = self._pick(logits, history)
+        k = self.params.logprobs
+        if k is None:
+            return tok
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+        top: tuple[tuple[int, float], ...] = ()
+        if k > 0:
+            vals, ids = torch.topk(logp, min(k, logp.shape[0]))
+            top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+        return Token(tok, float(logp[tok]), top)
+
+    def _pick(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         p = self.params
         logits = self.penalize(logits.float(), history)
         if p.greedy:

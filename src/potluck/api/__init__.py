@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API, the dashboard's JSON, metrics and the web page (static/)."""

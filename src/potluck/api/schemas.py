@@ -1,0 +1,92 @@
+"""Request bodies of the OpenAI-compatible endpoints, as pydantic models.
+
+Fields follow OpenAI's API reference; a few llama.cpp / vLLM extensions (`top_k`, `min_p`,
+`repeat_penalty`) are accepted too. Unknown fields are ignored, as OpenAI's own server does for
+fields a model does not use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from potluck.engine.sampling import MAX_LOGPROBS
+
+MAX_STOPS = 4  # stop sequences per request (OpenAI's limit)
+MAX_N = 16  # choices per request
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    # extensions (llama.cpp server / vLLM names)
+    top_k: int = Field(default=40, ge=0)
+    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(default=1.0, gt=0.0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... go to the template as given
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprob_k(self) -> int | None:
+        """None: no logprobs; k: logprobs with k alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Sampling):
+    # a text, several texts, token ids, or several lists of token ids
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+    def logprob_k(self) -> int | None:
+        return self.logprobs

@@ -1,0 +1,663 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over the scheduler, SSE streaming, the
+dashboard's JSON and the static web page.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming or not), GET /v1/models,
+GET /health, GET /metrics (Prometheus), GET /api/pool (the dashboard), and the files of
+api/static/ at /. With an API key set, everything but /health and the static files needs
+`Authorization: Bearer KEY`.
+
+The asyncio loop only does I/O: generation runs on the scheduler's compute thread, and its events
+come back through `loop.call_soon_threadsafe` into one asyncio.Queue per request.
+
+GET /api/pool returns exactly:
+  {"model": {"name", "arch", "quant", "n_layer", "n_ctx"},
+   "nodes": [{"name", "address" ("local" or "host:port"), "device", "layers": [start, stop],
+              "memory_used_bytes", "memory_total_bytes", "compute_ms" (or null), "hop_ms" (or null),
+              "tokens_per_s" (or null), "status" ("ok" or "unreachable")}],
+   "tokens_per_s", "requests_active", "requests_queued", "requests_total"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from potluck import __version__
+from potluck.api import errors
+from potluck.api.errors import ApiError
+from potluck.api.metrics import CONTENT_TYPE, HttpCounters, render
+from potluck.api.pool import PoolInfo
+from potluck.api.schemas import ChatCompletionRequest, CompletionRequest
+from potluck.api.text import StopText
+from potluck.engine.generate import Model
+from potluck.engine.sampling import SamplingParams, Token
+from potluck.engine.scheduler import (
+    Event,
+    Failed,
+    Finished,
+    QueueFullError,
+    Request,
+    Scheduler,
+    Stream,
+    TokenEvent,
+)
+from potluck.errors import ContextError, PotluckError, UnsupportedError
+from potluck.modelfile.chat import ChatTemplateError
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+MAX_CHOICES = 64  # prompts × n in one request
+DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks that its client is still there
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str
+    api_key: str | None = None
+    event_timeout_s: float = 300.0  # longest silence from the scheduler before a request fails
+    default_completion_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
+
+
+def model_id_of(model: Model) -> str:
+    """The id clients send as `model`: the GGUF file's name without .gguf."""
+    return model.path.stem
+
+
+# -- one request's choices, from scheduler events to text pieces -----------------------------------
+@dataclass
+class _Choice:
+    index: int
+    stream: Stream
+    text: StopText
+    n_prompt: int
+    n_generated: int = 0
+    finish: str | None = None
+    done: bool = False
+    offset: int = 0  # characters sent so far (completions' text_offset)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    index: int
+    text: str
+    ids: list[int]
+    finish: str | None
+
+
+class _Disconnected(Exception):
+    pass
+
+
+@dataclass
+class _Job:
+    """The choices of one HTTP request, running on the scheduler."""
+
+    choices: list[_Choice] = field(default_factory=list)
+    queue: asyncio.Queue[tuple[int, Event]] = field(default_factory=asyncio.Queue)
+    prompt_tokens: int = 0
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            if not c.done:
+                c.stream.cancel()
+
+    def usage(self) -> dict[str, int]:
+        done = sum(c.n_generated for c in self.choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": self.prompt_tokens + done,
+        }
+
+
+def _api_error(exc: BaseException) -> ApiError:
+    """Potluck's typed errors → the HTTP answer (mapped once, here)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return errors.overloaded(str(exc))
+    if isinstance(exc, ContextError):
+        return errors.bad_request(str(exc), "messages", "context_length_exceeded")
+    if isinstance(exc, UnsupportedError | ChatTemplateError):
+        return errors.bad_request(str(exc))
+    if isinstance(exc, PotluckError):
+        return errors.server_error(str(exc))
+    log.error("unexpected error: %r", exc)
+    return errors.server_error(f"internal error: {type(exc).__name__}: {exc}")
+
+
+class _StatusCounter:
+    """Pure ASGI middleware counting answers by endpoint and status (streaming stays untouched)."""
+
+    def __init__(self, app: ASGIApp, counters: HttpCounters) -> None:
+        self.app, self.counters = app, counters
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path.startswith(("/v1/", "/api/", "/metrics", "/health")) else "static"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.counters.count(endpoint, int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class Api:
+    """The routes' state: the model, its scheduler and the config."""
+
+    def __init__(self, model: Model, scheduler: Scheduler, config: ServerConfig) -> None:
+        self.model, self.scheduler, self.config = model, scheduler, config
+        self.tokenizer = model.tokenizer
+        self.pool = PoolInfo(model, scheduler, config.model_id)
+        self.http = HttpCounters()
+        self.created = int(time.time())
+        name = model.file.metadata.get("general.name")
+        self.aliases = {config.model_id, model.path.name, model.path.stem} | (
+            {str(name)} if name else set()
+        )
+
+    # -- checks ------------------------------------------------------------------------------------
+    async def auth(self, request: HttpRequest) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if not header:
+            raise errors.unauthorized(
+                "Missing API key: send the header 'Authorization: Bearer <key>' (the key the "
+                "server was started with, --api-key)"
+            )
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), key.encode()
+        ):
+            raise errors.unauthorized("Incorrect API key provided")
+
+    def check_model(self, name: str) -> None:
+        if name not in self.aliases:
+            raise errors.model_not_found(name, self.config.model_id)
+
+    def budget(self, n_prompt: int, asked: int | None, default: int | None, what: str) -> int:
+        """max_tokens for one prompt: as asked if prompt + asked fits the context, else 400."""
+        n_ctx = self.model.n_ctx
+        if n_prompt == 0:
+            raise errors.bad_request("the prompt is empty after tokenization; give some text")
+        if n_prompt >= n_ctx or (asked is not None and n_prompt + asked > n_ctx):
+            raise errors.context_too_long(n_ctx, n_prompt, asked or 0, what)
+        room = n_ctx - n_prompt
+        return asked if asked is not None else min(default or room, room)
+
+    # -- running -----------------------------------------------------------------------------------
+    def start(
+        self,
+        prompts: list[list[int]],
+        body: ChatCompletionRequest | CompletionRequest,
+        default_tokens: int | None,
+    ) -> _Job:
+        """Submit every choice (prompts × n); all or none (429 cancels the ones already in)."""
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise errors.bad_request(
+                f"{len(prompts)} prompts × n={body.n} is more than {MAX_CHOICES} choices", "n"
+            )
+        what = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        budgets = [self.budget(len(p), body.limit(), default_tokens, what) for p in prompts]
+        loop = asyncio.get_running_loop()
+        job = _Job(prompt_tokens=sum(len(p) for p in prompts))
+        try:
+            for p_i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
+                for j in range(body.n):
+                    params = SamplingParams(
+                        temperature=body.temperature,
+                        top_k=body.top_k,
+                        top_p=body.top_p,
+                        min_p=body.min_p,
+                        repeat_penalty=body.repeat_penalty,
+                        presence_penalty=body.presence_penalty,
+                        frequency_penalty=body.frequency_penalty,
+                        seed=None if body.seed is None else body.seed + j,
+                        logprobs=body.logprob_k(),
+                    )
+                    index = p_i * body.n + j
+
+                    def sink(ev: Event, index: int = index) -> None:
+                        loop.call_soon_threadsafe(job.queue.put_nowait, (index, ev))
+
+                    req = Request(tuple(ids), params, budget, self.tokenizer.eot_ids)
+                    stream = self.scheduler.submit(req, sink)
+                    job.choices.append(
+                        _Choice(index, stream, StopText(self.tokenizer, body.stops()), len(ids))
+                    )
+        except BaseException as exc:
+            job.cancel()
+            raise _api_error(exc) from exc
+        return job
+
+    async def pieces(
+        self, job: _Job, disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> AsyncIterator[_Piece]:
+        """Text pieces of every choice as they come; the last piece of a choice has `finish`."""
+        remaining = len(job.choices)
+        silent = 0.0
+        wait = DISCONNECT_POLL_S if disconnected is not None else self.config.event_timeout_s
+        while remaining:
+            try:
+                index, ev = await asyncio.wait_for(job.queue.get(), wait)
+            except TimeoutError:
+                silent += wait
+                if disconnected is not None and await disconnected():
+                    raise _Disconnected() from None
+                if silent >= self.config.event_timeout_s:
+                    raise errors.ApiError(
+                        503,
+                        f"no token in {silent:.0f} s: the pool is stuck or overloaded",
+                        "server_error",
+                    ) from None
+                continue
+            silent = 0.0
+            c = job.choices[index]
+            if isinstance(ev, Failed):
+                raise _api_error(ev.error)
+            if c.done:
+                continue
+            if isinstance(ev, TokenEvent):
+                c.n_generated = ev.index + 1
+                if c.finish is not None or int(ev.token) in self.tokenizer.eot_ids:
+                    continue
+                text, ids = c.text.push(ev.token)
+                if c.text.stopped:  # a stop sequence: nothing after it is generated or sent
+                    c.finish = "stop"
+                    c.stream.cancel()
+                if text or ids:
+                    yield _Piece(index, text, [t for t in ids], None)
+            elif isinstance(ev, Finished):
+                if ev.reason == "cancelled" and c.finish is None:
+                    raise errors.ApiError(503, "generation was cancelled: the server is stopping")
+                text, ids = c.text.flush()
+                c.done, remaining = True, remaining - 1
+                if ev.reason != "cancelled":
+                    c.n_generated = ev.n_generated
+                yield _Piece(index, text, ids, c.finish or ev.reason)
+
+    # -- logprobs ----------------------------------------------------------------------------------
+    def _tok(self, t: int) -> tuple[str, list[int]]:
+        b = self.tokenizer.token_bytes(int(t))
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    def chat_logprobs(self, ids: list[int]) -> list[dict[str, Any]]:
+        out = []
+        for t in ids:
+            text, b = self._tok(t)
+            top = []
+            for alt, lp in getattr(t, "top", ()):
+                at, ab = self._tok(alt)
+                top.append({"token": at, "logprob": lp, "bytes": ab})
+            out.append(
+                {
+                    "token": text,
+                    "logprob": getattr(t, "logprob", 0.0),
+                    "bytes": b,
+                    "top_logprobs": top,
+                }
+            )
+        return out
+
+    def completion_logprobs(self, ids: list[int], c: _Choice) -> dict[str, Any]:
+        tokens, lps, tops, offsets = [], [], [], []
+        for t in ids:
+            text, _ = self._tok(t)
+            tokens.append(text)
+            lps.append(t.logprob if isinstance(t, Token) else 0.0)
+            tops.append({self._tok(a)[0]: lp for a, lp in getattr(t, "top", ())})
+            offsets.append(c.offset)
+            c.offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> FastAPI:
+    """The app for one loaded model and its running scheduler (cli.py builds both)."""
+    api = Api(model, scheduler, config)
+    app = FastAPI(
+        title="Potluck",
+        version=__version__,
+        description="OpenAI-compatible API over a pool of home computers.",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.api = api
+    app.add_middleware(_StatusCounter, counters=api.http)
+    guarded = [Depends(api.auth)]
+
+    @app.exception_handler(ApiError)
+    async def _on_api_error(_: HttpRequest, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_invalid(_: HttpRequest, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            msg = (
+                f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            )
+            return errors.bad_request(msg).response()
+        where = ".".join(loc) or "body"
+        return errors.bad_request(f"{where}: {first.get('msg', 'invalid value')}", where).response()
+
+    @app.exception_handler(404)
+    async def _on_404(request: HttpRequest, _: Exception) -> Response:
+        return errors.ApiError(
+            404, f"no route {request.method} {request.url.path}", "invalid_request_error"
+        ).response()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": config.model_id,
+            "requests_active": scheduler.active,
+            "requests_queued": scheduler.queued,
+        }
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(api)]}
+
+    @app.get("/v1/models/{name}", dependencies=guarded)
+    async def model_card(name: str) -> dict[str, Any]:
+        api.check_model(name)
+        return _model_card(api)
+
+    @app.get("/api/pool", dependencies=guarded)
+    async def pool() -> dict[str, Any]:
+        await run_in_threadpool(api.pool.refresh_hellos)
+        return api.pool.snapshot()
+
+    @app.get("/metrics", dependencies=guarded)
+    async def metrics() -> Response:
+        await run_in_threadpool(api.pool.refresh_hellos)
+        return PlainTextResponse(render(scheduler, api.pool, api.http), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) -> Response:
+        api.check_model(body.model)
+        msgs = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            text = model.chat.render(msgs)
+        except ChatTemplateError as exc:
+            raise errors.bad_request(str(exc), "messages") from exc
+        ids = await run_in_threadpool(model.tokenizer.encode, text)
+        job = api.start([ids], body, None)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        want_lp = body.logprobs
+        if body.stream:
+            usage_opt = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _chat_stream(api, job, rid, created, body.model, want_lp, usage_opt),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        texts = {c.index: "" for c in job.choices}
+        lps: dict[int, list[dict[str, Any]]] = {c.index: [] for c in job.choices}
+        finish: dict[int, str] = {}
+        try:
+            async for p in api.pieces(job, request.is_disconnected):
+                texts[p.index] += p.text
+                if want_lp:
+                    lps[p.index] += api.chat_logprobs(p.ids)
+                if p.finish:
+                    finish[p.index] = p.finish
+        finally:
+            job.cancel()
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": body.model,
+                "system_fingerprint": f"potluck-{__version__}",
+                "choices": [
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": texts[i]},
+                        "logprobs": {"content": lps[i]} if want_lp else None,
+                        "finish_reason": finish[i],
+                    }
+                    for i in sorted(texts)
+                ],
+                "usage": job.usage(),
+            }
+        )
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionRequest, request: HttpRequest) -> Response:
+        api.check_model(body.model)
+        prompts, texts0 = await run_in_threadpool(_completion_prompts, api, body.prompt)
+        if body.echo and body.logprobs is not None:
+            raise errors.bad_request("echo with logprobs is not supported", "echo")
+        job = api.start(prompts, body, config.default_completion_tokens)
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        echo = {c.index: (texts0[c.index // body.n] if body.echo else "") for c in job.choices}
+        if body.stream:
+            usage_opt = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _completion_stream(api, job, rid, created, body, echo, usage_opt),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        texts = dict(echo)
+        lps: dict[int, list[int]] = {c.index: [] for c in job.choices}
+        finish: dict[int, str] = {}
+        try:
+            async for p in api.pieces(job, request.is_disconnected):
+                texts[p.index] += p.text
+                lps[p.index] += p.ids
+                if p.finish:
+                    finish[p.index] = p.finish
+        finally:
+            job.cancel()
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "system_fingerprint": f"potluck-{__version__}",
+                "choices": [
+                    {
+                        "index": c.index,
+                        "text": texts[c.index],
+                        "logprobs": api.completion_logprobs(lps[c.index], c)
+                        if body.logprobs is not None
+                        else None,
+                        "finish_reason": finish[c.index],
+                    }
+                    for c in job.choices
+                ],
+                "usage": job.usage(),
+            }
+        )
+
+    if STATIC_DIR.is_dir():
+        app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")
+    return app
+
+
+def _model_card(api: Api) -> dict[str, Any]:
+    return {
+        "id": api.config.model_id,
+        "object": "model",
+        "created": api.created,
+        "owned_by": "potluck",
+        "context_length": api.model.n_ctx,
+    }
+
+
+def _completion_prompts(api: Api, prompt: Any) -> tuple[list[list[int]], list[str]]:
+    """OpenAI's prompt forms → token id lists (and their texts, for echo)."""
+    tok = api.tokenizer
+    if isinstance(prompt, str):
+        return [tok.encode(prompt)], [prompt]
+    if not prompt:
+        raise errors.bad_request("prompt is empty", "prompt")
+    if all(isinstance(x, str) for x in prompt):
+        return [tok.encode(p) for p in prompt], list(prompt)
+    lists = [prompt] if all(isinstance(x, int) for x in prompt) else prompt
+    n_vocab = tok.vocab_size
+    for ids in lists:
+        bad = [t for t in ids if not 0 <= t < n_vocab]
+        if bad:
+            raise errors.bad_request(
+                f"token id {bad[0]} is outside the vocabulary [0, {n_vocab})", "prompt"
+            )
+    return [list(ids) for ids in lists], [tok.decode(ids) for ids in lists]
+
+
+async def _chat_stream(
+    api: Api, job: _Job, rid: str, created: int, model: str, want_lp: bool, usage_opt: bool
+) -> AsyncIterator[str]:
+    def chunk(index: int, delta: dict[str, Any], lp: Any, finish: str | None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": f"potluck-{__version__}",
+            "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+        }
+        if usage_opt:
+            out["usage"] = None
+        return out
+
+    try:
+        for c in job.choices:
+            yield _sse(chunk(c.index, {"role": "assistant", "content": ""}, None, None))
+        async for p in api.pieces(job):
+            lp = {"content": api.chat_logprobs(p.ids)} if want_lp and p.ids else None
+            if p.text or lp:
+                yield _sse(chunk(p.index, {"content": p.text}, lp, None))
+            if p.finish:
+                yield _sse(chunk(p.index, {}, None, p.finish))
+        if usage_opt:
+            last = chunk(0, {}, None, None) | {"choices": [], "usage": job.usage()}
+            yield _sse(last)
+        yield "data: [DONE]\n\n"
+    except ApiError as exc:  # the stream has started: the error goes in it, as OpenAI does
+        yield exc.sse()
+    finally:  # also when the client went away (the task is cancelled): free the sequences
+        job.cancel()
+
+
+async def _completion_stream(
+    api: Api,
+    job: _Job,
+    rid: str,
+    created: int,
+    body: CompletionRequest,
+    echo: dict[int, str],
+    usage_opt: bool,
+) -> AsyncIterator[str]:
+    def chunk(index: int, text: str, lp: Any, finish: str | None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": body.model,
+            "system_fingerprint": f"potluck-{__version__}",
+            "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}],
+        }
+        if usage_opt:
+            out["usage"] = None
+        return out
+
+    by_index = {c.index: c for c in job.choices}
+    try:
+        for i, text in echo.items():
+            if text:
+                yield _sse(chunk(i, text, None, None))
+        async for p in api.pieces(job):
+            lp = (
+                api.completion_logprobs(p.ids, by_index[p.index])
+                if body.logprobs is not None and p.ids
+                else None
+            )
+            if p.text or lp:
+                yield _sse(chunk(p.index, p.text, lp, None))
+            if p.finish:
+                yield _sse(chunk(p.index, "", None, p.finish))
+        if usage_opt:
+            yield _sse(chunk(0, "", None, None) | {"choices": [], "usage": job.usage()})
+        yield "data: [DONE]\n\n"
+    except ApiError as exc:
+        yield exc.sse()
+    finally:
+        job.cancel()
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def serve(app: FastAPI, host: str, port: int, on_listen: Callable[[str], None]) -> None:
+    """Run the app with uvicorn until Ctrl-C. `on_listen` gets the URL (with the real port when
+    port is 0) once the socket accepts connections."""
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PotluckError(
+            f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port"
+        ) from None
+    sock.listen(2048)
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off"
+    )
+    server = uvicorn.Server(config)
+    on_listen(f"http://{shown}:{bound}")
+    server.run(sockets=[sock])

@@ -1,0 +1,493 @@
+"""Continuous batching: many requests share one pipeline, joining and leaving between steps.
+
+One compute thread owns the pipeline. Each loop it admits waiting requests (up to `max_active`
+sequences, each with its own KV cache), builds batches from the sequences that are ready, keeps up
+to `pipeline.depth` batches in flight (one per pipelined stage, so every node of a pool stays
+busy), and turns each finished batch into tokens for the requests' sinks. A batch is either one
+prompt micro-batch of one sequence (`n_batch` tokens) or one decode step of up to `max_rows`
+sequences; prompt and decode batches take turns, so a long prompt does not stall the others.
+
+Batches are kept homogeneous on purpose: a sequence's prompt goes through in the same micro-batches
+as `engine.generate.generate` uses alone, and decode steps stay at most `max_rows` rows (the
+quantized matvec kernel's range, kernels/qlinear.GEMV_MAX_ROWS), so greedy output through the
+scheduler is bit-identical to one request alone.
+
+Callers on other threads (the HTTP server's asyncio loop) submit and cancel; events reach them
+through the sink they gave, called on the compute thread (it must be quick and thread-safe, e.g.
+`loop.call_soon_threadsafe`). The scheduler imports no HTTP or gRPC code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from potluck.engine.generate import LocalPipeline, Pipeline
+from potluck.engine.sampling import Sampler, SamplingParams
+from potluck.errors import ContextError, PotluckError, UnsupportedError
+from potluck.model.stage import SeqChunk
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(PotluckError):
+    """Too many requests are waiting: the caller should retry later (HTTP 429)."""
+
+
+class SchedulerClosedError(PotluckError):
+    """The scheduler was shut down."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    n_batch: int = 512  # prompt tokens per micro-batch (llama.cpp's -b)
+    max_queue: int = 64  # requests waiting for a slot; one more is refused (QueueFullError)
+    max_active: int = 16  # sequences generating at once (each holds a KV cache up to n_ctx)
+    max_rows: int = 8  # decode rows per forward: ≤ 8 stays on the exact matvec kernel
+
+    def __post_init__(self) -> None:
+        for name in ("n_batch", "max_active", "max_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be ≥ 0, got {self.max_queue}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to generate: prompt ids, how to sample, at most `max_tokens` new ids, ending early on
+    any of `stop_ids` (which is still delivered)."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int  # a sampling.Token (with .logprob, .top) when params.logprobs is set
+    index: int  # 0 for the first generated token
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" (a stop id), "length" (max_tokens or the context is full), "cancelled"
+    n_prompt: int
+    n_generated: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: Exception
+
+
+Event = TokenEvent | Finished | Failed
+Sink = Callable[[Event], None]
+
+
+class _Model(Protocol):
+    pipeline: Pipeline
+    n_ctx: int
+
+    def new_seq_id(self) -> int: ...
+
+
+@dataclass
+class _Seq:
+    """A request's state, owned by the compute thread (except `cancelled`, a one-way flag)."""
+
+    seq_id: int
+    req: Request
+    sink: Sink
+    sampler: Sampler
+    t_submit: float
+    history: list[int]  # prompt + generated ids (the sampler's penalties read it)
+    prefilled: int = 0  # prompt tokens submitted so far
+    generated: int = 0
+    in_flight: int = 0  # batches of this sequence not finished yet
+    last_turn: int = 0  # scheduler loop count of its last decode batch (fairness)
+    cancelled: bool = False
+    done: bool = False
+    t_first: float | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.req.prompt)
+
+
+class Stream:
+    """The caller's handle on a submitted request."""
+
+    def __init__(self, scheduler: Scheduler, seq: _Seq) -> None:
+        self._scheduler, self._seq = scheduler, seq
+        self.seq_id = seq.seq_id
+
+    def cancel(self) -> None:
+        """Stop generating and free the sequence's KV cache (a no-op once it has finished)."""
+        self._scheduler._cancel(self._seq)
+
+
+class QueueSink:
+    """A sink for synchronous callers: `events()` yields until Finished or Failed."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+    def __call__(self, ev: Event) -> None:
+        self.q.put(ev)
+
+    def events(self, timeout: float = 120.0) -> Iterator[Event]:
+        while True:
+            try:
+                ev = self.q.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no event from the scheduler in {timeout:.0f} s") from None
+            yield ev
+            if isinstance(ev, Finished | Failed):
+                return
+
+
+@dataclass(frozen=True)
+class _Batch:
+    kind: str  # "prompt" or "decode"
+    seqs: tuple[_Seq, ...]
+    chunks: tuple[SeqChunk, ...]
+    samples: bool  # whether the batch's tokens are sampled (a prompt's last micro-batch, decode)
+    t0: float
+
+
+@dataclass
+class Stats:
+    """Counters and recent timings, read by the metrics endpoint (plain numbers, no locking
+    needed for a consistent-enough snapshot)."""
+
+    requests_total: int = 0
+    requests_rejected: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)  # recent times to first token (≤ 1024)
+    decode_steps: int = 0
+    # per stage of the pipeline, recent ms per decode step: compute, and the network hop into it
+    stage_ms: list[float] = field(default_factory=list)
+    hop_ms: list[float] = field(default_factory=list)
+    decode_rows: float = 0.0  # recent rows per decode step
+    recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
+
+    def tokens_per_s(self, window_s: float = 5.0) -> float:
+        """Generated tokens per second over the last `window_s` seconds."""
+        now = time.monotonic()
+        n = sum(k for t, k in list(self.recent) if now - t <= window_s)
+        return n / window_s
+
+
+def _ema(old: list[float], new: Sequence[float], a: float = 0.2) -> list[float]:
+    if len(old) != len(new):
+        return list(new)
+    return [o + a * (x - o) for o, x in zip(old, new, strict=True)]
+
+
+class Scheduler:
+    """Continuous batching over one model's pipeline, on its own compute thread."""
+
+    def __init__(self, model: _Model, config: SchedulerConfig = SchedulerConfig()) -> None:
+        self.model, self.pipeline, self.config = model, model.pipeline, config
+        self.n_ctx = model.n_ctx
+        self.depth = max(1, int(getattr(self.pipeline, "depth", 1)))
+        self.logprobs_ok = isinstance(self.pipeline, LocalPipeline) or bool(
+            getattr(self.pipeline, "supports_logprobs", False)
+        )
+        self.stats = Stats()
+        self._lock = threading.Lock()
+        self._waiting: deque[_Seq] = deque()
+        self._active: dict[int, _Seq] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inflight: list[_Batch] = []
+        self._turn = itertools.count(1)
+        self._prefer_prompt = True
+        self._late_drops: set[int] = set()  # finished sequences with a batch still in flight
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="potluck-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- callers' side (any thread) ----------------------------------------------------------------
+    def submit(self, req: Request, sink: Sink) -> Stream:
+        """Queue a request. Raises ContextError (empty or too long), QueueFullError, UnsupportedError."""
+        n = len(req.prompt)
+        if n == 0:
+            raise ContextError("the prompt is empty after tokenization; give some text")
+        if n >= self.n_ctx:
+            raise ContextError(
+                f"prompt is {n} tokens but the context is {self.n_ctx}; shorten the prompt or "
+                f"restart the server with a larger -c"
+            )
+        if req.params.logprobs is not None and not self.logprobs_ok:
+            raise UnsupportedError("logprobs are not yet supported over a pool")
+        seq = _Seq(
+            seq_id=0,
+            req=req,
+            sink=sink,
+            sampler=Sampler(req.params),
+            t_submit=time.monotonic(),
+            history=list(req.prompt),
+        )
+        with self._lock:
+            if self._closed:
+                raise SchedulerClosedError("the server is shutting down")
+            free = self.config.max_active - len(self._active)
+            if len(self._waiting) >= self.config.max_queue + max(0, free):
+                self.stats.requests_rejected += 1
+                raise QueueFullError(
+                    f"server busy: {len(self._active)} requests generating and "
+                    f"{len(self._waiting)} waiting (limit {self.config.max_queue}); retry shortly"
+                )
+            seq.seq_id = self.model.new_seq_id()
+            self._waiting.append(seq)
+            self.stats.requests_total += 1
+        self._inbox.put(("wake", None))
+        return Stream(self, seq)
+
+    def _cancel(self, seq: _Seq) -> None:
+        seq.cancelled = True
+        self._inbox.put(("wake", None))
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish: cancel everything, free the caches, stop the thread."""
+        with self._lock:
+            self._closed = True
+        self._inbox.put(("close", None))
+        self._thread.join(timeout)
+
+    # -- the compute thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        closing = False
+        while True:
+            try:
+                self._admit()
+                self._reap(closing)
+                if closing and not self._active and not self._waiting and not self._inflight:
+                    return
+                while len(self._inflight) < self.depth and not closing:
+                    batch = self._next_batch()
+                    if batch is None:
+                        break
+                    self._submit(batch)
+                # wait for a finished batch or news from a caller; with nothing in flight and
+                # nothing to do the timeout only bounds how long a missed wake-up could last
+                try:
+                    kind, item = self._inbox.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                while True:
+                    if kind == "close":
+                        closing = True
+                    elif kind == "done":
+                        self._finish_batch(*item)  # type: ignore[misc]
+                    try:
+                        kind, item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+            except Exception:  # a bug here must not silently stop every request: log and go on
+                log.exception("scheduler loop error")
+                time.sleep(0.05)
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self._waiting and len(self._active) < self.config.max_active:
+                seq = self._waiting.popleft()
+                self._active[seq.seq_id] = seq
+        # a request cancelled while it waited never touches the pipeline
+        for seq in [s for s in self._active.values() if s.cancelled and s.in_flight == 0]:
+            self._end(seq, Finished("cancelled", len(seq.req.prompt), seq.generated))
+
+    def _reap(self, closing: bool) -> None:
+        if not closing:
+            return
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+        for seq in waiting:
+            self._emit(seq, Failed(SchedulerClosedError("the server is shutting down")))
+        for seq in self._active.values():
+            seq.cancelled = True
+        for seq in [s for s in self._active.values() if s.in_flight == 0]:
+            self._end(seq, Finished("cancelled", len(seq.req.prompt), seq.generated))
+
+    def _next_batch(self) -> _Batch | None:
+        live = [s for s in self._active.values() if not s.cancelled and not s.done]
+        # a prompt's micro-batches may follow each other down a pool before the first returns
+        # (nodes keep a sequence's batches in order); only the last one samples
+        prompts = [s for s in live if not s.decoding]
+        decodes = [s for s in live if s.decoding and s.in_flight == 0]
+        if prompts and (self._prefer_prompt or not decodes):
+            self._prefer_prompt = False
+            return self._prompt_batch(prompts[0])
+        if decodes:
+            self._prefer_prompt = True
+            n_decoding = sum(1 for s in live if s.decoding)
+            # spread the decoding sequences over `depth` batches so each stage has one to work on
+            size = min(self.config.max_rows, math.ceil(n_decoding / self.depth))
+            decodes.sort(key=lambda s: s.last_turn)
+            return self._decode_batch(decodes[:size])
+        return None
+
+    def _prompt_batch(self, seq: _Seq) -> _Batch:
+        a = seq.prefilled
+        b = min(a + self.config.n_batch, len(seq.req.prompt))
+        seq.prefilled = b
+        return _Batch(
+            "prompt",
+            (seq,),
+            (SeqChunk(seq.seq_id, b - a),),
+            b == len(seq.req.prompt),
+            time.perf_counter(),
+        )
+
+    def _decode_batch(self, seqs: list[_Seq]) -> _Batch:
+        turn = next(self._turn)
+        for s in seqs:
+            s.last_turn = turn
+        return _Batch(
+            "decode",
+            tuple(seqs),
+            tuple(SeqChunk(s.seq_id, 1) for s in seqs),
+            True,
+            time.perf_counter(),
+        )
+
+    def _submit(self, batch: _Batch) -> None:
+        if batch.kind == "prompt":
+            seq = batch.seqs[0]
+            a = seq.prefilled - batch.chunks[0].n
+            ids = list(seq.req.prompt[a : seq.prefilled])
+        else:
+            ids = [s.history[-1] for s in batch.seqs]
+        samplers = {s.seq_id: s.sampler for s in batch.seqs} if batch.samples else {}
+        histories = {s.seq_id: s.history for s in batch.seqs}
+        for s in batch.seqs:
+            s.in_flight += 1
+        self._inflight.append(batch)
+        try:
+            fut = self.pipeline.submit(
+                torch.tensor(ids, dtype=torch.long), list(batch.chunks), samplers, histories
+            )
+        except Exception as exc:  # a pipeline that fails before returning a future
+            fut = Future()
+            fut.set_exception(exc)
+        fut.add_done_callback(lambda f: self._inbox.put(("done", (batch, f))))
+
+    def _finish_batch(self, batch: _Batch, fut: Future[list[int]]) -> None:
+        self._inflight.remove(batch)
+        for s in batch.seqs:
+            s.in_flight -= 1
+            if s.in_flight == 0 and s.seq_id in self._late_drops:
+                self._late_drops.discard(s.seq_id)
+                self._drop(s.seq_id)
+        exc = fut.exception()
+        if exc is not None:
+            log.warning("batch of %d sequences failed: %s", len(batch.seqs), exc)
+            err = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+            for s in batch.seqs:
+                if not s.done:
+                    s.cancelled = True
+                    self._fail(s, err)
+            return
+        ms = (time.perf_counter() - batch.t0) * 1e3
+        if batch.kind == "decode":
+            self._record_decode(len(batch.seqs), ms)
+        if not batch.samples:
+            return
+        now = time.monotonic()
+        tokens = fut.result()
+        for s, tok in zip(batch.seqs, tokens, strict=True):
+            if s.done:
+                continue
+            if s.cancelled:
+                if s.in_flight == 0:
+                    self._end(s, Finished("cancelled", len(s.req.prompt), s.generated))
+                continue
+            if s.req.params.logprobs is not None and not hasattr(tok, "logprob"):
+                self._fail(s, UnsupportedError("logprobs are not yet supported over a pool"))
+                continue
+            if s.t_first is None:
+                s.t_first = now
+                self._push_ttft(now - s.t_submit)
+            s.history.append(tok)
+            s.generated += 1
+            self._emit(s, TokenEvent(tok, s.generated - 1))
+            if tok in s.req.stop_ids:
+                self._end(s, Finished("stop", len(s.req.prompt), s.generated))
+            elif s.generated >= s.req.max_tokens or len(s.history) >= self.n_ctx:
+                self._end(s, Finished("length", len(s.req.prompt), s.generated))
+        self.stats.generated_tokens += len(tokens)
+        self.stats.recent.append((now, len(tokens)))
+
+    def _record_decode(self, rows: int, ms: float) -> None:
+        st = self.stats
+        st.decode_steps += 1
+        st.decode_rows += 0.2 * (rows - st.decode_rows) if st.decode_steps > 1 else rows
+        stage = list(getattr(self.pipeline, "last_stage_ms", []) or [])
+        hop = list(getattr(self.pipeline, "last_hop_ms", []) or [])
+        if not stage:  # a local pipeline: the whole step is this machine's compute
+            stage, hop = [ms], [0.0]
+        st.stage_ms = _ema(st.stage_ms, stage)
+        st.hop_ms = _ema(st.hop_ms, hop)
+
+    def _push_ttft(self, s: float) -> None:
+        ttft = self.stats.ttft_s
+        ttft.append(s)
+        if len(ttft) > 1024:
+            del ttft[:512]
+
+    def _fail(self, seq: _Seq, exc: Exception) -> None:
+        self._release(seq)
+        self._emit(seq, Failed(exc))
+
+    def _end(self, seq: _Seq, fin: Finished) -> None:
+        self._release(seq)
+        fin_count = self.stats.requests_finished
+        fin_count[fin.reason] = fin_count.get(fin.reason, 0) + 1
+        self.stats.prompt_tokens += fin.n_prompt
+        self._emit(seq, fin)
+
+    def _emit(self, seq: _Seq, ev: Event) -> None:
+        try:
+            seq.sink(ev)
+        except Exception as exc:  # a caller that went away (e.g. its event loop closed): stop it
+            log.warning("sequence %d: its sink failed (%s); cancelling", seq.seq_id, exc)
+            seq.cancelled = True
+
+    def _release(self, seq: _Seq) -> None:
+        """Mark done and free the KV cache once no batch of the sequence is in flight."""
+        seq.done = True
+        seq.cancelled = True
+        self._active.pop(seq.seq_id, None)
+        if seq.in_flight == 0:
+            self._drop(seq.seq_id)
+        else:  # dropped when its last batch comes back
+            self._late_drops.add(seq.seq_id)
+
+    def _drop(self, seq_id: int) -> None:
+        try:
+            self.pipeline.drop(seq_id)
+        except Exception as exc:  # a node that is gone: its caches went with it
+            log.warning("could not free sequence %d: %s", seq_id, exc)
