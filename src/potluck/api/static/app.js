@@ -41,7 +41,8 @@ function store(key, value) {
 }
 
 let settings = { ...DEFAULTS, ...load(KEYS.settings, {}) };
-let conversations = Array.isArray(load(KEYS.conversations, [])) ? load(KEYS.conversations, []) : [];
+let conversations = load(KEYS.conversations, []); // [{id, title, updated, messages: [{role, content, state, stats}]}]
+if (!Array.isArray(conversations)) conversations = [];
 let currentId = load(KEYS.current, null);
 let modelId = null;
 let nLayerOfModel = 0;
@@ -203,11 +204,13 @@ function deleteConversation(id) {
   renderConversation();
 }
 
-// What the model sees: the system prompt, then the turns so far (failed answers left out).
+// What the model sees: the system prompt, then the turns so far. A question whose answer failed
+// (no key, server down) is left out with its answer: the user asks it again.
 function contextFor(conv, reply) {
-  const turns = conv.messages
-    .slice(0, conv.messages.indexOf(reply))
-    .filter((m) => m.content && m.state !== "error")
+  const before = conv.messages.slice(0, conv.messages.indexOf(reply));
+  const failed = (m) => m?.role === "assistant" && m.state === "error";
+  const turns = before
+    .filter((m, i) => m.content && !failed(m) && !(m.role === "user" && failed(before[i + 1])))
     .map((m) => ({ role: m.role, content: m.content }));
   return settings.system.trim() ? [{ role: "system", content: settings.system }, ...turns] : turns;
 }
@@ -565,6 +568,8 @@ function fillNode(li, node, slowest) {
   q(".node-device").textContent = String(node.device ?? "?").toUpperCase();
   q(".node-address").textContent = node.address === "local" ? "this machine (head)" : node.address;
   q(".node-slowest").hidden = !slowest;
+  q(".node-status").hidden = node.status === "ok";
+  q(".node-status").textContent = String(node.status ?? "unknown");
 
   const [start, stop] = Array.isArray(node.layers) ? node.layers : [0, 0];
   const total = nLayerOfModel || stop || 1;

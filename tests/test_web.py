@@ -1,0 +1,512 @@
+"""The web page (src/potluck/api/static/) in a real headless Chromium against a real `potluck serve`.
+
+Debian's `chromium` driven by Playwright (Playwright cannot download its own browsers here, so it is
+pointed at the system binary). The server is a real `potluck serve` process on 127.0.0.1 running
+SmolLM2; answers are checked against the same greedy request made through the `openai` client.
+Screenshots go to a temporary directory (its path is printed) and, when POTLUCK_KEEP_ARTIFACTS is
+set, are copied to tests/artifacts/ (ignored by git).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+playwright_sync = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+
+CHROMIUM = next(
+    (
+        p
+        for p in (
+            os.environ.get("POTLUCK_CHROMIUM"),
+            shutil.which("chromium"),
+            shutil.which("chromium-browser"),
+        )
+        if p
+    ),
+    None,
+)
+
+pytestmark = [
+    pytest.mark.web,
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no chromium binary: install Debian's `chromium` package (apt-get install -y chromium) "
+        "or set POTLUCK_CHROMIUM to a Chromium executable",
+    ),
+]
+
+CTX = 512  # small context: fast to allocate, enough for the prompts below
+API_KEY = "test-key-7f3a"
+START_TIMEOUT_S = 180  # loading SmolLM2 and compiling kernels on a busy 2-core machine
+ANSWER_TIMEOUT_MS = 90_000  # one answer of ≤ 48 tokens, with margin for a loaded machine
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `potluck serve` subprocess on loopback, its log in a file."""
+
+    def __init__(self, model: Path, log: Path, *extra: str) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "potluck.cli", "serve", "-m", str(model), "-c", str(CTX)]
+        cmd += ["-t", os.environ.get("POTLUCK_TEST_THREADS", "2")]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *extra]
+        env = {k: v for k, v in os.environ.items() if k != "POTLUCK_API_KEY"}  # keys only via argv
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"potluck serve exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"potluck serve not healthy after {START_TIMEOUT_S} s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def headers(self, key: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def pool(self, key: str | None = None) -> dict:
+        return httpx.get(f"{self.base}/api/pool", headers=self.headers(key), timeout=10).json()
+
+    def model_id(self, key: str | None = None) -> str:
+        r = httpx.get(f"{self.base}/v1/models", headers=self.headers(key), timeout=10)
+        return r.json()["data"][0]["id"]
+
+    def greedy(
+        self, messages: list[dict[str, str]], max_tokens: int, key: str | None = None
+    ) -> str:
+        """The same request the page makes, non-streaming, through the official client."""
+        import openai
+
+        client = openai.OpenAI(base_url=f"{self.base}/v1", api_key=key or "none", timeout=120)
+        done = client.chat.completions.create(
+            model=self.model_id(key), messages=messages, temperature=0, max_tokens=max_tokens
+        )
+        return done.choices[0].message.content or ""
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    out = tmp_path_factory.mktemp("web-artifacts")
+    yield out
+    print(f"\nweb page screenshots: {out}")
+    if os.environ.get("POTLUCK_KEEP_ARTIFACTS"):
+        ARTIFACTS.mkdir(exist_ok=True)
+        for f in out.iterdir():
+            shutil.copy2(f, ARTIFACTS / f.name)
+        print(f"copied to {ARTIFACTS}")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path: Path, artifacts: Path) -> Iterator[Server]:
+    s = Server(smollm2_path, artifacts / "serve.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(smollm2_path: Path, artifacts: Path) -> Iterator[Server]:
+    s = Server(smollm2_path, artifacts / "serve-keyed.log", "--api-key", API_KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with playwright_sync.sync_playwright() as p:
+        # --no-sandbox: the tests may run as root (CI containers), where Chromium's sandbox refuses.
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+class Page:
+    """A fresh browser context (empty localStorage) with its page; uncaught JS errors fail the test."""
+
+    def __init__(self, browser, base: str, **context_args) -> None:
+        self.context = browser.new_context(**context_args)
+        self.context.set_default_timeout(30_000)
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.base = base
+
+    def open(self) -> None:
+        self.page.goto(self.base + "/")
+        self.page.wait_for_selector("body[data-ready=true]")
+
+    def settings(
+        self,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        key: str | None = None,
+    ) -> None:
+        pg = self.page
+        pg.click("#settings-btn")
+        pg.wait_for_selector("#settings[open]")
+        if temperature is not None:
+            pg.eval_on_selector(  # a range input: set it as a drag would, with its input event
+                "#temperature",
+                "(el, v) => { el.value = v; el.dispatchEvent(new Event('input', {bubbles: true})); }",
+                str(temperature),
+            )
+        if max_tokens is not None:
+            pg.fill("#max-tokens", str(max_tokens))
+        if key is not None:
+            pg.fill("#api-key", key)
+        pg.click("#settings-save")
+        pg.wait_for_selector("#settings:not([open])", state="attached")
+
+    def ask(self, text: str, expect: str = "done") -> object:
+        """Type and send a message; wait for the answer to end; its <article>."""
+        pg = self.page
+        before = pg.locator(".msg.assistant").count()
+        pg.fill("#prompt", text)
+        pg.press("#prompt", "Enter")
+        reply = pg.locator(".msg.assistant").nth(before)
+        reply.wait_for()
+        pg.wait_for_function(
+            "el => el.dataset.state !== 'streaming'",
+            arg=reply.element_handle(),
+            timeout=ANSWER_TIMEOUT_MS,
+        )
+        assert reply.get_attribute("data-state") == expect, reply.inner_text()
+        return reply
+
+    def stored(self) -> list[dict]:
+        """The conversations the page keeps in localStorage."""
+        return json.loads(
+            self.page.evaluate("localStorage.getItem('potluck.conversations')") or "[]"
+        )
+
+    def shot(self, artifacts: Path, name: str) -> None:
+        self.page.screenshot(path=str(artifacts / f"{name}.png"), full_page=True)
+
+    def close(self) -> None:
+        self.context.close()
+        assert not self.errors, f"uncaught errors in the page: {self.errors}"
+
+
+@pytest.fixture
+def page(browser, server: Server) -> Iterator[Page]:
+    p = Page(browser, server.base, viewport={"width": 1280, "height": 800})
+    p.open()
+    yield p
+    p.close()
+
+
+def test_page_loads_and_dashboard_lists_the_nodes(
+    page: Page, server: Server, artifacts: Path
+) -> None:
+    pg = page.page
+    pool = server.pool()
+    assert pool["nodes"], pool
+    pg.wait_for_function(
+        "id => document.getElementById('model-pill').textContent === id", arg=server.model_id()
+    )
+    pg.wait_for_selector("#pool-status[data-state=live]")
+    nodes = pg.locator("#nodes .node")
+    assert nodes.count() == len(pool["nodes"])
+    n_layer = pool["model"]["n_layer"]
+    for i, want in enumerate(pool["nodes"]):
+        node = nodes.nth(i)
+        start, stop = want["layers"]
+        assert node.get_attribute("data-layers") == f"{start},{stop}"
+        assert (
+            node.locator(".node-layers").inner_text()
+            == f"{start}–{stop - 1} ({stop - start}/{n_layer})"
+        )
+        assert node.locator(".node-name").inner_text() == want["name"]
+        assert node.locator(".node-device").inner_text() == want["device"].upper()
+        used, total = want["memory_used_bytes"], want["memory_total_bytes"]
+        assert 0 < used < total
+        assert node.locator(".bar").get_attribute("aria-valuenow") == f"{100 * used / total:.0f}"
+    assert pool["model"]["name"] in pg.inner_text("#pool-model")
+    assert f"{n_layer} layers" in pg.inner_text("#pool-model")
+    page.shot(artifacts, "desktop-empty")
+
+
+def test_chat_streams_the_same_answer_as_the_api(
+    page: Page, server: Server, artifacts: Path
+) -> None:
+    pg = page.page
+    pg.wait_for_selector("#pool-status[data-state=live]")
+    served = server.pool()["requests_total"]
+    page.settings(temperature=0, max_tokens=40)
+
+    question = "What is the capital of France? Answer in one sentence."
+    pg.fill("#prompt", question)
+    pg.press("#prompt", "Enter")
+    pg.wait_for_selector("#stop:not([hidden])")  # while streaming, Stop replaces Send
+    reply = pg.locator(".msg.assistant").first
+    pg.wait_for_function(
+        "el => el.dataset.state !== 'streaming'",
+        arg=reply.element_handle(),
+        timeout=ANSWER_TIMEOUT_MS,
+    )
+    assert reply.get_attribute("data-state") == "done", reply.inner_text()
+    assert pg.is_visible("#send") and not pg.is_visible("#stop")
+
+    messages = [{"role": "user", "content": question}]
+    want = server.greedy(messages, 40)
+    assert want.strip()
+    got = page.stored()[0]["messages"][1]["content"]
+    assert got == want
+    assert int(reply.get_attribute("data-chunks")) > 1, (
+        "the answer arrived in one piece, not streamed"
+    )
+    # What is shown is exactly the markdown rendering of the API's text.
+    rendered = pg.evaluate("async t => (await import('/markdown.js')).renderMarkdown(t)", want)
+    assert reply.locator(".msg-body").inner_html() == rendered
+    assert "tokens" in reply.locator(".msg-meta").inner_text()
+
+    # A second turn sends the conversation so far.
+    follow = "And of Italy?"
+    second = page.ask(follow)
+    messages += [{"role": "assistant", "content": want}, {"role": "user", "content": follow}]
+    assert page.stored()[0]["messages"][3]["content"] == server.greedy(messages, 40)
+    assert second.locator(".msg-body").inner_text().strip()
+
+    # The dashboard counted the requests (two from the page, two from the openai client).
+    pg.wait_for_function(
+        "n => Number(document.getElementById('pool-total').textContent) >= n",
+        arg=served + 4,
+        timeout=10_000,
+    )
+    page.shot(artifacts, "desktop-chat")
+
+
+def test_stop_aborts_the_stream_and_frees_the_slot(page: Page, server: Server) -> None:
+    pg = page.page
+    page.settings(temperature=0, max_tokens=400)
+    pg.fill("#prompt", "Write a long story about a dragon who learns to bake bread.")
+    pg.click("#send")
+    reply = pg.locator(".msg.assistant").first
+    pg.wait_for_function(
+        "el => Number(el.dataset.chunks) >= 3",
+        arg=reply.element_handle(),
+        timeout=ANSWER_TIMEOUT_MS,
+    )
+    pg.click("#stop")
+    pg.wait_for_function(
+        "el => el.dataset.state === 'stopped'", arg=reply.element_handle(), timeout=5_000
+    )
+    assert pg.is_visible("#send")
+    assert "stopped" in reply.locator(".msg-meta").inner_text()
+    kept = page.stored()[0]["messages"][1]
+    assert kept["state"] == "stopped" and kept["content"]
+    # The server notices the closed connection and ends the generation.
+    deadline = time.monotonic() + 15
+    while server.pool()["requests_active"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.pool()["requests_active"] == 0
+
+
+_HOSTILE = [
+    "<script>window.__pwned = 1</script>",
+    '<img src=x onerror="window.__pwned = 1">',
+    "**<img src=x onerror=window.__pwned=1>**",
+    "[click](javascript:window.__pwned=1)",
+    '[x](https://example.com/"onmouseover="window.__pwned=1)',
+    "`<b>` and ```\n<iframe src=javascript:window.__pwned=1></iframe>\n```",
+    "| <svg onload=window.__pwned=1> | b |\n|---|---|\n| <a href=javascript:1>x</a> | y |",
+    "- <details open ontoggle=window.__pwned=1>",
+    "# <style>body{display:none}</style>",
+]
+
+
+def test_markdown_renders_and_never_injects_html(page: Page) -> None:
+    pg = page.page
+    html = pg.evaluate(
+        """async cases => {
+            const { renderMarkdown } = await import('/markdown.js');
+            const box = document.createElement('div');
+            document.body.append(box);
+            box.innerHTML = cases.map(renderMarkdown).join('<hr>');
+            await new Promise(r => setTimeout(r, 300));  // let any onerror/onload fire
+            const bad = [...box.querySelectorAll('*')].filter(el =>
+                ['SCRIPT', 'IMG', 'IFRAME', 'SVG', 'STYLE', 'DETAILS'].includes(el.tagName.toUpperCase()) ||
+                [...el.attributes].some(a => a.name.startsWith('on')));
+            const hrefs = [...box.querySelectorAll('a')].map(a => a.getAttribute('href'));
+            box.remove();
+            return { bad: bad.map(el => el.outerHTML), hrefs, pwned: window.__pwned ?? null };
+        }""",
+        _HOSTILE,
+    )
+    assert html["bad"] == [] and html["pwned"] is None, html
+    assert html["hrefs"] == ['https://example.com/"onmouseover="window.__pwned=1'], html["hrefs"]
+
+    def render(text: str) -> str:
+        return pg.evaluate("async t => (await import('/markdown.js')).renderMarkdown(t)", text)
+
+    assert render("# Title") == "<h1>Title</h1>"
+    assert render("**bold** and *it* and `a<b`") == (
+        "<p><strong>bold</strong> and <em>it</em> and <code>a&lt;b</code></p>"
+    )
+    assert render("```python\nif a < b:\n    pass\n```") == (
+        '<pre><span class="code-lang">python</span><code class="language-python">'
+        "if a &lt; b:\n    pass</code></pre>"
+    )
+    assert render("```\nstill streaming") == "<pre><code>still streaming</code></pre>"
+    assert render("- a\n- b\n  - c\n\n1. x\n2. y") == (
+        "<ul><li>a</li><li>b<ul><li>c</li></ul></li></ul><ol><li>x</li><li>y</li></ol>"
+    )
+    assert render("see [docs](https://example.com/a?b=1&c=2)") == (
+        '<p>see <a href="https://example.com/a?b=1&amp;c=2" target="_blank" '
+        'rel="noopener noreferrer">docs</a></p>'
+    )
+    assert render("snake_case_word stays") == "<p>snake_case_word stays</p>"
+
+
+def test_api_key_rejected_then_accepted_and_remembered(
+    browser, keyed_server: Server, artifacts: Path
+) -> None:
+    p = Page(browser, keyed_server.base, viewport={"width": 1280, "height": 800})
+    try:
+        pg = p.page
+        p.open()
+        pg.wait_for_selector("#model-pill[data-state=error]")
+        assert pg.inner_text("#model-pill") == "API key needed"
+        assert "needs an API key" in pg.inner_text("#banner-text")
+
+        reply = p.ask("Hello", expect="error")
+        banner = pg.inner_text("#banner-text")
+        assert "HTTP 401" in banner and "Settings" in banner, banner
+        assert "401" in reply.locator(".msg-meta").inner_text()
+        p.shot(artifacts, "api-key-missing")
+
+        # A wrong key: rejected, and the page says the saved key is the problem.
+        p.settings(key="wrong-key")
+        p.ask("Hello", expect="error")
+        assert "was rejected" in pg.inner_text("#banner-text")
+
+        # The banner's button opens the settings; the right key works at once.
+        pg.click("#banner-action")
+        pg.wait_for_selector("#settings[open]")
+        pg.click("#settings-cancel")
+        p.settings(temperature=0, max_tokens=16, key=API_KEY)
+        pg.wait_for_function(
+            "id => document.getElementById('model-pill').textContent === id",
+            arg=keyed_server.model_id(API_KEY),
+        )
+        pg.wait_for_selector("#pool-status[data-state=live]")
+        pg.wait_for_selector("#nodes .node")
+        reply = p.ask("Say hello.")
+        got = p.stored()[0]["messages"][-1]["content"]
+        # The failed turns are not sent as context: the request is just this question.
+        assert got == keyed_server.greedy([{"role": "user", "content": "Say hello."}], 16, API_KEY)
+
+        # The key is kept in this browser and used after a reload.
+        pg.reload()
+        pg.wait_for_selector("body[data-ready=true]")
+        assert (
+            pg.evaluate("JSON.parse(localStorage.getItem('potluck.settings')).api_key") == API_KEY
+        )
+        pg.wait_for_selector("#model-pill[data-state=ok]")
+        assert pg.locator(".msg.assistant").count() == 3  # the conversation came back too
+        p.shot(artifacts, "api-key-accepted")
+    finally:
+        p.close()
+
+
+def test_conversation_history(page: Page) -> None:
+    pg = page.page
+    page.settings(temperature=0, max_tokens=8)
+    page.ask("Name a fruit.")
+    pg.click("#new-chat-btn")
+    assert pg.locator(".msg").count() == 0 and pg.is_visible("#empty")
+    page.ask("Name a color.")
+
+    pg.click("#history-btn")
+    entries = pg.locator("#history-list .history-open")
+    assert entries.count() == 2
+    assert entries.nth(0).inner_text().startswith("Name a color.")  # newest first
+    entries.nth(1).click()
+    assert pg.is_hidden("#history")
+    assert pg.locator(".msg.user").inner_text() == "Name a fruit."
+
+    pg.reload()
+    pg.wait_for_selector("body[data-ready=true]")
+    assert pg.locator(".msg.user").inner_text() == "Name a fruit."  # the open one is remembered
+    pg.click("#history-btn")
+    pg.locator("#history-list li.current button[title^=Delete]").click()
+    assert pg.locator(".msg").count() == 0
+    assert pg.locator("#history-list .history-open").count() == 1
+
+
+def test_phone_layout(browser, server: Server, artifacts: Path) -> None:
+    p = Page(
+        browser,
+        server.base,
+        viewport={"width": 390, "height": 844},
+        device_scale_factor=2,
+        is_mobile=True,
+        has_touch=True,
+    )
+    try:
+        pg = p.page
+        p.open()
+        overflow = "document.documentElement.scrollWidth - document.documentElement.clientWidth"
+        assert pg.evaluate(overflow) == 0, "the page scrolls sideways on a phone"
+        assert pg.is_visible("#chat") and pg.is_hidden("#pool")
+        assert pg.is_visible(".tabs")
+        p.settings(temperature=0, max_tokens=12)
+
+        # On a touch screen Enter is a new line; the Send button sends.
+        pg.fill("#prompt", "Hi")
+        pg.press("#prompt", "Enter")
+        assert pg.input_value("#prompt") == "Hi\n"
+        pg.tap("#send")
+        reply = pg.locator(".msg.assistant").first
+        pg.wait_for_function(
+            "el => el.dataset.state === 'done'",
+            arg=reply.element_handle(),
+            timeout=ANSWER_TIMEOUT_MS,
+        )
+        assert pg.evaluate(overflow) == 0
+        p.shot(artifacts, "phone-chat")
+
+        pg.tap(".tab[data-view=pool]")
+        assert pg.is_hidden("#chat") and pg.is_visible("#pool")
+        pg.wait_for_selector("#nodes .node")
+        assert pg.evaluate(overflow) == 0
+        p.shot(artifacts, "phone-pool")
+    finally:
+        p.close()
