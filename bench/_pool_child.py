@@ -11,6 +11,7 @@ N tokens each; over the pool two groups of two are kept in flight). Prints one J
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -24,7 +25,24 @@ from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 
 N_STREAMS = 4
-POOL_UBATCH = 64
+POOL_UBATCH = int(os.environ.get("POOL_UBATCH", "256"))
+
+
+def balanced_cuts(path: str, n_nodes: int) -> list[int]:
+    """Layer boundaries giving equal-speed nodes equal weight bytes to read per token (the last
+    stage also reads the output head): what the planner does for nodes of equal speed."""
+    f = GGUFFile(path)
+    n_layer = hparams_from_metadata(f.metadata).n_layer
+    per = f.layer_bytes()
+    head = f.tensors["output.weight" if "output.weight" in f.tensors else "token_embd.weight"]
+    cost = [per[i] for i in range(n_layer)]
+    cost[-1] += head.nbytes
+    total, acc, cuts = sum(cost), 0, [0]
+    for i, c in enumerate(cost):
+        if len(cuts) < n_nodes and acc + c / 2 > total * len(cuts) / n_nodes:
+            cuts.append(i)
+        acc += c
+    return [*cuts, n_layer]
 
 
 def main() -> None:
@@ -35,8 +53,7 @@ def main() -> None:
     if mode == "single":
         m = load_model(path, n_ctx=n_ctx)
     else:
-        n_layer = hparams_from_metadata(GGUFFile(path).metadata).n_layer
-        cut = [round(n_layer * i / len(peers)) for i in range(len(peers) + 1)]
+        cut = balanced_cuts(path, len(peers))
         m = load_model(
             path,
             n_ctx=n_ctx,
