@@ -59,6 +59,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _env() -> dict[str, str]:
+    """The processes' environment: no mDNS (other test runs' workers on this host must not join
+    these pools), a pool name of our own, and API keys only from argv."""
+    env = {k: v for k, v in os.environ.items() if k != "POTLUCK_API_KEY"}
+    return {**env, "POTLUCK_MDNS": "0", "POTLUCK_POOL": f"web-test-{os.getpid()}"}
+
+
 class Server:
     """A `potluck serve` subprocess on loopback, its log in a file."""
 
@@ -69,9 +76,8 @@ class Server:
         cmd = [sys.executable, "-m", "potluck.cli", "serve", "-m", str(model), "-c", str(CTX)]
         cmd += ["-t", os.environ.get("POTLUCK_TEST_THREADS", "2")]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *extra]
-        env = {k: v for k, v in os.environ.items() if k != "POTLUCK_API_KEY"}  # keys only via argv
         with log.open("w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:
@@ -146,6 +152,36 @@ def keyed_server(smollm2_path: Path, artifacts: Path) -> Iterator[Server]:
     s = Server(smollm2_path, artifacts / "serve-keyed.log", "--api-key", API_KEY)
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def pool_server(smollm2_path: Path, artifacts: Path) -> Iterator[Server]:
+    """A head and one `potluck worker` process on loopback (standing in for a second machine),
+    the layers split evenly."""
+    port = _free_port()
+    log = artifacts / "worker.log"
+    with log.open("w") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "listening on" not in log.read_text(errors="replace"):
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"potluck worker did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        peer = f"127.0.0.1:{port}"
+        s = Server(smollm2_path, artifacts / "serve-pool.log", "--peer", peer, "-ts", "1,1")
+        try:
+            yield s
+        finally:
+            s.stop()
+    finally:
+        worker.terminate()
+        worker.wait(timeout=20)
 
 
 @pytest.fixture(scope="module")
@@ -508,5 +544,57 @@ def test_phone_layout(browser, server: Server, artifacts: Path) -> None:
         pg.wait_for_selector("#nodes .node")
         assert pg.evaluate(overflow) == 0
         p.shot(artifacts, "phone-pool")
+    finally:
+        p.close()
+
+
+def test_dashboard_shows_a_two_node_pool(browser, pool_server: Server, artifacts: Path) -> None:
+    p = Page(browser, pool_server.base, viewport={"width": 1280, "height": 800})
+    try:
+        pg = p.page
+        p.open()
+        pg.wait_for_selector("#pool-status[data-state=live]")
+        nodes = pg.locator("#nodes .node")
+        assert nodes.count() == 2
+        assert [nodes.nth(i).get_attribute("data-layers") for i in range(2)] == ["0,15", "15,30"]
+        assert nodes.nth(0).locator(".node-address").inner_text() == "this machine (head)"
+        remote = pool_server.pool()["nodes"][1]["address"]
+        assert nodes.nth(1).locator(".node-address").inner_text() == remote
+        assert nodes.nth(1).locator(".node-layers").inner_text() == "15–29 (15/30)"
+
+        p.settings(temperature=0, max_tokens=24)
+        p.ask("Name three planets.")
+        want = p.stored()[0]["messages"][1]["content"]
+        assert want == pool_server.greedy([{"role": "user", "content": "Name three planets."}], 24)
+
+        # After decoding, each node shows its compute time, speed and (remote) hop latency as
+        # /api/pool reports them (the page polls every second; the values hold still once no
+        # request runs). Compared as numbers: the page rounds to 0.1.
+        after = pool_server.pool()["nodes"]
+        assert after[1]["hop_ms"] is not None, after
+        for i, node in enumerate(after):
+            for cell, key in (
+                ("compute", "compute_ms"),
+                ("hop", "hop_ms"),
+                ("rate", "tokens_per_s"),
+            ):
+                if node[key] is None:
+                    assert node["address"] == "local" and key == "hop_ms", node
+                    continue
+                pg.wait_for_function(
+                    """([i, cls, v]) => {
+                        const text = document.querySelectorAll('#nodes .node')[i].querySelector(cls).textContent;
+                        return Math.abs(parseFloat(text) - v) <= Math.max(0.06, v * 0.005);
+                    }""",
+                    arg=[i, f".node-{cell}", node[key]],
+                    timeout=5_000,
+                )
+        # Exactly one node is marked as the pool's bottleneck: the one with the most ms per token.
+        cost = [(n["compute_ms"] or 0) + (n["hop_ms"] or 0) for n in after]
+        slowest = pg.locator("#nodes .node .node-slowest:not([hidden])")
+        assert slowest.count() == 1
+        flagged = [nodes.nth(i).locator(".node-slowest").is_visible() for i in range(2)]
+        assert flagged.index(True) == cost.index(max(cost))
+        p.shot(artifacts, "desktop-pool-two-nodes")
     finally:
         p.close()
