@@ -1,0 +1,127 @@
+"""The head's view of its pool: static peers first, then the workers of its pool found on mDNS,
+each with how it was found, and the ones seen but left out with the reason.
+
+    found = gather(static_peers, browser.results(), pool="home")
+    found.peers    # to plan with
+    found.skipped  # [(peer, "speaks protocol 1, this head 2: ...")]
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from potluck.discovery.mdns import WorkerAdvert
+from potluck.discovery.measure import REACHED, tcp_reach
+from potluck.discovery.static import MDNS, Peer, dedupe, split_address
+from potluck.transport.codec import PROTOCOL_VERSION
+
+REACH_TIMEOUT_S = 1.0  # a worker announced on this LAN answers a TCP connect in well under 1 s
+
+
+@dataclass(frozen=True)
+class Found:
+    peers: tuple[Peer, ...]  # to use: static ones in the order given, then mDNS ones
+    skipped: tuple[tuple[Peer, str], ...]  # seen but left out, with the reason
+
+
+def _ips(host: str) -> set[str]:
+    """The IPv4 addresses a static host names, to tell it is the same worker mDNS announces."""
+    try:
+        ipaddress.ip_address(host)
+        return {host}
+    except ValueError:
+        pass
+    try:
+        return {a[4][0] for a in socket.getaddrinfo(host, None, socket.AF_INET)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def usable_reason(advert: WorkerAdvert, pool: str) -> str:
+    """Why a head of `pool` cannot use this announced worker ("" if it can)."""
+    if advert.pool != pool:
+        return (
+            f"it is in pool {advert.pool!r}, this head in {pool!r} (--pool {advert.pool} to use it)"
+        )
+    if advert.protocol_version != PROTOCOL_VERSION:
+        return (
+            f"it speaks protocol {advert.protocol_version or '?'} (potluck "
+            f"{advert.potluck_version or '?'}), this head {PROTOCOL_VERSION}: install the same "
+            "Potluck version on every machine"
+        )
+    return ""
+
+
+def gather(
+    static: Sequence[Peer],
+    adverts: Sequence[WorkerAdvert],
+    pool: str,
+    reach: Callable[[str, int], bool] | None = None,
+) -> Found:
+    """Static peers as given (a bad one fails loudly later, when the head dials it: the user typed
+    it), plus each announced worker of `pool` that speaks this protocol and accepts a TCP
+    connection (an announcement can outlive its worker by a few seconds)."""
+    reach = reach or (lambda h, p: tcp_reach(h, p, REACH_TIMEOUT_S).outcome == REACHED)
+    peers = dedupe(static)
+    known = {(ip, p.port) for p in peers for ip in _ips(p.host)}
+    known |= {(p.host, p.port) for p in peers}
+    skipped: list[tuple[Peer, str]] = []
+    for a in adverts:
+        peer = Peer(a.address, MDNS, a)
+        if any((ip, a.port) in known for ip in a.addresses):
+            continue  # the same worker, already a static peer
+        why = usable_reason(a, pool)
+        if not why and not reach(*split_address(a.address)):
+            why = "it is announced on mDNS but does not accept connections (stopped, or a firewall)"
+        if why:
+            skipped.append((peer, why))
+            continue
+        peers.append(peer)
+        known |= {(ip, a.port) for ip in a.addresses}
+    return Found(tuple(peers), tuple(skipped))
+
+
+def describe_peer(peer: Peer) -> str:
+    """'10.0.0.2:50052 (mDNS: desk, 15.2 GiB free)' / '10.0.0.3:50052 (--peer)'."""
+    if peer.advert is not None:
+        a = peer.advert
+        return f"{peer.address} (mDNS: {a.node_name}, {a.cores} cores, {a.memory_bytes / 2**30:.1f} GiB free)"
+    how = {"static": "--peer", "config": "peers file"}.get(peer.source, peer.source)
+    return f"{peer.address} ({how})"
+
+
+class PeerFinder:
+    """Static peers plus, with `browse_s`, an mDNS browse that starts at construction (so it
+    overlaps the head's start-up) and ends when `find()` is called and the window has passed.
+
+    error: why mDNS could not run ("" if it ran or was not asked for)."""
+
+    def __init__(self, static: Sequence[Peer], pool: str, browse_s: float | None) -> None:
+        from potluck.discovery.mdns import Browser, DiscoveryError, check_pool_name
+
+        self.static, self.pool, self.browse_s = list(static), check_pool_name(pool), browse_s
+        self.error = ""
+        self.browser: Browser | None = None
+        if browse_s:
+            try:
+                self.browser = Browser(pool, browse_s)
+            except DiscoveryError as exc:
+                self.error = str(exc)
+
+    @property
+    def browsing(self) -> bool:
+        return self.browser is not None
+
+    def find(self, reach: Callable[[str, int], bool] | None = None) -> Found:
+        """End the browse (after its window) and merge; `reach` as in gather()."""
+        adverts = self.browser.results() if self.browser is not None else []
+        self.browser = None
+        return gather(self.static, adverts, self.pool, reach)
+
+    def close(self) -> None:
+        if self.browser is not None:
+            self.browser.close()
+            self.browser = None
