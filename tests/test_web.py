@@ -598,3 +598,29 @@ def test_dashboard_shows_a_two_node_pool(browser, pool_server: Server, artifacts
         p.shot(artifacts, "desktop-pool-two-nodes")
     finally:
         p.close()
+
+
+def test_errors_are_shown_and_the_chat_recovers(page: Page, server: Server) -> None:
+    pg = page.page
+    page.settings(temperature=0, max_tokens=8)
+
+    # A prompt longer than the context: the server's one-line reason, with the numbers.
+    page.ask("word " * (CTX + 50), expect="error")
+    banner = pg.inner_text("#banner-text")
+    assert "HTTP 400" in banner and str(CTX) in banner, banner
+    assert pg.inner_text("#banner-action") == "Retry"
+
+    # The network gone (Chromium's offline mode): the chat and the dashboard say so.
+    pg.wait_for_selector("#pool-status[data-state=live]")
+    page.context.set_offline(True)
+    page.ask("Hello?", expect="error")
+    assert "Cannot reach the Potluck server" in pg.inner_text("#banner-text")
+    pg.wait_for_selector("#pool-status[data-state=down]", timeout=10_000)
+
+    # Back online: the dashboard resumes by itself and the next question is answered; the
+    # failed turns are not sent as context.
+    page.context.set_offline(False)
+    pg.wait_for_selector("#pool-status[data-state=live]", timeout=10_000)
+    page.ask("Hello!")
+    got = page.stored()[0]["messages"][-1]["content"]
+    assert got == server.greedy([{"role": "user", "content": "Hello!"}], 8)

@@ -416,15 +416,20 @@ async function send(text) {
       signal: controller.signal,
     });
     if (!res.ok) throw await apiError(res);
+    let complete = false;
     for await (const event of sseEvents(res.body)) {
-      if (event.data === "[DONE]") break;
+      if (event.data === "[DONE]") {
+        complete = true;
+        break;
+      }
       let chunk;
       try {
         chunk = JSON.parse(event.data);
       } catch {
         throw new ApiError(0, `The server sent an event that is not JSON: ${event.data.slice(0, 120)}`);
       }
-      if (chunk.error) throw new ApiError(chunk.error.status ?? 500, chunk.error.message ?? "error in stream", chunk.error.code);
+      // An error after the stream started comes as an event (OpenAI's shape, no HTTP status).
+      if (chunk.error) throw new ApiError(0, `The answer stopped with an error: ${chunk.error.message ?? "unknown"}`, chunk.error.code);
       if (chunk.usage) usage = chunk.usage;
       const choice = chunk.choices?.[0];
       if (!choice) continue;
@@ -437,6 +442,7 @@ async function send(text) {
       }
       if (choice.finish_reason) finish = choice.finish_reason;
     }
+    if (!complete && !finish) throw new ApiError(0, "The connection to the server closed before the answer was complete.");
     reply.state = "done";
   } catch (err) {
     if (controller.signal.aborted) {
