@@ -1,0 +1,120 @@
+"""The pool across separate network stacks: head and workers in their own network namespaces,
+joined by veth links capped with tc tbf (1 Gbit/s, 100 Mbit/s) or delayed by a TCP proxy.
+
+What this fakes: separate machines (namespaces share this machine's CPUs, memory and disk — the
+bare worker gets an empty model cache so that its layers really cross the capped link).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from netns import netns_lan
+
+pytestmark = pytest.mark.netns
+
+SECRET = "pltest-" + "x" * 40
+PROMPT = "Name a colour."
+PROXY = Path(__file__).with_name("delay_proxy.py")
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "potluck.cli", *args]
+
+
+def _wait_line(proc: subprocess.Popen, needle: str, what: str, stream: str = "stderr") -> None:
+    f = getattr(proc, stream)
+    lines = []
+    while True:
+        line = f.readline()
+        if not line:
+            raise AssertionError(f"{what} ended before saying {needle!r}: {''.join(lines)[-2000:]}")
+        lines.append(line)
+        if needle in line:
+            return
+
+
+def _run_args(model: Path) -> list[str]:
+    return ["run", "-m", str(model), "--temp", "0", "-n", "12", "-c", "256", PROMPT]
+
+
+def _no_mdns() -> list[str]:
+    done = subprocess.run(_cmd("run", "--help"), capture_output=True, text=True, timeout=60)
+    return ["--no-mdns"] if "--no-mdns" in done.stdout else []
+
+
+@pytest.fixture(scope="module")
+def alone(smollm2_path: Path) -> str:
+    done = subprocess.run(
+        _cmd(*_run_args(smollm2_path)), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("rates", [("1gbit", "1gbit", "1gbit"), ("100mbit", "100mbit", "100mbit")])
+def test_pool_over_capped_links(
+    smollm2_path: Path, alone: str, tmp_path: Path, rates: tuple[str, str, str]
+) -> None:
+    env = {**os.environ, "POTLUCK_SECRET": SECRET, "POTLUCK_NO_MDNS": "1"}
+    bare = {**env, "POTLUCK_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
+    with netns_lan(3, rates=list(rates)) as (head, w1, w2):
+        workers = []
+        for host, wenv in ((w1, env), (w2, bare)):
+            p = host.popen(
+                _cmd("worker", "-H", host.ip, "-p", "50052", "-t", "1", "--no-mdns"),
+                env=wenv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+            _wait_line(p, "listening on", f"worker on {host.ip}")
+            workers.append(f"{host.ip}:50052")
+        done = head.run(
+            _cmd(*_run_args(smollm2_path), "--peer", workers[0], "--peer", workers[1],
+                 "--tensor-split", "1,1,1", *_no_mdns()),
+            env=env, timeout=300, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == alone
+        assert f"layers 20–29 → {workers[1]}" in done.stderr
+    assert any((tmp_path / "cache" / "blobs").iterdir()), "the bare worker got no tensors"
+
+
+def test_pool_through_delayed_links(smollm2_path: Path, alone: str) -> None:
+    """Each worker listens on its own loopback; a proxy on its address adds 15 ms each way.
+    The head measures the latency (survey) and the output still equals one process."""
+    env = {**os.environ, "POTLUCK_NO_MDNS": "1"}
+    with netns_lan(3) as (head, w1, w2):
+        workers = []
+        for host in (w1, w2):
+            p = host.popen(
+                _cmd("worker", "-H", "127.0.0.1", "-p", "50052", "-t", "1", "--no-mdns"),
+                env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+            _wait_line(p, "listening on", f"worker in {host.ip}")
+            proxy = host.popen(
+                [sys.executable, str(PROXY), f"{host.ip}:6000", "127.0.0.1:50052", "15"],
+                stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            _wait_line(proxy, "ready", "delay proxy", "stdout")
+            workers.append(f"{host.ip}:6000")
+        probe = head.run(
+            [sys.executable, "-c",
+             "import sys; from potluck.engine.survey import survey; "
+             "_, links = survey(sys.argv[1:]); "
+             "print(' '.join(f'{l.latency_s * 1e3:.1f}' for l in links.values()))", *workers],
+            env=env, timeout=120, check=False,
+        )  # fmt: skip
+        assert probe.returncode == 0, probe.stderr
+        one_way_ms = [float(x) for x in probe.stdout.split()]
+        assert len(one_way_ms) == 2 and all(14 <= ms < 200 for ms in one_way_ms), one_way_ms
+        done = head.run(
+            _cmd(*_run_args(smollm2_path), "--peer", workers[0], "--peer", workers[1],
+                 "--tensor-split", "1,1,1", *_no_mdns()),
+            env=env, timeout=300, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == alone
