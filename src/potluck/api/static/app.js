@@ -591,7 +591,7 @@ function fillNode(li, node, slowest) {
   const bar = q(".bar");
   bar.setAttribute("aria-valuenow", pct.toFixed(0));
   bar.dataset.level = pct >= 90 ? "high" : pct >= 70 ? "mid" : "low";
-  q(".bar-fill").style.width = `${pct}%`;
+  q(".bar-fill").style.width = used > 0 ? `max(2px, ${pct}%)` : "0"; // a sliver stays visible
   q(".node-memory").textContent = `${fmtBytes(used)} / ${fmtBytes(cap)}`;
 
   q(".node-rate").textContent = fmtRate(node.tokens_per_s);
