@@ -1,0 +1,107 @@
+"""`potluck bench`: measure the model on one machine and on the pool, side by side, and say from
+the measurements (not the planner's predictions) whether pooling is worth it."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from potluck.engine.generate import Model, prefill
+from potluck.engine.sampling import GREEDY, Sampler
+from potluck.model.stage import SeqChunk
+
+WORTH_IT = 1.2  # pooling must beat the best single machine by 20 % (as the planner's verdict)
+BENCH_TEXT = "The history of the printing press begins in the fifteenth century, when "
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One configuration's speed: decode of one stream and prompt processing, with the compute of
+    each stage and the time on each link, per decoded token (medians over the steps)."""
+
+    label: str
+    decode_tokens_per_s: float
+    prompt_tokens_per_s: float
+    stage_ms: tuple[float, ...]  # compute per stage, in pipeline order
+    hop_ms: tuple[float, ...]  # head → first node, then node → node (network + serialization)
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1e3 / self.decode_tokens_per_s
+
+
+def measure(
+    model: Model, label: str, n_tokens: int = 32, n_prompt: int = 128, n_batch: int = 512
+) -> Measured:
+    """Process an n_prompt-token prompt, then decode n_tokens greedily; time both."""
+    if n_tokens < 1 or n_prompt < 1:
+        raise ValueError(f"need at least one token to time, got -n {n_tokens}, -p {n_prompt}")
+    if n_prompt + n_tokens + 1 > model.n_ctx:
+        raise ValueError(
+            f"the bench needs {n_prompt + n_tokens + 1} positions but the context is "
+            f"{model.n_ctx}; lower -p/-n or raise -c"
+        )
+    ids = model.tokenizer.encode(BENCH_TEXT * (n_prompt // 8 + 1))[:n_prompt]
+    pipe = model.pipeline
+    warm = model.new_seq_id()  # first calls pay for lazy setup on every node
+    prefill(pipe, warm, ids[:4], Sampler(GREEDY))
+    pipe.drop(warm)
+    seq = model.new_seq_id()
+    sampler = Sampler(GREEDY)
+    t0 = time.perf_counter()
+    tok = prefill(pipe, seq, ids, sampler, n_batch)
+    prompt_s = time.perf_counter() - t0
+    stages: list[list[float]] = []
+    hops: list[list[float]] = []
+    t0 = time.perf_counter()
+    try:
+        for _ in range(n_tokens):
+            t1 = time.perf_counter()
+            tok = pipe.step(torch.tensor([tok]), [SeqChunk(seq, 1)], {seq: sampler}, {})[0]
+            stage_ms = list(getattr(pipe, "last_stage_ms", []))
+            stages.append(stage_ms or [(time.perf_counter() - t1) * 1e3])
+            hops.append(list(getattr(pipe, "last_hop_ms", [])))
+        decode_s = time.perf_counter() - t0
+    finally:
+        pipe.drop(seq)
+    return Measured(
+        label=label,
+        decode_tokens_per_s=n_tokens / decode_s,
+        prompt_tokens_per_s=len(ids) / prompt_s,
+        stage_ms=tuple(statistics.median(col) for col in zip(*stages, strict=True)),
+        hop_ms=tuple(statistics.median(col) for col in zip(*hops, strict=True)) if hops[0] else (),
+    )
+
+
+def measured_verdict(single: Measured, pool: Measured, stage_names: list[str]) -> str:
+    """One line: is the pool worth it by the measurements, and if not, why."""
+    ratio = pool.decode_tokens_per_s / single.decode_tokens_per_s
+    head = (
+        f"measured: pool {pool.decode_tokens_per_s:.1f} tok/s vs {single.label} alone "
+        f"{single.decode_tokens_per_s:.1f} tok/s ({ratio:.2f}×)"
+    )
+    if ratio >= WORTH_IT:
+        return f"{head}: pooling is worth it"
+    net, compute = sum(pool.hop_ms), sum(pool.stage_ms)
+    slowest = max(range(len(pool.stage_ms)), key=lambda i: pool.stage_ms[i])
+    if net > 0.25 * pool.ms_per_token:
+        why = (
+            f"the network: {net:.1f} of every {pool.ms_per_token:.1f} ms per token are spent "
+            "on the links (a wired connection helps most)"
+        )
+    elif pool.stage_ms[slowest] > 0.6 * single.ms_per_token and len(pool.stage_ms) > 1:
+        name = stage_names[slowest] if slowest < len(stage_names) else f"stage {slowest}"
+        why = (
+            f"the slowest stage: {name} needs {pool.stage_ms[slowest]:.1f} ms per token for its "
+            f"share, against {single.ms_per_token:.1f} ms for the whole model on {single.label}"
+        )
+    else:
+        why = (
+            f"a pipeline runs its stages one after another for one stream ({compute:.1f} ms of "
+            f"compute + {net:.1f} ms of links per token); pooling pays off for models that do not "
+            "fit one machine, or for several streams at once"
+        )
+    return f"{head}: below the {WORTH_IT:.1f}× that makes pooling worth it; use {single.label} alone — {why}"
