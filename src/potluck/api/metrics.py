@@ -103,6 +103,20 @@ def render(scheduler: Scheduler, pool: PoolInfo, http: HttpCounters) -> str:
         "Requests waiting for a slot.",
         [({}, scheduler.queued)],
     )
+    stages = pool.model.pipeline.stages
+    caches = [c for s in stages for c in list(s.caches.values())]
+    w.metric(
+        "potluck_kv_cache_sequences",
+        "gauge",
+        "Sequences holding a KV cache on this machine's stages (0 when idle: nothing leaked).",
+        [({}, max((len(s.caches) for s in stages), default=0))],
+    )
+    w.metric(
+        "potluck_kv_cache_bytes",
+        "gauge",
+        "Bytes of KV cache held on this machine's stages.",
+        [({}, sum(c.nbytes() for c in caches))],
+    )
     ttft = list(st.ttft_s)
     w.lines.append(
         "# HELP potluck_time_to_first_token_seconds Time from accepting a request to its first "

@@ -260,23 +260,28 @@ class Api:
     ) -> AsyncIterator[_Piece]:
         """Text pieces of every choice as they come; the last piece of a choice has `finish`."""
         remaining = len(job.choices)
-        silent = 0.0
-        wait = DISCONNECT_POLL_S if disconnected is not None else self.config.event_timeout_s
+        limit = self.config.event_timeout_s
+        wait = DISCONNECT_POLL_S if disconnected is not None else limit
+        last_event = last_check = time.monotonic()
         while remaining:
             try:
                 index, ev = await asyncio.wait_for(job.queue.get(), wait)
             except TimeoutError:
-                silent += wait
-                if disconnected is not None and await disconnected():
-                    raise _Disconnected() from None
-                if silent >= self.config.event_timeout_s:
+                index, ev = -1, None
+            now = time.monotonic()
+            if disconnected is not None and now - last_check >= DISCONNECT_POLL_S:
+                last_check = now
+                if await disconnected():
+                    raise _Disconnected()
+            if ev is None:
+                if now - last_event >= limit:
                     raise errors.ApiError(
                         503,
-                        f"no token in {silent:.0f} s: the pool is stuck or overloaded",
+                        f"no token in {now - last_event:.0f} s: the pool is stuck or overloaded",
                         "server_error",
-                    ) from None
+                    )
                 continue
-            silent = 0.0
+            last_event = now
             c = job.choices[index]
             if isinstance(ev, Failed):
                 raise _api_error(ev.error)
@@ -365,6 +370,10 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
     @app.exception_handler(ApiError)
     async def _on_api_error(_: HttpRequest, exc: ApiError) -> Response:
         return exc.response()
+
+    @app.exception_handler(_Disconnected)
+    async def _on_gone(_: HttpRequest, exc: _Disconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client went away (nginx's code)
 
     @app.exception_handler(RequestValidationError)
     async def _on_invalid(_: HttpRequest, exc: RequestValidationError) -> Response:
@@ -637,11 +646,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve(app: FastAPI, host: str, port: int, on_listen: Callable[[str], None]) -> None:
-    """Run the app with uvicorn until Ctrl-C. `on_listen` gets the URL (with the real port when
-    port is 0) once the socket accepts connections."""
-    import uvicorn
-
+def bind(host: str, port: int) -> tuple[socket.socket, str]:
+    """A listening socket on host:port (0: any free port) and its URL."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -653,11 +659,25 @@ def serve(app: FastAPI, host: str, port: int, on_listen: Callable[[str], None]) 
             f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port"
         ) from None
     sock.listen(2048)
-    bound = sock.getsockname()[1]
     shown = f"[{host}]" if family == socket.AF_INET6 else host
+    return sock, f"http://{shown}:{sock.getsockname()[1]}"
+
+
+def uvicorn_server(app: FastAPI) -> Any:
+    """A uvicorn.Server for the app; run it with `.run(sockets=[sock])`, stop it with
+    `.should_exit = True` (or Ctrl-C when it runs on the main thread)."""
+    import uvicorn
+
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off"
     )
-    server = uvicorn.Server(config)
-    on_listen(f"http://{shown}:{bound}")
+    return uvicorn.Server(config)
+
+
+def serve(app: FastAPI, host: str, port: int, on_listen: Callable[[str], None]) -> None:
+    """Run the app with uvicorn until Ctrl-C. `on_listen` gets the URL (with the real port when
+    port is 0) once the socket accepts connections."""
+    sock, url = bind(host, port)
+    server = uvicorn_server(app)
+    on_listen(url)
     server.run(sockets=[sock])

@@ -181,9 +181,11 @@ class Stats:
     ttft_s: list[float] = field(default_factory=list)  # recent times to first token (≤ 1024)
     decode_steps: int = 0
     # per stage of the pipeline, recent ms per decode step: compute, and the network hop into it
+    # (0 for a stage on this machine)
     stage_ms: list[float] = field(default_factory=list)
     hop_ms: list[float] = field(default_factory=list)
     decode_rows: float = 0.0  # recent rows per decode step
+    max_in_flight: int = 0  # most batches in flight at once so far
     recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
 
     def tokens_per_s(self, window_s: float = 5.0) -> float:
@@ -386,6 +388,7 @@ class Scheduler:
         for s in batch.seqs:
             s.in_flight += 1
         self._inflight.append(batch)
+        self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
         try:
             fut = self.pipeline.submit(
                 torch.tensor(ids, dtype=torch.long), list(batch.chunks), samplers, histories
@@ -449,6 +452,8 @@ class Scheduler:
         hop = list(getattr(self.pipeline, "last_hop_ms", []) or [])
         if not stage:  # a local pipeline: the whole step is this machine's compute
             stage, hop = [ms], [0.0]
+        # hop_ms[i] is the hop into stage i: a local first stage has none
+        hop = [0.0] * (len(stage) - len(hop)) + hop
         st.stage_ms = _ema(st.stage_ms, stage)
         st.hop_ms = _ema(st.hop_ms, hop)
 
