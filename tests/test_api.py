@@ -493,7 +493,7 @@ def test_serve_refuses_lan_without_key() -> None:
 
 
 def test_potluck_serve_subprocess(smollm2_path: Path) -> None:
-    env = {**os.environ, "POTLUCK_API_KEY": "from-env"}
+    env = {**os.environ, "POTLUCK_API_KEY": "from-env", "POTLUCK_MDNS": "0"}  # no other pools
     proc = subprocess.Popen(
         [sys.executable, "-m", "potluck.cli", "serve", "-m", str(smollm2_path), "-c", "256",
          "-t", "1", "--port", "0"],
