@@ -34,7 +34,7 @@ def start_worker(
     env_extra: dict[str, str] | None = None, threads: int = 1
 ) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    env = {**os.environ, **(env_extra or {})}
+    env = {**os.environ, "POTLUCK_MDNS": "0", **(env_extra or {})}  # peers are named here
     cmd = [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", str(threads)]
     proc = subprocess.Popen(
         cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
@@ -170,7 +170,7 @@ def test_worker_refuses_open_address_without_secret() -> None:
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "potluck.cli", *args], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": "200", "POTLUCK_MDNS": "0"},
     )  # fmt: skip
 
 

@@ -61,7 +61,7 @@ def alone(smollm2_path: Path) -> str:
 def test_pool_over_capped_links(
     smollm2_path: Path, alone: str, tmp_path: Path, rates: tuple[str, str, str]
 ) -> None:
-    env = {**os.environ, "POTLUCK_SECRET": SECRET, "POTLUCK_NO_MDNS": "1"}
+    env = {**os.environ, "POTLUCK_SECRET": SECRET, "POTLUCK_MDNS": "0"}
     bare = {**env, "POTLUCK_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
     with netns_lan(3, rates=list(rates)) as (head, w1, w2):
         workers = []
@@ -86,7 +86,7 @@ def test_pool_over_capped_links(
 def test_pool_through_delayed_links(smollm2_path: Path, alone: str) -> None:
     """Each worker listens on its own loopback; a proxy on its address adds 15 ms each way.
     The head measures the latency (survey) and the output still equals one process."""
-    env = {**os.environ, "POTLUCK_NO_MDNS": "1"}
+    env = {**os.environ, "POTLUCK_MDNS": "0"}
     with netns_lan(3) as (head, w1, w2):
         workers = []
         for host in (w1, w2):

@@ -1,0 +1,370 @@
+"""Generations that survive a node going away.
+
+A FailoverPipeline wraps the pool's RemotePipeline. A heartbeat asks every node for a Hello twice
+a second; a node that has not answered for `timeout_s` (or whose link broke) is declared gone, and
+the batches in flight fail over: the head re-plans on the survivors (`connect`), which loads the
+missing layers there, replays each live sequence's tokens (the ones whose batches completed) to
+rebuild the KV caches, and sends the failed batches again. Callers of `submit` see a pause, not an
+error. When the survivors cannot run the model, every waiting batch and every later call fails
+with PoolLostError, within the timeout: nothing hangs.
+
+Replay gives the same tokens as a run without the fault for greedy sampling; a seeded sampler on
+the new last stage restarts its random stream (noted in docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import torch
+
+from potluck.engine.sampling import Sampler
+from potluck.errors import PotluckError
+from potluck.model.stage import SeqChunk, Stage
+from potluck.transport import potluck_pb2 as pb
+from potluck.transport.client import NodeError
+from potluck.transport.codec import PROTOCOL_VERSION
+
+DEFAULT_TIMEOUT_S = 5.0
+REPLAY_BATCH = 512  # tokens per replayed micro-batch
+MAX_RECOVERIES_IN_A_ROW = 4  # another node failing during a recovery starts it over, this often
+
+
+class PoolLostError(PotluckError):
+    """The nodes that are left cannot run the model."""
+
+
+@dataclass(frozen=True)
+class FailoverEvent:
+    """One recovery, for the log and bench/RESULTS.md."""
+
+    gone: tuple[str, ...]
+    reason: str
+    detect_s: float  # from the node's last sign of life to the decision that it is gone
+    recover_s: float  # from that decision to the first batch sent on the new plan
+    replayed_tokens: int
+    assignments: tuple[str, ...]  # the new plan, described
+
+
+@dataclass
+class _Batch:
+    tokens: torch.Tensor
+    chunks: list[SeqChunk]
+    samplers: Mapping[int, Sampler]
+    histories: Mapping[int, Sequence[int]]
+    out: Future[list[int]]
+    epoch: int = 0
+
+
+@dataclass
+class _Health:
+    last_ok: float
+    probing: bool = False
+    gone: bool = False
+    reason: str = ""
+    last_seen: float = field(default=0.0)
+
+
+# (nodes declared gone so far, epoch) -> a new pipeline over the others; raises PotluckError when
+# they cannot run the model
+Connect = Callable[[frozenset[str], int], "object"]
+
+
+class FailoverPipeline:
+    """A Pipeline (engine/generate.py) over a pool that re-plans when a node goes away."""
+
+    def __init__(
+        self,
+        first: object,
+        connect: Connect,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        on_event: Callable[[FailoverEvent], None] | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"the failover timeout must be positive, got {timeout_s} s")
+        self.inner = first
+        self.connect, self.timeout_s, self.on_event = connect, timeout_s, on_event
+        self.epoch = 0
+        self.gone: set[str] = set()
+        self.events: list[FailoverEvent] = []
+        self._lock = threading.RLock()
+        self._confirmed: dict[int, list[int]] = {}  # tokens of each sequence every stage has seen
+        self._failed: PoolLostError | None = None
+        self._redo: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._health: dict[str, _Health] = {}
+        self._closed = threading.Event()
+        self._pings = ThreadPoolExecutor(8, thread_name_prefix="potluck-heartbeat")
+        self._watch(first)
+        threading.Thread(target=self._recoverer, name="potluck-failover", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="potluck-heartbeat", daemon=True).start()
+
+    # -- the Pipeline protocol --------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        return self.inner.depth  # type: ignore[attr-defined]
+
+    @property
+    def stages(self) -> list[Stage]:
+        return self.inner.stages  # type: ignore[attr-defined]
+
+    @property
+    def assignments(self) -> list:
+        return list(getattr(self.inner, "assignments", []))
+
+    @property
+    def last_stage_ms(self) -> list[float]:
+        return list(getattr(self.inner, "last_stage_ms", []))
+
+    @property
+    def last_hop_ms(self) -> list[float]:
+        return list(getattr(self.inner, "last_hop_ms", []))
+
+    @property
+    def plan_id(self) -> str:
+        return str(getattr(self.inner, "plan_id", ""))
+
+    def submit(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+    ) -> Future[list[int]]:
+        out: Future[list[int]] = Future()
+        self._launch(_Batch(tokens, list(chunks), samplers, histories, out))
+        return out
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+    ) -> list[int]:
+        return self.submit(tokens, chunks, samplers, histories).result()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (perplexity) are not replayed: a node going away ends the call with an error."""
+        with self._lock:
+            self._raise_if_failed()
+            inner = self.inner
+        logits = inner.forward(tokens, chunks, logits_rows)  # type: ignore[attr-defined]
+        for c, part in zip(chunks, _split(tokens, chunks), strict=True):
+            self._confirmed.setdefault(c.seq_id, []).extend(part)
+        return logits
+
+    def drop(self, seq_id: int) -> None:
+        with self._lock:
+            self._confirmed.pop(seq_id, None)
+            inner = self.inner
+        with contextlib.suppress(PotluckError):  # a node that is gone took its caches with it
+            inner.drop(seq_id)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._closed.set()
+        self._redo.put(None)
+        self._pings.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self.inner, "close"):
+            with contextlib.suppress(PotluckError):
+                self.inner.close()
+
+    # -- sending and settling ---------------------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    def _launch(self, b: _Batch) -> None:
+        with self._lock:
+            if self._failed is not None:
+                b.out.set_exception(self._failed)
+                return
+            b.epoch = self.epoch
+            fut = self.inner.submit(b.tokens, b.chunks, b.samplers, b.histories)  # type: ignore[attr-defined]
+        fut.add_done_callback(lambda f: self._settle(b, f))
+
+    def _settle(self, b: _Batch, f: Future[list[int]]) -> None:
+        exc = f.exception()
+        if exc is None:
+            with self._lock:
+                current = b.epoch == self.epoch
+                if current:
+                    for c, part in zip(b.chunks, _split(b.tokens, b.chunks), strict=True):
+                        self._confirmed.setdefault(c.seq_id, []).extend(part)
+            if current:
+                b.out.set_result(f.result())
+            else:  # it finished on the old plan after the replay was taken: run it on the new one
+                self._redo.put(b)
+        elif isinstance(exc, NodeError) and not self._closed.is_set():
+            self._redo.put(b)  # a node failed: the recovery thread re-plans and sends it again
+        else:
+            b.out.set_exception(exc)
+
+    # -- recovery ---------------------------------------------------------------------------------
+    def _recoverer(self) -> None:
+        while True:
+            b = self._redo.get()
+            if self._closed.is_set():
+                if b is not None:
+                    b.out.set_exception(PotluckError("the pool was closed"))
+                continue
+            with self._lock:
+                if b is None or b.epoch == self.epoch:  # the first failure of this plan
+                    if b is None and not any(h.gone for h in self._health.values()):
+                        continue
+                    self._recover()
+            if b is not None:
+                self._launch(b)
+
+    def _recover(self) -> None:
+        """Under self._lock: declare the dead gone, connect a new plan, replay. Sets _failed when
+        the survivors cannot run the model."""
+        if self._failed is not None:
+            return
+        for _ in range(MAX_RECOVERIES_IN_A_ROW):
+            t_decide = time.monotonic()
+            old = self.inner
+            dead, reason, last_seen = self._find_dead(old)
+            self.gone |= set(dead)
+            with contextlib.suppress(PotluckError):
+                if hasattr(old, "fail_pending"):
+                    old.fail_pending(NodeError(f"failing over: {reason}"))
+                if hasattr(old, "close"):
+                    old.close()
+            self.epoch += 1
+            try:
+                new = self.connect(frozenset(self.gone), self.epoch)
+            except (PotluckError, ValueError, MemoryError) as exc:
+                who = ", ".join(dead) or "a node"
+                self._failed = PoolLostError(
+                    f"{who} went away and the machines left cannot run the model: {exc}"
+                )
+                return
+            self.inner = new
+            self._watch(new)
+            try:
+                replayed = self._replay(new)
+            except NodeError as exc:  # another node failed during the replay: start over
+                reason = str(exc)
+                continue
+            event = FailoverEvent(
+                gone=tuple(dead),
+                reason=reason,
+                detect_s=max(0.0, t_decide - last_seen) if last_seen else 0.0,
+                recover_s=time.monotonic() - t_decide,
+                replayed_tokens=replayed,
+                assignments=tuple(a.describe() for a in getattr(new, "assignments", [])),
+            )
+            self.events.append(event)
+            if self.on_event is not None:
+                self.on_event(event)
+            return
+        self._failed = PoolLostError(f"nodes kept failing while recovering: {reason}")
+
+    def _replay(self, pipe: object) -> int:
+        """Feed every live sequence's confirmed tokens through the new plan (no sampling)."""
+        pending = []
+        n = 0
+        for seq, toks in self._confirmed.items():
+            for i in range(0, len(toks), REPLAY_BATCH):
+                part = toks[i : i + REPLAY_BATCH]
+                n += len(part)
+                fut = pipe.submit(torch.tensor(part), [SeqChunk(seq, len(part))], {}, {})  # type: ignore[attr-defined]
+                pending.append(fut)
+        for fut in pending:
+            try:
+                fut.result(timeout=max(60.0, 10 * self.timeout_s))
+            except FutureTimeout:
+                raise NodeError("a node did not answer while the sequences were replayed") from None
+        return n
+
+    def _find_dead(self, pipe: object) -> tuple[list[str], str, float]:
+        """The nodes of `pipe` that are gone: declared by the heartbeat, or not answering a Hello
+        now. (A batch failed, so at least one of them should be.)"""
+        nodes = list(getattr(pipe, "nodes", []))
+        declared = [n for n in nodes if self._health.get(n, _Health(0)).gone]
+        if declared:
+            h = self._health[declared[0]]
+            return declared, h.reason, h.last_ok
+        clients = {c.address: c for c in getattr(pipe, "clients", [])}
+        dead, reasons = [], []
+        for n in nodes:
+            try:
+                clients[n].hello(
+                    pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="head"),
+                    timeout=min(2.0, self.timeout_s),
+                )
+            except PotluckError as exc:
+                dead.append(n)
+                reasons.append(str(exc))
+        if not dead:
+            return [], "a call failed but every node answers; reconnecting", 0.0
+        last = (
+            min(self._health[n].last_ok for n in dead if n in self._health) if self._health else 0.0
+        )
+        return dead, reasons[0], last
+
+    # -- heartbeat --------------------------------------------------------------------------------
+    def _watch(self, pipe: object) -> None:
+        now = time.monotonic()
+        self._health = {
+            c.address: self._health.get(c.address, _Health(now))
+            for c in getattr(pipe, "clients", [])
+        }
+        for h in self._health.values():
+            h.last_ok = max(h.last_ok, now)
+
+    def _heartbeat(self) -> None:
+        interval = min(0.5, self.timeout_s / 5)
+        req = pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="head")
+        while not self._closed.wait(interval):
+            with self._lock:
+                clients = list(getattr(self.inner, "clients", []))
+                health = self._health
+            now = time.monotonic()
+            for c in clients:
+                h = health.get(c.address)
+                if h is None or h.gone:
+                    continue
+                if now - h.last_ok > self.timeout_s:
+                    h.gone = True
+                    h.reason = f"node {c.address} did not answer for {now - h.last_ok:.1f} s"
+                    with contextlib.suppress(PotluckError):
+                        self.inner.fail_pending(NodeError(h.reason))  # type: ignore[attr-defined]
+                    self._redo.put(None)  # recover even when nothing is in flight
+                    continue
+                if not h.probing:
+                    h.probing = True
+                    try:
+                        self._pings.submit(self._ping, c, h, req)
+                    except RuntimeError:  # shut down
+                        return
+
+    def _ping(self, client: object, h: _Health, req: pb.HelloRequest) -> None:
+        try:
+            client.hello(req, timeout=self.timeout_s)  # type: ignore[attr-defined]
+            h.last_ok = time.monotonic()
+        except PotluckError:
+            pass  # silence counts against the node in _heartbeat
+        finally:
+            h.probing = False
+
+
+def _split(tokens: torch.Tensor, chunks: Sequence[SeqChunk]) -> list[list[int]]:
+    out, i = [], 0
+    ids = tokens.tolist()
+    for c in chunks:
+        out.append(ids[i : i + c.n])
+        i += c.n
+    return out

@@ -1,0 +1,130 @@
+"""Generations that survive a worker going away (engine/failover.py), with real worker processes
+on loopback: SIGKILL (dead), SIGSTOP (hung, not dead), and a pool that cannot recover.
+
+(The workers are separate OS processes on 127.0.0.1 standing in for separate machines.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from potluck.engine.failover import FailoverPipeline, PoolLostError
+from potluck.engine.generate import generate, load_model
+from potluck.engine.pipeline import LOCAL, Assignment
+from potluck.engine.sampling import GREEDY, Sampler
+from test_pool import start_worker
+
+PROMPT = "Write a short poem about the sea."
+N = 24
+
+
+@pytest.fixture
+def spawn() -> Iterator:
+    procs = []
+
+    def start(n: int) -> list:
+        out = [start_worker() for _ in range(n)]
+        procs.extend(out)
+        return out
+
+    yield start
+    for p, _ in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.terminate()
+            p.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def want(smollm2_path: Path) -> list[int]:
+    m = load_model(smollm2_path, n_ctx=256)
+    return list(generate(m, _ids(m), N, Sampler(GREEDY)))
+
+
+def _ids(m) -> list[int]:
+    return m.tokenizer.encode(m.chat.render([{"role": "user", "content": PROMPT}]))
+
+
+def _run_with_fault(m, at: int, fault) -> list[int]:
+    out = []
+    for i, tok in enumerate(generate(m, _ids(m), N, Sampler(GREEDY))):
+        out.append(tok)
+        if i == at:
+            fault()
+    return out
+
+
+@pytest.mark.parametrize("n_workers", [2, 3])
+def test_sigkill_mid_generation(spawn, smollm2_path: Path, want: list[int], n_workers: int) -> None:
+    workers = spawn(n_workers)
+    m = load_model(smollm2_path, n_ctx=256, peers=[a for _, a in workers], failover_s=5.0)
+    pipe = m.pipeline
+    assert isinstance(pipe, FailoverPipeline)
+    victim, addr = workers[-1]
+    t0 = time.monotonic()
+    got = _run_with_fault(m, 5, lambda: victim.kill())
+    assert got == want
+    assert len(pipe.events) == 1
+    ev = pipe.events[0]
+    assert ev.gone == (addr,) and ev.replayed_tokens > len(_ids(m))
+    assert all(addr not in a for a in ev.assignments)
+    assert time.monotonic() - t0 < 60
+    # the next generation runs on the survivors without another failover
+    assert list(generate(m, _ids(m), 4, Sampler(GREEDY))) == want[:4]
+    assert len(pipe.events) == 1
+
+
+def test_sigstop_hung_worker(spawn, smollm2_path: Path, want: list[int]) -> None:
+    """A stopped process keeps its sockets open: only the heartbeat can tell it is gone."""
+    workers = spawn(2)
+    timeout = 2.0
+    m = load_model(smollm2_path, n_ctx=256, peers=[a for _, a in workers], failover_s=timeout)
+    pipe = m.pipeline
+    victim, addr = workers[0]
+    stopped_at = []
+
+    def stop() -> None:
+        os.kill(victim.pid, signal.SIGSTOP)
+        stopped_at.append(time.monotonic())
+
+    got = _run_with_fault(m, 3, stop)
+    assert got == want
+    ev = pipe.events[0]
+    assert ev.gone == (addr,) and "did not answer for" in ev.reason
+    assert ev.detect_s <= timeout + 1.0, ev
+
+
+def test_unrecoverable_pool_fails_fast_with_a_clear_error(spawn, smollm2_path: Path) -> None:
+    """When the survivors cannot hold the model, the waiting request ends with PoolLostError
+    within the timeout. (The re-plan here is the real planner told that this machine has no
+    memory to spare: standing in for a head too small for the model.)"""
+    from potluck.modelfile.gguf_file import GGUFFile
+    from potluck.modelfile.hparams import hparams_from_metadata
+    from potluck.planner import NodeInfo, footprint_from_gguf, plan_pool
+
+    workers = spawn(1)
+    victim, addr = workers[0]
+    f = GGUFFile(smollm2_path)
+    hp = hparams_from_metadata(f.metadata)
+
+    def replan(alive: list[str]) -> list[Assignment]:
+        nodes = [NodeInfo("this machine", "cpu", 1 << 20, 1, 1e10)]
+        plan = plan_pool(footprint_from_gguf(f.tensors, hp, 256), nodes, {})
+        return [Assignment(LOCAL, s.start, s.stop) for s in plan.stages]
+
+    m = load_model(
+        smollm2_path, n_ctx=256, assignments=[Assignment(addr, 0, hp.n_layer)],
+        failover_s=2.0, replan=replan,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(PoolLostError, match=r"127.0.0.1:\d+ went away and the machines left cannot run the model: .* short"):
+        _run_with_fault(m, 2, lambda: victim.kill())
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(PoolLostError):  # and every later call, at once
+        list(generate(m, _ids(m), 2, Sampler(GREEDY)))
