@@ -683,6 +683,7 @@ def _netns() -> Iterator[tuple[str, str]]:
         subprocess.run(["ip", "netns", "del", name], timeout=30)
 
 
+@pytest.mark.netns
 def test_non_loopback_address_needs_a_secret(tmp_path: Path, secret: str) -> None:
     with _netns() as (ns, ip):
         base = ["ip", "netns", "exec", ns, sys.executable, "-m", "potluck.cli", "worker"]

@@ -2,8 +2,8 @@
 
 Every machine of a pool holds the same secret; nodes prove they know it (transport/auth.py) without
 ever sending it. It is read from `--secret`, `POTLUCK_SECRET` or the file `<config dir>/secret`
-(mode 0600), in that order; only cli.py reads the flags and the environment and passes the values
-here.
+(mode 0600; the config dir is POTLUCK_CONFIG, else ~/.config/potluck), in that order; only cli.py
+reads the flags and the environment and passes the values here.
 """
 
 from __future__ import annotations
@@ -43,15 +43,6 @@ def check_secret(text: str, source: str) -> str:
             f"the pool secret from {source} is not one line of at most {MAX_SECRET_CHARS} characters"
         )
     return s
-
-
-def config_dir(override: str | None, xdg_config_home: str | None, home: Path) -> Path:
-    """POTLUCK_CONFIG if set, else $XDG_CONFIG_HOME/potluck, else ~/.config/potluck."""
-    if override:
-        return Path(override).expanduser()
-    if xdg_config_home:
-        return Path(xdg_config_home) / "potluck"
-    return home / ".config" / "potluck"
 
 
 def read_secret_file(path: Path) -> str | None:
