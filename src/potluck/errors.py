@@ -19,3 +19,7 @@ class ContextError(PotluckError):
 
 class ModelNotFoundError(PotluckError):
     """A model name or path that resolves to no file."""
+
+
+class NodeError(PotluckError):
+    """A node could not be reached or refused a call; the message names the node and the reason."""
