@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -20,7 +20,11 @@ from potluck.modelfile.tokenizer import Tokenizer
 
 from .sampling import Sampler
 
+if TYPE_CHECKING:
+    from potluck.transport.auth import PoolAuth
+
 DEFAULT_CTX = 4096
+DEFAULT_FAILOVER_S = 5.0  # a node silent this long is declared gone (engine/failover.py)
 
 
 def layer_ranges(n_layer: int, splits: Sequence[int]) -> list[tuple[int, int]]:
@@ -161,11 +165,19 @@ def load_model(
     tensor_split: Sequence[float] = (),
     wire_dtype: str = "float32",
     assignments: Sequence[Assignment] = (),
+    auth: PoolAuth | None = None,
+    failover_s: float | None = DEFAULT_FAILOVER_S,
+    replan: Callable[[list[str]], Sequence[Assignment]] | None = None,
 ) -> Model:
     """Open `path`, check it, and build its pipeline: one local stage by default; in-process stages
     split at `splits`; or with `peers` (host:port) a pool where this machine takes the first share
     of the layers and each peer the next, in proportion to `tensor_split` (even by default); or
-    exactly the given `assignments` (the planner's, see engine/survey.py)."""
+    exactly the given `assignments` (the planner's, see engine/survey.py). `auth` (the pool secret,
+    TLS) is how this machine proves membership to the nodes.
+
+    A pool fails over (engine/failover.py): a node silent for `failover_s` seconds (None: no
+    failover) is dropped, and `replan(surviving nodes)` gives the new assignments (default: the
+    layers evenly over this machine and the survivors)."""
     gguf = GGUFFile(path)
     hp = hparams_from_metadata(gguf.metadata, str(path))
     n_ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_CTX)
@@ -178,15 +190,11 @@ def load_model(
     tokenizer = Tokenizer(gguf.metadata)
     chat = ChatTemplate.from_metadata(gguf.metadata, hp.arch)
     if assignments:
-        from potluck.engine.pipeline import RemotePipeline
-
         if len(assignments) == 1 and assignments[0].node == LOCAL:
             pipe: Pipeline = LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx, on_layer)])
         else:
-            pipe = RemotePipeline(gguf, hp, assignments, n_ctx, wire_dtype)
+            pipe = _pool(gguf, hp, assignments, n_ctx, wire_dtype, auth, replan, failover_s)
     elif peers:
-        from potluck.engine.pipeline import RemotePipeline
-
         nodes = [LOCAL, *peers]
         bounds = split_points(hp.n_layer, tensor_split or [1.0] * len(nodes))
         if len(bounds) + 1 != len(nodes):
@@ -195,12 +203,46 @@ def load_model(
             )
         ranges = layer_ranges(hp.n_layer, bounds)
         plan = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True) if b > a]
-        pipe = RemotePipeline(gguf, hp, plan, n_ctx, wire_dtype)
+        pipe = _pool(gguf, hp, plan, n_ctx, wire_dtype, auth, replan, failover_s)
     else:
         pipe = LocalPipeline(
             [Stage(hp, gguf, a, b, n_ctx, on_layer) for a, b in layer_ranges(hp.n_layer, splits)]
         )
     return Model(Path(path), gguf, hp, tokenizer, chat, pipe, n_ctx)
+
+
+def _pool(
+    gguf: GGUFFile,
+    hp: HParams,
+    plan: Sequence[Assignment],
+    n_ctx: int,
+    wire_dtype: str,
+    auth: PoolAuth | None,
+    replan: Callable[[list[str]], Sequence[Assignment]] | None,
+    failover_s: float | None,
+) -> Pipeline:
+    """The pool's pipeline for `plan`, wrapped to fail over to the nodes left when one goes away."""
+    from potluck.engine.failover import FailoverPipeline
+    from potluck.engine.pipeline import RemotePipeline
+
+    first = RemotePipeline(gguf, hp, plan, n_ctx, wire_dtype, auth)
+    if failover_s is None:
+        return first
+    remotes = [a.node for a in plan if a.node != LOCAL]
+
+    def connect(gone: frozenset[str], epoch: int) -> Pipeline:
+        alive = [n for n in remotes if n not in gone]
+        if replan is not None:
+            new = list(replan(alive))
+        else:  # even over this machine and the survivors
+            nodes = [LOCAL, *alive][: hp.n_layer]
+            ranges = layer_ranges(hp.n_layer, split_points(hp.n_layer, [1.0] * len(nodes)))
+            new = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True)]
+        if all(a.node == LOCAL for a in new):
+            return LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx)])
+        return RemotePipeline(gguf, hp, new, n_ctx, wire_dtype, auth, epoch)
+
+    return FailoverPipeline(first, connect, failover_s)
 
 
 def split_points(n_layer: int, shares: Sequence[float]) -> list[int]:

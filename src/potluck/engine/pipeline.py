@@ -24,6 +24,7 @@ from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams
 from potluck.node.weights import sha256_bytes, sha256_file
 from potluck.transport import potluck_pb2 as pb
+from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
 from potluck.transport.codec import (
     PROTOCOL_VERSION,
@@ -49,12 +50,17 @@ class Assignment:
         return f"layers {self.start}–{self.stop - 1} → {where}"
 
 
-def plan_id_of(model_sha: str, assignments: Sequence[Assignment], n_ctx: int) -> str:
+def plan_id_of(
+    model_sha: str, assignments: Sequence[Assignment], n_ctx: int, epoch: int = 0
+) -> str:
+    """The id every message of a plan carries; `epoch` > 0 after a failover, so that a node never
+    mixes the caches of a plan it held before with the replayed ones."""
     text = (
         model_sha
         + "|"
         + ";".join(f"{a.node}:{a.start}-{a.stop}" for a in assignments)
         + f"|{n_ctx}"
+        + (f"|{epoch}" if epoch else "")
     )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -69,6 +75,8 @@ class RemotePipeline:
         assignments: Sequence[Assignment],
         n_ctx: int,
         wire_dtype: str = "float32",
+        auth: PoolAuth | None = None,
+        epoch: int = 0,
     ) -> None:
         if any(a.node == LOCAL for a in assignments[1:]):
             raise ValueError("only the first stage can run on this machine")
@@ -81,13 +89,14 @@ class RemotePipeline:
             "bfloat16": torch.bfloat16,
         }[wire_dtype]
         self.model_sha = sha256_file(file.path)
-        self.plan_id = plan_id_of(self.model_sha, self.assignments, n_ctx)
+        self.plan_id = plan_id_of(self.model_sha, self.assignments, n_ctx, epoch)
         self.local: Stage | None = None
         if assignments[0].node == LOCAL:
             a = assignments[0]
             self.local = Stage(hp, file, a.start, a.stop, n_ctx)
         remotes = [a for a in self.assignments if a.node != LOCAL]
-        self.clients = [NodeClient(a.node) for a in remotes]
+        self.auth = auth  # the pool secret and TLS: how this head proves membership to nodes
+        self.clients = [NodeClient(a.node, auth) for a in remotes]
         for client in self.clients:
             reply = client.hello(
                 pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="head")
@@ -172,7 +181,7 @@ class RemotePipeline:
                 self.last_hop_ms = [first_hop, *reply.hop_ms]
                 out.set_result(reply)
 
-            self.clients[0].forward_async(req).add_done_callback(done)
+            self.clients[0].link.send(req).add_done_callback(done)
 
         if self.local is None:
             remote(tokens, [])
@@ -282,6 +291,21 @@ class RemotePipeline:
             self._local_thread.submit(self.local.drop, seq_id).result()
         with contextlib.suppress(PotluckError):  # a node that is gone took its caches with it
             self.clients[0].drop(pb.DropRequest(plan_id=self.plan_id, seq_ids=[seq_id]))
+
+    @property
+    def nodes(self) -> list[str]:
+        """The remote nodes of this plan (host:port), in pipeline order."""
+        return [c.address for c in self.clients]
+
+    def fail_pending(self, exc: BaseException) -> None:
+        """Fail every batch still in flight (a node was declared gone: its replies never come)."""
+        for client in self.clients:
+            client.link.fail_all(exc)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        self._local_thread.shutdown(wait=False)
 
     @property
     def stages(self) -> list[Stage]:

@@ -8,11 +8,14 @@ stage's node and passes the reply (token ids) back up the chain.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
+import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,11 +29,13 @@ from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage, WeightSource
 from potluck.modelfile.gguf_file import GGUFFile, read_header
 from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.node import doctor as node_doctor
 from potluck.node.probe import decode_bytes_per_s, physical_cores, usable_memory_bytes
 from potluck.node.weights import BlobSource, BlobStore, IntegrityError, find_local_model
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
-from potluck.transport.client import CHANNEL_OPTIONS, NodeClient
+from potluck.transport.auth import AuthService, Handshakes, PoolAuth, SessionTable
+from potluck.transport.client import NODE_SERVER_OPTIONS, NodeClient
 from potluck.transport.codec import (
     PROTOCOL_VERSION,
     WireError,
@@ -38,7 +43,10 @@ from potluck.transport.codec import (
     tensor_from_proto,
     tensor_to_proto,
 )
+from potluck.transport.guard import Guard
+from potluck.transport.tls import server_credentials
 
+ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
 ORDER_WAIT_S = 30.0  # longest a batch waits for an earlier batch of its sequence (seconds)
 MAX_PLANS = 2  # a node keeps the stage of the previous plan while the new one takes over
 _WIRE = {
@@ -47,6 +55,14 @@ _WIRE = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+class Refused(Exception):
+    """A forward request this node answers with an error status (not a crash)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 class OrderError(PotluckError):
@@ -64,9 +80,14 @@ class LoadedStage:
 
 class NodeService(pb_grpc.NodeServicer):
     def __init__(
-        self, name: str, threads: int | None = None, model_dirs: tuple[Path, ...] = ()
+        self,
+        name: str,
+        threads: int | None = None,
+        model_dirs: tuple[Path, ...] = (),
+        auth: PoolAuth | None = None,
     ) -> None:
         self.name, self.threads, self.model_dirs = name, threads, model_dirs
+        self.auth = auth  # this node proves pool membership to the next hop with it
         self.store = BlobStore()
         self.plans: dict[str, LoadedStage] = {}
         self.compute = threading.Lock()
@@ -132,7 +153,7 @@ class NodeService(pb_grpc.NodeServicer):
                 stage = Stage(hp, src, request.start, request.stop, request.n_ctx)
         except (PotluckError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        nxt = NodeClient(request.next_hop) if request.next_hop else None
+        nxt = NodeClient(request.next_hop, self.auth) if request.next_hop else None
         self.plans[request.plan_id] = LoadedStage(request.plan_id, stage, nxt, wire)
         while len(self.plans) > MAX_PLANS:  # the oldest plan goes
             old = self.plans.pop(next(iter(self.plans)))
@@ -174,17 +195,17 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.PutReply(received=received)
 
     # -- compute -----------------------------------------------------------------------------------
-    def _plan(self, plan_id: str, context: grpc.ServicerContext) -> LoadedStage:
-        loaded = self.plans.get(plan_id)
+    def _compute(
+        self, request: pb.ForwardRequest, wait_s: float
+    ) -> tuple[LoadedStage, torch.Tensor, float]:
+        """Check a forward request, wait for its sequences' turn, run the stage: (stage, output,
+        compute ms). Raises Refused with the status to answer."""
+        loaded = self.plans.get(request.plan_id)
         if loaded is None:
-            context.abort(
+            raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"plan {plan_id[:12]} is not loaded on this node",
+                f"plan {request.plan_id[:12]} is not loaded on this node",
             )
-        return loaded
-
-    def Forward(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardReply:
-        loaded = self._plan(request.plan_id, context)
         stage = loaded.stage
         try:
             chunks = [SeqChunk(c.seq_id, c.n) for c in request.chunks]
@@ -208,40 +229,46 @@ class NodeService(pb_grpc.NodeServicer):
                     f"expected hidden states [{total}, {stage.hp.n_embd}], got {x.dtype} {tuple(x.shape)}"
                 )
             rows = torch.arange(total) if request.want_logits else None
-            wait = min(ORDER_WAIT_S, context.time_remaining() or ORDER_WAIT_S)
             with self.turn:
-                self._wait_turn(stage, request.chunks, wait)
+                self._wait_turn(stage, request.chunks, wait_s)
                 t0 = time.perf_counter()
                 try:
                     y = stage(x, chunks, rows) if stage.is_last else stage(x, chunks)
                 finally:
                     self.turn.notify_all()
-                stage_ms = (time.perf_counter() - t0) * 1e3
+                return loaded, y, (time.perf_counter() - t0) * 1e3
         except WireError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except ContextError as exc:
-            context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+            raise Refused(grpc.StatusCode.OUT_OF_RANGE, str(exc)) from None
         except OrderError as exc:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        if loaded.next_hop is not None:
-            down = pb.ForwardRequest(
-                plan_id=request.plan_id,
-                chunks=request.chunks,
-                input=tensor_to_proto(y, loaded.wire_dtype),
-                want_logits=request.want_logits,
-            )
-            t1 = time.perf_counter()
-            try:
-                reply = loaded.next_hop.forward(down, timeout=context.time_remaining())
-            except PotluckError as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            hop_ms = (time.perf_counter() - t1) * 1e3 - sum(reply.stage_ms)
-            return pb.ForwardReply(
-                tokens=reply.tokens,
-                logits=reply.logits,
-                stage_ms=[stage_ms, *reply.stage_ms],
-                hop_ms=[hop_ms, *reply.hop_ms],
-            )
+            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
+
+    def _downstream(
+        self, loaded: LoadedStage, request: pb.ForwardRequest, y: torch.Tensor
+    ) -> pb.ForwardRequest:
+        return pb.ForwardRequest(
+            plan_id=request.plan_id,
+            chunks=request.chunks,
+            input=tensor_to_proto(y, loaded.wire_dtype),
+            want_logits=request.want_logits,
+        )
+
+    @staticmethod
+    def _relay(reply: pb.ForwardReply, stage_ms: float, wall_ms: float) -> pb.ForwardReply:
+        """The downstream reply with this stage's compute and the hop to the next node in front."""
+        hop_ms = wall_ms - sum(reply.stage_ms) - sum(reply.hop_ms)
+        return pb.ForwardReply(
+            tokens=reply.tokens,
+            logits=reply.logits,
+            stage_ms=[stage_ms, *reply.stage_ms],
+            hop_ms=[hop_ms, *reply.hop_ms],
+        )
+
+    def _finish(
+        self, loaded: LoadedStage, request: pb.ForwardRequest, y: torch.Tensor, stage_ms: float
+    ) -> pb.ForwardReply:
+        """The last stage's answer: logits of every row, or one sampled token per chunk."""
         if request.want_logits:
             return pb.ForwardReply(logits=tensor_to_proto(y), stage_ms=[stage_ms])
         tokens = []
@@ -256,9 +283,91 @@ class NodeService(pb_grpc.NodeServicer):
                         sampling_from_proto(chunk.sampling)
                     )
                 except WireError as exc:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             tokens.append(sampler.sample(row, list(chunk.recent)))
         return pb.ForwardReply(tokens=tokens, stage_ms=[stage_ms])
+
+    def Forward(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardReply:
+        try:
+            loaded, y, stage_ms = self._compute(
+                request, min(ORDER_WAIT_S, context.time_remaining() or ORDER_WAIT_S)
+            )
+            if loaded.next_hop is None:
+                return self._finish(loaded, request, y, stage_ms)
+        except Refused as exc:
+            context.abort(exc.code, exc.message)
+        t1 = time.perf_counter()
+        try:
+            reply = loaded.next_hop.forward(
+                self._downstream(loaded, request, y), timeout=context.time_remaining()
+            )
+        except PotluckError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return self._relay(reply, stage_ms, (time.perf_counter() - t1) * 1e3)
+
+    def ForwardStream(
+        self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.ForwardReply]:
+        """Forward for a stream of requests: each is computed as it arrives (in order) and sent on
+        down this node's own stream to the next node; replies go back as they complete."""
+        out: queue.SimpleQueue[pb.ForwardReply | None] = queue.SimpleQueue()
+        lock = threading.Lock()
+        state = {"pending": 0, "ended": False}
+
+        def emit(reply: pb.ForwardReply) -> None:
+            out.put(reply)
+            with lock:
+                state["pending"] -= 1
+                last = state["ended"] and state["pending"] == 0
+            if last:
+                out.put(None)
+
+        def relay(f: Future[pb.ForwardReply], rid: int, stage_ms: float, t1: float) -> None:
+            exc = f.exception()
+            if exc is not None:
+                emit(pb.ForwardReply(request_id=rid, error=str(exc), error_code="UNAVAILABLE"))
+                return
+            reply = self._relay(f.result(), stage_ms, (time.perf_counter() - t1) * 1e3)
+            reply.request_id = rid
+            emit(reply)
+
+        def pump() -> None:
+            try:
+                for request in request_iterator:
+                    with lock:
+                        state["pending"] += 1
+                    rid = request.request_id
+                    try:
+                        loaded, y, stage_ms = self._compute(request, ORDER_WAIT_S)
+                        if loaded.next_hop is None:
+                            reply = self._finish(loaded, request, y, stage_ms)
+                            reply.request_id = rid
+                            emit(reply)
+                            continue
+                    except Refused as exc:
+                        emit(
+                            pb.ForwardReply(
+                                request_id=rid, error=exc.message, error_code=exc.code.name
+                            )
+                        )
+                        continue
+                    t1 = time.perf_counter()
+                    fut = loaded.next_hop.link.send(self._downstream(loaded, request, y))
+                    fut.add_done_callback(
+                        functools.partial(relay, rid=rid, stage_ms=stage_ms, t1=t1)
+                    )
+            except grpc.RpcError:
+                pass  # the upstream went away; its in-flight answers have no one to go to
+            finally:
+                with lock:
+                    state["ended"] = True
+                    last = state["pending"] == 0
+                if last:
+                    out.put(None)
+
+        threading.Thread(target=pump, name="potluck-forward-stream", daemon=True).start()
+        while (reply := out.get()) is not None:
+            yield reply
 
     def _wait_turn(self, stage: Stage, chunks: Sequence[pb.SeqChunk], wait_s: float) -> None:
         """Hold `self.turn` until every chunk's sequence is exactly at the chunk's position: batches
@@ -299,15 +408,70 @@ class NodeService(pb_grpc.NodeServicer):
                     loaded.next_hop.drop(request)
         return pb.DropReply()
 
+    # -- diagnostics (potluck nodes / doctor; node/doctor.py) ---------------------------------------
+    def Echo(self, request: pb.EchoRequest, context: grpc.ServicerContext) -> pb.EchoReply:
+        if request.reply_bytes > ECHO_MAX_BYTES:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"echo of {request.reply_bytes} bytes asked, at most {ECHO_MAX_BYTES}",
+            )
+        return pb.EchoReply(payload=bytes(request.reply_bytes))
+
+    def Describe(
+        self, request: pb.DescribeRequest, context: grpc.ServicerContext
+    ) -> pb.DescribeReply:
+        d = node_doctor.describe(self.threads)
+        return pb.DescribeReply(
+            threads=d.threads,
+            physical_cores=d.physical_cores,
+            logical_cores=d.logical_cores,
+            os=d.os,
+            memory_bytes=d.memory_bytes,
+        )
+
+    def Stress(
+        self, request: pb.StressRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.StressSample]:
+        seconds, interval = request.seconds, request.interval
+        if not (0 < seconds <= node_doctor.MAX_LOAD_S) or not (
+            node_doctor.MIN_INTERVAL_S <= interval <= node_doctor.MAX_INTERVAL_S
+        ):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"load probe of {seconds} s in intervals of {interval} s: seconds must be in "
+                f"(0, {node_doctor.MAX_LOAD_S:.0f}], the interval in [{node_doctor.MIN_INTERVAL_S}, "
+                f"{node_doctor.MAX_INTERVAL_S}]",
+            )
+        for t, speed in node_doctor.load_samples(seconds, interval, self.compute):
+            if not context.is_active():  # the head went away: stop loading the CPU
+                return
+            yield pb.StressSample(t=t, bytes_per_s=speed)
+
 
 def serve(host: str, port: int, name: str | None = None, threads: int | None = None,
-          model_dirs: tuple[Path, ...] = ()) -> tuple[grpc.Server, int]:  # fmt: skip
-    """Start the node's gRPC server; returns it and the bound port (port 0 picks a free one)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=CHANNEL_OPTIONS)
-    pb_grpc.add_NodeServicer_to_server(
-        NodeService(name or f"{host}:{port}", threads, model_dirs), server
+          model_dirs: tuple[Path, ...] = (), auth: PoolAuth | None = None,
+          ) -> tuple[grpc.Server, int]:  # fmt: skip
+    """Start the node's gRPC server; returns it and the bound port (port 0 picks a free one).
+
+    With a pool secret in `auth`, every call but Hello and the handshake needs a session
+    (transport/guard.py); with `auth.tls` the node serves TLS with its own certificate."""
+    auth = auth if auth is not None else PoolAuth()
+    sessions = SessionTable()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=32),
+        options=NODE_SERVER_OPTIONS,
+        interceptors=[Guard(auth, sessions)],
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    pb_grpc.add_NodeServicer_to_server(
+        NodeService(name or f"{host}:{port}", threads, model_dirs, auth), server
+    )
+    pb_grpc.add_NodeAuthServicer_to_server(AuthService(Handshakes(auth, sessions)), server)
+    if auth.tls:
+        if auth.identity is None:
+            raise PotluckError("a worker with --tls needs its certificate (auth.identity)")
+        bound = server.add_secure_port(f"{host}:{port}", server_credentials(auth.identity))
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise PotluckError(
             f"cannot listen on {host}:{port}: the port is taken or the address is not on this machine"

@@ -2,28 +2,49 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 
 import grpc
 
-from potluck.errors import PotluckError
+from potluck.errors import NodeError
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
-from potluck.transport.codec import MAX_MESSAGE_BYTES
+from potluck.transport.auth import (
+    SESSION_METADATA,
+    SESSION_PREFIX,
+    AuthError,
+    PoolAuth,
+    explain_refusal,
+    handshake,
+)
+from potluck.transport.limits import CLIENT_SIZE_OPTIONS, MAX_REQUEST_BYTES, SERVER_OPTIONS
+from potluck.transport.tls import (
+    CHANNEL_TLS_OPTIONS,
+    TlsError,
+    channel_credentials,
+    fetch_certificate,
+    speaks_tls,
+)
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+_KEEPALIVE = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+CHANNEL_OPTIONS = CLIENT_SIZE_OPTIONS + _KEEPALIVE
+# a node's server: the size bounds of transport/limits.py, and it accepts the clients' keepalive
+# pings (else it would send them away after a few minutes, and their sessions with them)
+NODE_SERVER_OPTIONS = SERVER_OPTIONS + [
+    *_KEEPALIVE,
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+]
+HANDSHAKE_TIMEOUT_S = 10.0
 
-
-class NodeError(PotluckError):
-    """A node could not be reached or refused a call; the message names the node and the reason."""
+__all__ = ["CHANNEL_OPTIONS", "NODE_SERVER_OPTIONS", "AuthError", "NodeClient", "NodeError"]
 
 
 def _explain(address: str, exc: grpc.RpcError) -> NodeError:
@@ -37,32 +58,229 @@ def _explain(address: str, exc: grpc.RpcError) -> NodeError:
         return NodeError(
             f"node {address} did not answer in time; it may be overloaded or the link is down"
         )
+    if code is not None and (refused := explain_refusal(address, code, detail or "")):
+        return refused
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in (detail or ""):
+        return NodeError(
+            f"node {address}: a message is larger than the {MAX_REQUEST_BYTES // 2**20} MiB "
+            f"allowed between nodes ({detail}); use a smaller prompt batch (-b)"
+        )
     name = code.name if code is not None else "ERROR"
     return NodeError(f"node {address}: {detail} ({name})")
 
 
-class NodeClient:
-    """One channel to one node. Every call has a deadline (seconds)."""
+_END = object()  # ends a ForwardLink's request stream
 
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.NodeStub(self.channel)
 
-    def _call(self, method: str, request: object, timeout: float) -> object:
+class ForwardLink:
+    """One long-lived ForwardStream to a node: `send` returns at once with a future of the reply.
+
+    Requests go out in the order sent; replies are matched by request_id. If the stream breaks
+    (the node died, the link went down), every waiting future fails with a NodeError and the next
+    `send` opens a new stream."""
+
+    def __init__(self, client: NodeClient) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._pending: dict[int, Future[pb.ForwardReply]] = {}
+        self._queue: queue.SimpleQueue[object] | None = None
+
+    def _open(self) -> queue.SimpleQueue[object]:
+        q: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+        def requests() -> Iterator[pb.ForwardRequest]:
+            while (item := q.get()) is not _END:
+                yield item  # type: ignore[misc]
+
+        replies = self.client.stub.ForwardStream(requests(), metadata=self.client.metadata())
+        threading.Thread(
+            target=self._read, args=(replies, q), name=f"potluck-link-{self.client.address}",
+            daemon=True,
+        ).start()  # fmt: skip
+        return q
+
+    def _read(self, replies: Iterator[pb.ForwardReply], q: queue.SimpleQueue[object]) -> None:
         try:
-            return getattr(self.stub, method)(request, timeout=timeout)
+            for reply in replies:
+                with self._lock:
+                    fut = self._pending.pop(reply.request_id, None)
+                if fut is None:
+                    continue  # an answer nobody waits for: ignore it
+                if reply.error:
+                    fut.set_exception(
+                        NodeError(f"node {self.client.address}: {reply.error} ({reply.error_code})")
+                    )
+                else:
+                    fut.set_result(reply)
+            failure = NodeError(f"node {self.client.address} closed the stream")
         except grpc.RpcError as exc:
-            raise _explain(self.address, exc) from None
+            self.client.session_refused(exc)  # the next stream proves again
+            failure = _explain(self.client.address, exc)
+        with self._lock:
+            if self._queue is q:
+                self._queue = None
+            waiting, self._pending = self._pending, {}
+        q.put(_END)
+        for fut in waiting.values():
+            fut.set_exception(failure)
 
-    def hello(self, request: pb.HelloRequest, timeout: float = 5.0) -> pb.HelloReply:
+    def send(self, request: pb.ForwardRequest) -> Future[pb.ForwardReply]:
+        fut: Future[pb.ForwardReply] = Future()
+        with self._lock:
+            if self._queue is None:
+                self._queue = self._open()
+            self._next_id += 1
+            request.request_id = self._next_id
+            self._pending[self._next_id] = fut
+            self._queue.put(request)
+        return fut
+
+    def close(self) -> None:
+        with self._lock:
+            q, self._queue = self._queue, None
+        if q is not None:
+            q.put(_END)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Give up on every reply still awaited (the node was declared gone) and end the stream."""
+        with self._lock:
+            q, self._queue = self._queue, None
+            waiting, self._pending = self._pending, {}
+        if q is not None:
+            q.put(_END)
+        for fut in waiting.values():
+            fut.set_exception(exc)
+
+
+class NodeClient:
+    """One channel to one node. Every call has a deadline (seconds).
+
+    With a pool secret (`auth`), the client proves membership before its first call and checks the
+    node's proof (transport/auth.py); with `auth.tls` the channel trusts exactly the certificate
+    the node presents, which the handshake pins. A call the node refuses for want of a session
+    (it restarted, or the connection was re-made) proves again and is retried once."""
+
+    def __init__(self, address: str, auth: PoolAuth | None = None) -> None:
+        self.address = address
+        self.auth = auth if auth is not None else PoolAuth()
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.NodeStub | None = None
+        self._cert_sha256 = b""
+        self._metadata: tuple[tuple[str, str], ...] | None = None  # None: no handshake yet
+        self.link = ForwardLink(self)
+
+    # -- connection and session ----------------------------------------------------------------
+    def _connect(self) -> pb_grpc.NodeStub:
+        """The stub, opening the channel on first use (with TLS: fetch the node's certificate)."""
+        with self._lock:
+            if self._stub is None:
+                if self.auth.tls:
+                    try:
+                        pem, self._cert_sha256 = fetch_certificate(self.address)
+                    except TlsError as exc:
+                        raise NodeError(str(exc)) from None
+                    self._channel = grpc.secure_channel(
+                        self.address,
+                        channel_credentials(pem),
+                        options=CHANNEL_OPTIONS + CHANNEL_TLS_OPTIONS,
+                    )
+                else:
+                    self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+                self._stub = pb_grpc.NodeStub(self._channel)
+            return self._stub
+
+    @property
+    def stub(self) -> pb_grpc.NodeStub:
+        return self._connect()
+
+    @property
+    def channel(self) -> grpc.Channel:
+        self._connect()
+        assert self._channel is not None
+        return self._channel
+
+    def metadata(self, timeout: float = HANDSHAKE_TIMEOUT_S) -> tuple[tuple[str, str], ...]:
+        """The metadata every call carries: the session, proving membership first if needed
+        (within `timeout` seconds, at most HANDSHAKE_TIMEOUT_S)."""
+        self._connect()
+        with self._lock:
+            if self._metadata is None:
+                assert self._channel is not None
+                try:
+                    session = handshake(
+                        pb_grpc.NodeAuthStub(self._channel),
+                        self.auth,
+                        self.address,
+                        self._cert_sha256,
+                        min(timeout, HANDSHAKE_TIMEOUT_S),
+                    )
+                except grpc.RpcError as exc:
+                    raise self._handshake_error(exc) from None
+                self._metadata = ((SESSION_METADATA, session),) if session else ()
+            return self._metadata
+
+    def authenticate(self) -> None:
+        """Prove membership now (else it happens before the first call)."""
+        self.metadata()
+
+    def _handshake_error(self, exc: grpc.RpcError) -> NodeError:
+        code = exc.code() if hasattr(exc, "code") else None
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return NodeError(
+                f"node {self.address} does not know the pool handshake (an older Potluck); "
+                "install the same Potluck version on every machine"
+            )
+        if code == grpc.StatusCode.UNAVAILABLE and not self.auth.tls and speaks_tls(self.address):
+            return NodeError(
+                f"node {self.address} speaks TLS (its worker runs with --tls); pass --tls here too"
+            )
+        return _explain(self.address, exc)
+
+    def session_refused(self, exc: BaseException) -> bool:
+        """If `exc` is a node's refusal of this client's session, forget the session (the next
+        call proves again) and say so."""
+        if not (
+            isinstance(exc, grpc.RpcError)
+            and hasattr(exc, "code")
+            and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+            and (exc.details() or "").startswith(SESSION_PREFIX)
+        ):
+            return False
+        with self._lock:
+            had = bool(self._metadata)
+            self._metadata = None
+        return had
+
+    def _call(self, method: str, request: object, timeout: float, retry: bool = True) -> object:
+        for attempt in range(2):
+            md = self.metadata(timeout)
+            try:
+                return getattr(self.stub, method)(request, timeout=timeout, metadata=md)
+            except grpc.RpcError as exc:
+                if self.session_refused(exc) and retry and attempt == 0:
+                    continue  # refused before the handler ran: safe to send again
+                raise _explain(self.address, exc) from None
+        raise AssertionError("unreachable")
+
+    def hello(
+        self, request: pb.HelloRequest, timeout: float = 5.0, authenticate: bool = True
+    ) -> pb.HelloReply:
+        """What the node is. Hello is open to anyone; by default the client proves membership first,
+        so that a secret mismatch shows up here (authenticate=False: ask a node of another pool)."""
+        if not authenticate:
+            try:
+                return self._connect().Hello(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                raise _explain(self.address, exc) from None
         return self._call("Hello", request, timeout)  # type: ignore[return-value]
 
     def load(self, request: pb.LoadRequest, timeout: float = 300.0) -> pb.LoadReply:
         return self._call("Load", request, timeout)  # type: ignore[return-value]
 
     def put_tensors(self, chunks: Iterator[pb.TensorChunk], timeout: float = 3600.0) -> pb.PutReply:
-        return self._call("PutTensors", chunks, timeout)  # type: ignore[return-value]
+        return self._call("PutTensors", chunks, timeout, retry=False)  # type: ignore[return-value]
 
     def forward(self, request: pb.ForwardRequest, timeout: float = 120.0) -> pb.ForwardReply:
         return self._call("Forward", request, timeout)  # type: ignore[return-value]
@@ -72,7 +290,7 @@ class NodeClient:
     ) -> Future[pb.ForwardReply]:
         """Forward without waiting: the reply (or a NodeError) arrives in the returned future."""
         out: Future[pb.ForwardReply] = Future()
-        call = self.stub.Forward.future(request, timeout=timeout)
+        call = self.stub.Forward.future(request, timeout=timeout, metadata=self.metadata())
 
         def done(c: grpc.Future) -> None:
             try:
@@ -89,4 +307,8 @@ class NodeClient:
         return self._call("Drop", request, timeout)  # type: ignore[return-value]
 
     def close(self) -> None:
-        self.channel.close()
+        self.link.close()
+        with self._lock:
+            channel, self._channel, self._stub, self._metadata = self._channel, None, None, None
+        if channel is not None:
+            channel.close()

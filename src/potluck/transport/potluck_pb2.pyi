@@ -156,28 +156,36 @@ class SeqChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., pos: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("plan_id", "chunks", "input", "want_logits")
+    __slots__ = ("plan_id", "chunks", "input", "want_logits", "request_id")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     chunks: _containers.RepeatedCompositeFieldContainer[SeqChunk]
     input: Tensor
     want_logits: bool
-    def __init__(self, plan_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., want_logits: _Optional[bool] = ...) -> None: ...
+    request_id: int
+    def __init__(self, plan_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("tokens", "logits", "stage_ms", "hop_ms")
+    __slots__ = ("tokens", "logits", "stage_ms", "hop_ms", "request_id", "error", "error_code")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     STAGE_MS_FIELD_NUMBER: _ClassVar[int]
     HOP_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logits: Tensor
     stage_ms: _containers.RepeatedScalarFieldContainer[float]
     hop_ms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., stage_ms: _Optional[_Iterable[float]] = ..., hop_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+    request_id: int
+    error: str
+    error_code: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., stage_ms: _Optional[_Iterable[float]] = ..., hop_ms: _Optional[_Iterable[float]] = ..., request_id: _Optional[int] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class DropRequest(_message.Message):
     __slots__ = ("plan_id", "seq_ids")
@@ -190,3 +198,89 @@ class DropRequest(_message.Message):
 class DropReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ChallengeRequest(_message.Message):
+    __slots__ = ("protocol_version", "client_nonce")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NONCE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    client_nonce: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., client_nonce: _Optional[bytes] = ...) -> None: ...
+
+class ChallengeReply(_message.Message):
+    __slots__ = ("secret_required", "challenge")
+    SECRET_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    secret_required: bool
+    challenge: bytes
+    def __init__(self, secret_required: _Optional[bool] = ..., challenge: _Optional[bytes] = ...) -> None: ...
+
+class ProveRequest(_message.Message):
+    __slots__ = ("client_nonce", "challenge", "seen_cert_sha256", "client_proof")
+    CLIENT_NONCE_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    SEEN_CERT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_PROOF_FIELD_NUMBER: _ClassVar[int]
+    client_nonce: bytes
+    challenge: bytes
+    seen_cert_sha256: bytes
+    client_proof: bytes
+    def __init__(self, client_nonce: _Optional[bytes] = ..., challenge: _Optional[bytes] = ..., seen_cert_sha256: _Optional[bytes] = ..., client_proof: _Optional[bytes] = ...) -> None: ...
+
+class ProveReply(_message.Message):
+    __slots__ = ("server_proof", "session", "idle_seconds")
+    SERVER_PROOF_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    server_proof: bytes
+    session: str
+    idle_seconds: int
+    def __init__(self, server_proof: _Optional[bytes] = ..., session: _Optional[str] = ..., idle_seconds: _Optional[int] = ...) -> None: ...
+
+class EchoRequest(_message.Message):
+    __slots__ = ("payload", "reply_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    reply_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class EchoReply(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeReply(_message.Message):
+    __slots__ = ("threads", "physical_cores", "logical_cores", "os", "memory_bytes")
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    PHYSICAL_CORES_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_CORES_FIELD_NUMBER: _ClassVar[int]
+    OS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    threads: int
+    physical_cores: int
+    logical_cores: int
+    os: str
+    memory_bytes: int
+    def __init__(self, threads: _Optional[int] = ..., physical_cores: _Optional[int] = ..., logical_cores: _Optional[int] = ..., os: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class StressRequest(_message.Message):
+    __slots__ = ("seconds", "interval")
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    interval: float
+    def __init__(self, seconds: _Optional[float] = ..., interval: _Optional[float] = ...) -> None: ...
+
+class StressSample(_message.Message):
+    __slots__ = ("t", "bytes_per_s")
+    T_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    t: float
+    bytes_per_s: float
+    def __init__(self, t: _Optional[float] = ..., bytes_per_s: _Optional[float] = ...) -> None: ...

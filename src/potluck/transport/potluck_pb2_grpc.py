@@ -54,10 +54,30 @@ class NodeStub:
                 request_serializer=potluck_dot_transport_dot_potluck__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=potluck_dot_transport_dot_potluck__pb2.ForwardReply.FromString,
                 _registered_method=True)
+        self.ForwardStream = channel.stream_stream(
+                '/potluck.v1.Node/ForwardStream',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.ForwardReply.FromString,
+                _registered_method=True)
         self.Drop = channel.unary_unary(
                 '/potluck.v1.Node/Drop',
                 request_serializer=potluck_dot_transport_dot_potluck__pb2.DropRequest.SerializeToString,
                 response_deserializer=potluck_dot_transport_dot_potluck__pb2.DropReply.FromString,
+                _registered_method=True)
+        self.Echo = channel.unary_unary(
+                '/potluck.v1.Node/Echo',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.EchoRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.EchoReply.FromString,
+                _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/potluck.v1.Node/Describe',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.DescribeReply.FromString,
+                _registered_method=True)
+        self.Stress = channel.unary_stream(
+                '/potluck.v1.Node/Stress',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.StressRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.StressSample.FromString,
                 _registered_method=True)
 
 
@@ -88,7 +108,35 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForwardStream(self, request_iterator, context):
+        """The same as Forward, many requests on one long-lived stream (half the latency of a unary call
+        per hop). Replies may come in any order; request_id matches them. A failed request gets a
+        reply with `error`; the stream itself only ends when the sender ends it or the link breaks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drop(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Echo(self, request, context):
+        """Diagnostics (potluck nodes / potluck doctor; messages at the end of this file)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Describe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stress(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,10 +165,30 @@ def add_NodeServicer_to_server(servicer, server):
                     request_deserializer=potluck_dot_transport_dot_potluck__pb2.ForwardRequest.FromString,
                     response_serializer=potluck_dot_transport_dot_potluck__pb2.ForwardReply.SerializeToString,
             ),
+            'ForwardStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ForwardStream,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.ForwardRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.ForwardReply.SerializeToString,
+            ),
             'Drop': grpc.unary_unary_rpc_method_handler(
                     servicer.Drop,
                     request_deserializer=potluck_dot_transport_dot_potluck__pb2.DropRequest.FromString,
                     response_serializer=potluck_dot_transport_dot_potluck__pb2.DropReply.SerializeToString,
+            ),
+            'Echo': grpc.unary_unary_rpc_method_handler(
+                    servicer.Echo,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.EchoRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.EchoReply.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.DescribeRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.DescribeReply.SerializeToString,
+            ),
+            'Stress': grpc.unary_stream_rpc_method_handler(
+                    servicer.Stress,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.StressRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.StressSample.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -242,6 +310,33 @@ class Node:
             _registered_method=True)
 
     @staticmethod
+    def ForwardStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/potluck.v1.Node/ForwardStream',
+            potluck_dot_transport_dot_potluck__pb2.ForwardRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.ForwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Drop(request,
             target,
             options=(),
@@ -258,6 +353,202 @@ class Node:
             '/potluck.v1.Node/Drop',
             potluck_dot_transport_dot_potluck__pb2.DropRequest.SerializeToString,
             potluck_dot_transport_dot_potluck__pb2.DropReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Echo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/potluck.v1.Node/Echo',
+            potluck_dot_transport_dot_potluck__pb2.EchoRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.EchoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/potluck.v1.Node/Describe',
+            potluck_dot_transport_dot_potluck__pb2.DescribeRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.DescribeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/potluck.v1.Node/Stress',
+            potluck_dot_transport_dot_potluck__pb2.StressRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.StressSample.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class NodeAuthStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Challenge = channel.unary_unary(
+                '/potluck.v1.NodeAuth/Challenge',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.ChallengeReply.FromString,
+                _registered_method=True)
+        self.Prove = channel.unary_unary(
+                '/potluck.v1.NodeAuth/Prove',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.ProveRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.ProveReply.FromString,
+                _registered_method=True)
+
+
+class NodeAuthServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Challenge(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prove(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NodeAuthServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.ChallengeRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.ChallengeReply.SerializeToString,
+            ),
+            'Prove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prove,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.ProveRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.ProveReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'potluck.v1.NodeAuth', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('potluck.v1.NodeAuth', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class NodeAuth:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/potluck.v1.NodeAuth/Challenge',
+            potluck_dot_transport_dot_potluck__pb2.ChallengeRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.ChallengeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/potluck.v1.NodeAuth/Prove',
+            potluck_dot_transport_dot_potluck__pb2.ProveRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.ProveReply.FromString,
             options,
             channel_credentials,
             insecure,
