@@ -149,6 +149,34 @@ def test_chat_greedy_equals_generate(server: Server, ref: Model) -> None:
     assert server.idle()
 
 
+def test_content_parts_and_developer_role(server: Server) -> None:
+    """OpenAI's newer message forms read as the plain ones; an image part is refused clearly."""
+    c = server.client()
+
+    def ask(msgs: list) -> str:
+        r = c.chat.completions.create(
+            model=server.model_id, messages=msgs, max_tokens=12, temperature=0
+        )
+        return r.choices[0].message.content
+
+    plain = ask(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    )
+    parts = ask(
+        [
+            {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+            },
+        ]
+    )
+    assert parts == plain
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match="'image_url' is not supported"):
+        ask([{"role": "user", "content": [image]}])
+
+
 def test_completion_from_token_ids_equals_generate(server: Server, ref: Model) -> None:
     ids = ref.tokenizer.encode("The three laws of robotics are")
     text, out, finish = _greedy(ref, ids, 24)
@@ -189,12 +217,16 @@ def test_stop_sequences_are_cut_and_not_sent(server: Server, ref: Model) -> None
         model=server.model_id, messages=msgs, max_tokens=60, temperature=0, stop=[word, "zzz"]
     )
     assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    assert server.idle()
+    stops = server.scheduler.stats.requests_finished.get("stop", 0)
     stream = c.chat.completions.create(
         model=server.model_id, messages=msgs, max_tokens=60, temperature=0, stop=word, stream=True
     )
     chunks = list(stream)
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
+    assert server.idle()
+    assert server.scheduler.stats.requests_finished.get("stop", 0) == stops + 1  # not "cancelled"
     # a stop sequence that spans a token boundary is cut as well
     mid = text.index(word)
     span = text[mid - 2 : mid + 3]

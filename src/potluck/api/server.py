@@ -44,7 +44,7 @@ from potluck.api import errors
 from potluck.api.errors import ApiError
 from potluck.api.metrics import CONTENT_TYPE, HttpCounters, render
 from potluck.api.pool import PoolInfo
-from potluck.api.schemas import ChatCompletionRequest, CompletionRequest
+from potluck.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from potluck.api.text import StopText
 from potluck.engine.generate import Model
 from potluck.engine.sampling import SamplingParams, Token
@@ -294,7 +294,7 @@ class Api:
                 text, ids = c.text.push(ev.token)
                 if c.text.stopped:  # a stop sequence: nothing after it is generated or sent
                     c.finish = "stop"
-                    c.stream.cancel()
+                    c.stream.cancel("stop")
                 if text or ids:
                     yield _Piece(index, text, [t for t in ids], None)
             elif isinstance(ev, Finished):
@@ -424,7 +424,7 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) -> Response:
         api.check_model(body.model)
-        msgs = [m.model_dump(exclude_none=True) for m in body.messages]
+        msgs = [_message(m) for m in body.messages]
         try:
             text = model.chat.render(msgs)
         except ChatTemplateError as exc:
@@ -534,6 +534,27 @@ def _model_card(api: Api) -> dict[str, Any]:
         "owned_by": "potluck",
         "context_length": api.model.n_ctx,
     }
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """One message for the chat template: OpenAI's "developer" role is the system prompt; a list
+    of content parts becomes its text (images and audio cannot be read by these models)."""
+    out = m.model_dump(exclude_none=True)
+    if out["role"] == "developer":
+        out["role"] = "system"
+    content = out.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise errors.bad_request(
+                    f"content part of type {kind!r} is not supported: send text parts only",
+                    "messages",
+                )
+            texts.append(part["text"])
+        out["content"] = "".join(texts)
+    return out
 
 
 def _completion_prompts(api: Api, prompt: Any) -> tuple[list[list[int]], list[str]]:

@@ -36,6 +36,7 @@ import torch
 from potluck.engine.generate import LocalPipeline, Pipeline
 from potluck.engine.sampling import Sampler, SamplingParams
 from potluck.errors import ContextError, PotluckError, UnsupportedError
+from potluck.kernels.qlinear import GEMV_MAX_ROWS
 from potluck.model.stage import SeqChunk
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class SchedulerConfig:
     n_batch: int = 512  # prompt tokens per micro-batch (llama.cpp's -b)
     max_queue: int = 64  # requests waiting for a slot; one more is refused (QueueFullError)
     max_active: int = 16  # sequences generating at once (each holds a KV cache up to n_ctx)
-    max_rows: int = 8  # decode rows per forward: ≤ 8 stays on the exact matvec kernel
+    max_rows: int = GEMV_MAX_ROWS  # decode rows per forward: stays on the exact matvec kernel
 
     def __post_init__(self) -> None:
         for name in ("n_batch", "max_active", "max_rows"):
@@ -119,6 +120,7 @@ class _Seq:
     in_flight: int = 0  # batches of this sequence not finished yet
     last_turn: int = 0  # scheduler loop count of its last decode batch (fairness)
     cancelled: bool = False
+    cancel_reason: str = "cancelled"  # the Finished reason a cancel ends it with
     done: bool = False
     t_first: float | None = None
 
@@ -134,9 +136,10 @@ class Stream:
         self._scheduler, self._seq = scheduler, seq
         self.seq_id = seq.seq_id
 
-    def cancel(self) -> None:
-        """Stop generating and free the sequence's KV cache (a no-op once it has finished)."""
-        self._scheduler._cancel(self._seq)
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop generating and free the sequence's KV cache (a no-op once it has finished); it
+        finishes with `reason` (e.g. "stop" when the caller found a stop sequence in the text)."""
+        self._scheduler._cancel(self._seq, reason)
 
 
 class QueueSink:
@@ -261,7 +264,9 @@ class Scheduler:
         self._inbox.put(("wake", None))
         return Stream(self, seq)
 
-    def _cancel(self, seq: _Seq) -> None:
+    def _cancel(self, seq: _Seq, reason: str) -> None:
+        if not seq.cancelled:
+            seq.cancel_reason = reason
         seq.cancelled = True
         self._inbox.put(("wake", None))
 
@@ -320,7 +325,7 @@ class Scheduler:
                 self._active[seq.seq_id] = seq
         # a request cancelled while it waited never touches the pipeline
         for seq in [s for s in self._active.values() if s.cancelled and s.in_flight == 0]:
-            self._end(seq, Finished("cancelled", len(seq.req.prompt), seq.generated))
+            self._end(seq, Finished(seq.cancel_reason, len(seq.req.prompt), seq.generated))
 
     def _reap(self, closing: bool) -> None:
         if not closing:
@@ -426,7 +431,7 @@ class Scheduler:
                 continue
             if s.cancelled:
                 if s.in_flight == 0:
-                    self._end(s, Finished("cancelled", len(s.req.prompt), s.generated))
+                    self._end(s, Finished(s.cancel_reason, len(s.req.prompt), s.generated))
                 continue
             if s.req.params.logprobs is not None and not hasattr(tok, "logprob"):
                 self._fail(s, UnsupportedError("logprobs are not yet supported over a pool"))
