@@ -556,3 +556,41 @@ def test_potluck_serve_subprocess(smollm2_path: Path) -> None:
         proc.terminate()
         proc.wait(timeout=15)
     assert proc.returncode in (0, -15)
+
+
+# -- over a pool: this machine + one worker process -------------------------------------------------
+@pytest.fixture(scope="module")
+def pool_server(smollm2_path: Path) -> Iterator[Server]:
+    from test_pool import start_worker
+
+    proc, address = start_worker()
+    try:
+        m = load_model(smollm2_path, n_ctx=256, peers=[address], tensor_split=[1, 1])
+        yield from start_server(m, SchedulerConfig(), None)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_pool_server_dashboard_and_logprobs(pool_server: Server, ref: Model) -> None:
+    """Over a pool the answers are the same, /api/pool lists both nodes with the worker's memory
+    and per-hop time, and logprobs are refused with a clear 400 instead of answered wrong."""
+    c = pool_server.client()
+    ids = ref.tokenizer.encode("The three laws of robotics are")
+    text, out, _ = _greedy(ref, ids, 12)
+    r = c.completions.create(model=pool_server.model_id, prompt=ids, max_tokens=12, temperature=0)
+    assert r.choices[0].text == text and r.usage.completion_tokens == len(out)
+    with pytest.raises(openai.BadRequestError, match="logprobs are not yet supported over a pool"):
+        c.completions.create(model=pool_server.model_id, prompt="Hi", max_tokens=2, logprobs=1)
+    p = httpx.get(pool_server.url + "/api/pool").json()
+    head, worker = p["nodes"]
+    assert head["address"] == "local" and head["layers"] == [0, 15] and head["hop_ms"] is None
+    assert worker["address"].startswith("127.0.0.1:") and worker["layers"] == [15, 30]
+    assert (
+        worker["status"] == "ok" and worker["memory_total_bytes"] > worker["memory_used_bytes"] > 0
+    )
+    assert worker["compute_ms"] > 0 and worker["hop_ms"] >= 0 and worker["tokens_per_s"] > 0
+    assert head["compute_ms"] > 0
+    text = httpx.get(pool_server.url + "/metrics").text
+    assert f'potluck_node_network_ms_per_token{{node="{worker["address"]}"' in text
+    assert pool_server.idle()

@@ -37,67 +37,88 @@ class PoolInfo:
     def __init__(self, model: Model, scheduler: Scheduler, model_id: str) -> None:
         self.model, self.scheduler, self.model_id = model, scheduler, model_id
         self.hostname = socket.gethostname()
-        hp = model.hp
-        assignments = getattr(model.pipeline, "assignments", None)
-        self.nodes: list[tuple[str, int, int]] = (
-            [(a.node, a.start, a.stop) for a in assignments]
-            if assignments
-            else [("local", 0, hp.n_layer)]
-        )
-        self._planned = self._planned_bytes()
+        self._footprint: Any = None  # the planner's model of the layers' bytes, made on first use
         self._hello: dict[str, _Hello] = {}
         self._hello_lock = threading.Lock()
+        self._refreshing = False
 
-    def _planned_bytes(self) -> dict[str, int]:
-        """Weights + KV cache each remote node holds for its layers, by the planner's model."""
-        remotes = [n for n in self.nodes if n[0] != "local"]
-        if not remotes:
-            return {}
-        from potluck.kernels.qlinear import held_bytes
-        from potluck.planner import footprint_from_gguf
+    def nodes(self) -> list[tuple[str, int, int]]:
+        """(address or "local", start, stop) per stage, as the pipeline runs now (a pool that
+        failed over has a new plan)."""
+        assignments = getattr(self.model.pipeline, "assignments", None)
+        if assignments:
+            return [(a.node, a.start, a.stop) for a in assignments]
+        return [("local", 0, self.model.hp.n_layer)]
 
-        fp = footprint_from_gguf(
-            self.model.file.tensors, self.model.hp, self.model.n_ctx, held=held_bytes
+    def _planned_bytes(self, a: int, b: int) -> int:
+        """Weights + KV cache a remote node holds for layers [a, b), by the planner's model."""
+        if self._footprint is None:
+            from potluck.kernels.qlinear import held_bytes
+            from potluck.planner import footprint_from_gguf
+
+            m = self.model
+            self._footprint = footprint_from_gguf(m.file.tensors, m.hp, m.n_ctx, held=held_bytes)
+        fp = self._footprint
+        extra = (fp.head_bytes if b == self.model.hp.n_layer else 0) + (
+            fp.embd_bytes if a == 0 else 0
         )
-        out = {}
-        for node, a, b in remotes:
-            extra = fp.head_bytes if b == self.model.hp.n_layer else 0
-            extra += fp.embd_bytes if a == 0 else 0
-            out[node] = fp.weights(a, b) + fp.kv(a, b) + extra
-        return out
+        return int(fp.weights(a, b) + fp.kv(a, b) + extra)
 
     def refresh_hellos(self) -> None:
-        """Ask each remote node for its name and memory (blocking: run it in a worker thread)."""
+        """Ask each remote node for its name and memory, at most every HELLO_EVERY_S. Blocks
+        (run it off the event loop) only while a node has never answered; later refreshes run
+        on a background thread, so a poll never waits for a slow or gone node."""
+        stale, never = [], False
+        with self._hello_lock:
+            for node, _, _ in self.nodes():
+                h = self._hello.get(node)
+                if node != "local" and (h is None or time.monotonic() - h.at >= HELLO_EVERY_S):
+                    stale.append(node)
+                    never |= h is None
+            if not stale or self._refreshing:
+                return
+            self._refreshing = True
+        if never:
+            self._hello_all(stale)
+        else:
+            threading.Thread(target=self._hello_all, args=(stale,), daemon=True).start()
+
+    def _auth(self) -> Any:
+        """The head's pool credentials (secret, TLS), from the pipeline that uses them."""
+        pipe = self.model.pipeline
+        return getattr(pipe, "auth", None) or getattr(getattr(pipe, "inner", None), "auth", None)
+
+    def _hello_all(self, nodes: list[str]) -> None:
         from potluck.transport import potluck_pb2 as pb
         from potluck.transport.client import NodeClient
         from potluck.transport.codec import PROTOCOL_VERSION
 
-        for node, _, _ in self.nodes:
-            if node == "local":
-                continue
+        try:
+            for node in nodes:
+                with self._hello_lock:
+                    old = self._hello.get(node)
+                client = NodeClient(node, self._auth())
+                try:
+                    reply = client.hello(
+                        pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="dashboard"),
+                        timeout=2.0,
+                    )
+                    mem = reply.devices[0].memory_bytes if reply.devices else 0
+                    new = _Hello(reply.node_name or node, int(mem), True, time.monotonic())
+                except Exception:  # unreachable or misbehaving: the dashboard shows it as such
+                    new = _Hello(
+                        old.name if old else node,
+                        old.memory_total if old else 0,
+                        False,
+                        time.monotonic(),
+                    )
+                finally:
+                    client.close()
+                with self._hello_lock:
+                    self._hello[node] = new
+        finally:
             with self._hello_lock:
-                old = self._hello.get(node)
-            if old is not None and time.monotonic() - old.at < HELLO_EVERY_S:
-                continue
-            client = NodeClient(node)
-            try:
-                reply = client.hello(
-                    pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="dashboard"),
-                    timeout=2.0,
-                )
-                mem = reply.devices[0].memory_bytes if reply.devices else 0
-                new = _Hello(reply.node_name or node, int(mem), True, time.monotonic())
-            except Exception:  # unreachable or misbehaving: the dashboard shows it as such
-                new = _Hello(
-                    old.name if old else node,
-                    old.memory_total if old else 0,
-                    False,
-                    time.monotonic(),
-                )
-            finally:
-                client.close()
-            with self._hello_lock:
-                self._hello[node] = new
+                self._refreshing = False
 
     def _local_used(self) -> int:
         stages = self.model.pipeline.stages
@@ -110,7 +131,7 @@ class PoolInfo:
         stage_ms, hop_ms = list(st.stage_ms), list(st.hop_ms)
         rows = st.decode_rows or 1.0
         nodes = []
-        for i, (node, a, b) in enumerate(self.nodes):
+        for i, (node, a, b) in enumerate(self.nodes()):
             compute = stage_ms[i] if i < len(stage_ms) else None
             hop = hop_ms[i] if i < len(hop_ms) and node != "local" else None
             if node == "local":
@@ -124,11 +145,8 @@ class PoolInfo:
                 with self._hello_lock:
                     h = self._hello.get(node)
                 name = h.name if h else node
-                used, total, ok = (
-                    self._planned.get(node, 0),
-                    (h.memory_total if h else 0),
-                    (h.ok if h else True),
-                )
+                used = self._planned_bytes(a, b)
+                total, ok = (h.memory_total if h else 0), (h.ok if h else True)
             nodes.append(
                 {
                     "name": name,

@@ -426,7 +426,7 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
         api.check_model(body.model)
         msgs = [_message(m) for m in body.messages]
         try:
-            text = model.chat.render(msgs)
+            text = await run_in_threadpool(model.chat.render, msgs)
         except ChatTemplateError as exc:
             raise errors.bad_request(str(exc), "messages") from exc
         ids = await run_in_threadpool(model.tokenizer.encode, text)
