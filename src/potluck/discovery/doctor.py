@@ -425,16 +425,18 @@ def _load_checks(
     on_progress(
         f"loading every node for {cfg.load_seconds:g} s (thermal throttling shows as a drop)"
     )
+    # at least 20 samples: a short probe (tests, a quick look) still has a first and a last fifth
+    interval = min(cfg.load_interval_s, max(0.1, cfg.load_seconds / 20))
 
     def remote(n: _Node) -> Check:
         client = dial(n.peer.address)
         try:
-            samples, error = stress(client, cfg.load_seconds, cfg.load_interval_s)
+            samples, error = stress(client, cfg.load_seconds, interval)
         finally:
             client.close()
         return load_check(n.peer.address, samples, error)
 
     with ThreadPoolExecutor(max_workers=len(alive) + 1) as ex:
         futures = [ex.submit(remote, n) for n in alive]
-        local = load_check(THIS_MACHINE, local_load(cfg.load_seconds, cfg.load_interval_s))
+        local = load_check(THIS_MACHINE, local_load(cfg.load_seconds, interval))
         return [local] + [f.result() for f in futures]

@@ -69,7 +69,7 @@ def check_pool_name(name: str) -> str:
 class WorkerAdvert:
     """What a worker announces. memory_bytes was measured when it started (a Hello gives it now)."""
 
-    instance: str  # the mDNS instance name, unique on the network, e.g. "desk-50052"
+    instance: str  # the mDNS instance name, unique on the network, e.g. "desk-50052-3fa9"
     node_name: str  # the machine's host name
     pool: str
     protocol_version: int  # 0: the worker did not say (not a Potluck worker we understand)
@@ -225,7 +225,10 @@ def worker_advert(
     cores: int, memory_bytes: int,
 ) -> WorkerAdvert:  # fmt: skip
     node = socket.gethostname().split(".")[0] or "potluck"
-    instance = re.sub(r"[^A-Za-z0-9-]", "-", node)[:40] + f"-{port}"
+    # host name + port + a random tag: machines that share a host name (cloned images, network
+    # namespaces) and start at the same moment must not probe for the same name (zeroconf does
+    # not settle simultaneous probes reliably)
+    instance = re.sub(r"[^A-Za-z0-9-]", "-", node)[:40] + f"-{port}-{secrets.token_hex(2)}"
     return WorkerAdvert(
         instance=instance,
         node_name=node,

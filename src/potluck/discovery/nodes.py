@@ -5,6 +5,7 @@ whether this head can use it, and if not, why.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,3 +125,17 @@ def format_row(r: NodeReport) -> tuple[str, ...]:
         f"{fmt_rate(link.down_bytes_per_s)} / {fmt_rate(link.up_bytes_per_s)}" if link else "-",
         "yes" if r.usable else f"no: {r.why}",
     )
+
+
+def report_json(r: NodeReport) -> dict:
+    """A NodeReport as plain JSON values (the link with its summary figures)."""
+    out = dataclasses.asdict(r)
+    if r.link is not None:
+        out["link"] = {
+            "rtt_ms": list(r.link.rtt_ms),
+            "median_ms": r.link.median_ms,
+            "jitter_ms": r.link.jitter_ms,
+            "down_bytes_per_s": r.link.down_bytes_per_s,
+            "up_bytes_per_s": r.link.up_bytes_per_s,
+        }
+    return out

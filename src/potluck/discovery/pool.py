@@ -81,7 +81,24 @@ def gather(
             continue
         peers.append(peer)
         known |= {(ip, a.port) for ip in a.addresses}
+    # Workers send hidden states straight to the next one: a worker that listens on this
+    # machine's loopback cannot be reached by the others, so it only joins a pool of loopbacks.
+    if any(not _loopback(p.host) for p in peers):
+        for p in [p for p in peers if p.source == MDNS and _loopback(p.host)]:
+            peers.remove(p)
+            skipped.append((p, LOOPBACK_ONLY))
     return Found(tuple(peers), tuple(skipped))
+
+
+LOOPBACK_ONLY = (
+    "it listens on this machine's loopback only, which the other workers cannot reach "
+    "(start it with -H 0.0.0.0)"
+)
+
+
+def _loopback(host: str) -> bool:
+    ips = _ips(host)
+    return bool(ips) and all(ipaddress.ip_address(ip).is_loopback for ip in ips)
 
 
 def describe_peer(peer: Peer) -> str:
