@@ -38,6 +38,8 @@ from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.auth import (
     CHALLENGE_TTL_S,
+    MAX_SESSIONS,
+    SESSION_IDLE_S,
     SESSION_METADATA,
     AuthError,
     Handshakes,
@@ -423,6 +425,41 @@ def test_client_proves_again_after_the_worker_restarts(auth: PoolAuth) -> None:
                     raise
                 time.sleep(0.2)
         assert client.metadata() != first
+        # a session unused for half the node's idle limit is renewed before the node would end it
+        # (a stream refused at its start would fail the batches queued on it)
+        held = client.metadata()
+        assert client.metadata() == held
+        client._session_used -= SESSION_IDLE_S / 2 + 1
+        assert client.metadata() != held
+        client.drop(pb.DropRequest())
+    finally:
+        client.close()
+        server.stop(0)
+        torch.set_num_threads(threads)
+
+
+def test_forward_stream_proves_again_when_its_session_is_gone(auth: PoolAuth) -> None:
+    """A node that dropped this head's session (here: 266 other heads proved since, and it keeps
+    256) refuses the next ForwardStream at its start, before reading a request: the link proves
+    again and sends the queued requests on a new stream, so they are answered, not failed."""
+    import torch
+
+    from potluck.node.worker import serve
+
+    threads = torch.get_num_threads()
+    server, port = serve("127.0.0.1", 0, threads=1, auth=auth)
+    address = f"127.0.0.1:{port}"
+    client = NodeClient(address, auth)
+    try:
+        first = client.link.send(pb.ForwardRequest(plan_id="nothing-loaded")).exception(timeout=20)
+        assert "is not loaded on this node" in str(first)
+        client.link.close()  # the next send opens a new stream
+        others = pb_grpc.NodeAuthStub(_own_connection(address))
+        for _ in range(MAX_SESSIONS + 10):
+            assert handshake(others, auth, address, b"", 10.0)
+        later = [client.link.send(pb.ForwardRequest(plan_id=f"p{i}")) for i in range(3)]
+        for i, f in enumerate(later):
+            assert f"plan p{i} is not loaded on this node" in str(f.exception(timeout=30))
     finally:
         client.close()
         server.stop(0)

@@ -9,6 +9,7 @@ from potluck.engine.pipeline import LOCAL, Assignment
 from potluck.node.probe import decode_bytes_per_s, physical_cores, usable_memory_bytes
 from potluck.planner import DEFAULT_LINK, Link, NodeInfo, Plan
 from potluck.transport import potluck_pb2 as pb
+from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient
 from potluck.transport.codec import PROTOCOL_VERSION
 
@@ -22,7 +23,7 @@ def this_machine() -> NodeInfo:
 
 
 def survey(
-    peers: Sequence[str], pings: int = 5
+    peers: Sequence[str], pings: int = 5, auth: PoolAuth | None = None
 ) -> tuple[list[NodeInfo], dict[tuple[str, str], Link]]:
     """This machine plus every peer (Hello), and head→peer links with the measured one-way latency
     (half the median Hello round trip). Peer↔peer links are not measured yet: the planner's
@@ -30,7 +31,7 @@ def survey(
     nodes = [this_machine()]
     links: dict[tuple[str, str], Link] = {}
     for address in peers:
-        client = NodeClient(address)
+        client = NodeClient(address, auth)  # proves pool membership before the first Hello
         try:
             rtts, reply = [], None
             for _ in range(pings):

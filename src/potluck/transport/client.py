@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -13,6 +14,8 @@ from potluck.errors import NodeError
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.auth import (
+    SESSION_IDLE_S,
+    SESSION_MAX_S,
     SESSION_METADATA,
     SESSION_PREFIX,
     AuthError,
@@ -83,10 +86,12 @@ class ForwardLink:
         self.client = client
         self._lock = threading.Lock()
         self._next_id = 0
-        self._pending: dict[int, Future[pb.ForwardReply]] = {}
+        # request id -> (its future, the request: sent again if the node refuses the stream's
+        # session at its start, before reading any request)
+        self._pending: dict[int, tuple[Future[pb.ForwardReply], pb.ForwardRequest]] = {}
         self._queue: queue.SimpleQueue[object] | None = None
 
-    def _open(self) -> queue.SimpleQueue[object]:
+    def _open(self, resend: bool = True) -> queue.SimpleQueue[object]:
         q: queue.SimpleQueue[object] = queue.SimpleQueue()
 
         def requests() -> Iterator[pb.ForwardRequest]:
@@ -95,16 +100,20 @@ class ForwardLink:
 
         replies = self.client.stub.ForwardStream(requests(), metadata=self.client.metadata())
         threading.Thread(
-            target=self._read, args=(replies, q), name=f"potluck-link-{self.client.address}",
+            target=self._read, args=(replies, q, resend), name=f"potluck-link-{self.client.address}",
             daemon=True,
         ).start()  # fmt: skip
         return q
 
-    def _read(self, replies: Iterator[pb.ForwardReply], q: queue.SimpleQueue[object]) -> None:
+    def _read(
+        self, replies: Iterator[pb.ForwardReply], q: queue.SimpleQueue[object], resend: bool
+    ) -> None:
+        answered = False
         try:
             for reply in replies:
+                answered = True
                 with self._lock:
-                    fut = self._pending.pop(reply.request_id, None)
+                    fut = self._pending.pop(reply.request_id, (None, None))[0]
                 if fut is None:
                     continue  # an answer nobody waits for: ignore it
                 if reply.error:
@@ -115,15 +124,33 @@ class ForwardLink:
                     fut.set_result(reply)
             failure = NodeError(f"node {self.client.address} closed the stream")
         except grpc.RpcError as exc:
-            self.client.session_refused(exc)  # the next stream proves again
+            if self.client.session_refused(exc) and resend and not answered and self._reopen(q):
+                return
             failure = _explain(self.client.address, exc)
         with self._lock:
             if self._queue is q:
                 self._queue = None
             waiting, self._pending = self._pending, {}
         q.put(_END)
-        for fut in waiting.values():
+        for fut, _ in waiting.values():
             fut.set_exception(failure)
+
+    def _reopen(self, old: queue.SimpleQueue[object]) -> bool:
+        """The node refused the stream's session at its start (it restarted, the session ended,
+        the connection was re-made), so it read none of the requests: prove again on a new stream
+        and send them again, in order. False if that cannot be done."""
+        with self._lock:
+            if self._queue is not old:
+                return False
+            try:
+                self._queue = self._open(resend=False)
+            except NodeError:
+                self._queue = None
+                return False
+            for _, request in sorted(self._pending.values(), key=lambda e: e[1].request_id):
+                self._queue.put(request)
+        old.put(_END)
+        return True
 
     def send(self, request: pb.ForwardRequest) -> Future[pb.ForwardReply]:
         fut: Future[pb.ForwardReply] = Future()
@@ -132,7 +159,7 @@ class ForwardLink:
                 self._queue = self._open()
             self._next_id += 1
             request.request_id = self._next_id
-            self._pending[self._next_id] = fut
+            self._pending[self._next_id] = (fut, request)
             self._queue.put(request)
         return fut
 
@@ -149,7 +176,7 @@ class ForwardLink:
             waiting, self._pending = self._pending, {}
         if q is not None:
             q.put(_END)
-        for fut in waiting.values():
+        for fut, _ in waiting.values():
             fut.set_exception(exc)
 
 
@@ -169,6 +196,7 @@ class NodeClient:
         self._stub: pb_grpc.NodeStub | None = None
         self._cert_sha256 = b""
         self._metadata: tuple[tuple[str, str], ...] | None = None  # None: no handshake yet
+        self._session_made = self._session_used = 0.0  # time.monotonic()
         self.link = ForwardLink(self)
 
     # -- connection and session ----------------------------------------------------------------
@@ -206,6 +234,14 @@ class NodeClient:
         (within `timeout` seconds, at most HANDSHAKE_TIMEOUT_S)."""
         self._connect()
         with self._lock:
+            now = time.monotonic()
+            if self._metadata and (
+                now - self._session_used > SESSION_IDLE_S / 2
+                or now - self._session_made > SESSION_MAX_S / 2
+            ):  # prove again well before the node ends the session (a stream refused at its
+                # start would fail the batches queued on it)
+                self._metadata = None
+            self._session_used = now
             if self._metadata is None:
                 assert self._channel is not None
                 try:
@@ -219,6 +255,7 @@ class NodeClient:
                 except grpc.RpcError as exc:
                     raise self._handshake_error(exc) from None
                 self._metadata = ((SESSION_METADATA, session),) if session else ()
+                self._session_made = now
             return self._metadata
 
     def authenticate(self) -> None:
