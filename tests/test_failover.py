@@ -123,8 +123,36 @@ def test_unrecoverable_pool_fails_fast_with_a_clear_error(spawn, smollm2_path: P
         failover_s=2.0, replan=replan,
     )  # fmt: skip
     t0 = time.monotonic()
-    with pytest.raises(PoolLostError, match=r"127.0.0.1:\d+ went away and the machines left cannot run the model: .* short"):
+    with pytest.raises(
+        PoolLostError,
+        match=r"127.0.0.1:\d+ went away and the machines left cannot run the model: .* short",
+    ):
         _run_with_fault(m, 2, lambda: victim.kill())
     assert time.monotonic() - t0 < 10
     with pytest.raises(PoolLostError):  # and every later call, at once
         list(generate(m, _ids(m), 2, Sampler(GREEDY)))
+
+
+def test_cli_run_survives_a_killed_worker(spawn, smollm2_path: Path) -> None:
+    """`potluck run` over two workers; one is killed once text is flowing: same text, and the
+    log says what happened."""
+    import subprocess
+    import sys
+
+    args = ["run", "-m", str(smollm2_path), "--temp", "0", "-n", "40", "-c", "256", PROMPT]
+    env = {**os.environ, "POTLUCK_MDNS": "0"}
+    cmd = [sys.executable, "-m", "potluck.cli", *args]
+    alone = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert alone.returncode == 0, alone.stderr
+    workers = spawn(2)
+    victim, addr = workers[1]
+    peers = ["--peer", workers[0][1], "--peer", addr, "--tensor-split", "1,1,1"]
+    proc = subprocess.Popen([*cmd, *peers], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    first = os.read(proc.stdout.fileno(), 1)  # text is flowing (unbuffered: nothing is lost)
+    victim.kill()
+    rest, err = proc.communicate(timeout=120)
+    log = err.decode()
+    assert proc.returncode == 0, log
+    assert (first + rest).decode() == alone.stdout
+    assert f"{addr} went away" in log and "re-planned and replayed" in log

@@ -31,11 +31,21 @@ def _free_port() -> int:
 
 
 def start_worker(
-    env_extra: dict[str, str] | None = None, threads: int = 1
+    env_extra: dict[str, str] | None = None, threads: int = 1, args: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = {**os.environ, "POTLUCK_MDNS": "0", **(env_extra or {})}  # peers are named here
-    cmd = [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", str(threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "potluck.cli",
+        "worker",
+        "-p",
+        str(port),
+        "-t",
+        str(threads),
+        *args,
+    ]
     proc = subprocess.Popen(
         cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
     )
@@ -302,3 +312,53 @@ def test_concurrent_sequences_in_flight_equal_one_process(
     assert [out[s] for s in seqs] == want
     for s in seqs:
         pool.pipeline.drop(s)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_worker_mem_limit(smollm2_path: Path) -> None:
+    """--mem caps what the worker offers (Hello, so the planner sees it) and what it loads."""
+    proc, addr = start_worker(args=("--mem", "64M"))
+    try:
+        stub = pb_grpc.NodeStub(grpc.insecure_channel(addr))
+        from potluck.transport.codec import PROTOCOL_VERSION
+
+        hello = stub.Hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=10)
+        assert hello.devices[0].memory_bytes == 64 * 2**20
+        with pytest.raises(NodeError, match=r"has --mem 64 MiB: layers 3–29 need [\d.]+ MiB"):
+            load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(1, 9))
+        few = load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(5, 1))
+        assert few.pipeline.assignments[1].start == 25
+        ids = few.tokenizer.encode("Hello")
+        assert len(list(generate(few, ids, 3, Sampler(GREEDY)))) == 3
+    finally:
+        _stop(proc)
+
+
+def test_worker_frees_plans_of_a_vanished_head(smollm2_path: Path) -> None:
+    """A plan that no head uses or names in a heartbeat is freed after --idle-timeout; a head
+    with failover (its heartbeat names the plan) keeps its plan however long it idles."""
+    proc, addr = start_worker(args=("--idle-timeout", "1"))
+    try:
+        silent = load_model(smollm2_path, n_ctx=128, peers=[addr], failover_s=None)
+        alive = load_model(smollm2_path, n_ctx=256, peers=[addr])
+        time.sleep(2.5)
+        ids = silent.tokenizer.encode("Hello")
+        with pytest.raises(NodeError, match=r"plan \w+ is not loaded on this node"):
+            list(generate(silent, ids, 2, Sampler(GREEDY)))
+        assert len(list(generate(alive, ids, 2, Sampler(GREEDY)))) == 2
+    finally:
+        _stop(proc)
+
+
+def test_worker_device_flags() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "worker", "--device", "cuda", "-p", str(_free_port())],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1 and "--device cuda: Potluck computes on the CPU only" in done.stderr
+    proc, _ = start_worker(args=("-ngl", "99"))
+    _stop(proc)

@@ -327,11 +327,14 @@ class FailoverPipeline:
 
     def _heartbeat(self) -> None:
         interval = min(0.5, self.timeout_s / 5)
-        req = pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="head")
         while not self._closed.wait(interval):
             with self._lock:
                 clients = list(getattr(self.inner, "clients", []))
                 health = self._health
+                # naming the plan keeps the nodes from freeing it while this head is idle
+                req = pb.HelloRequest(
+                    protocol_version=PROTOCOL_VERSION, head_name="head", plan_ids=[self.plan_id]
+                )
             now = time.monotonic()
             for c in clients:
                 h = health.get(c.address)

@@ -21,6 +21,7 @@ from potluck.modelfile.tokenizer import Tokenizer
 from .sampling import Sampler
 
 if TYPE_CHECKING:
+    from potluck.engine.failover import FailoverEvent
     from potluck.transport.auth import PoolAuth
 
 DEFAULT_CTX = 4096
@@ -168,6 +169,7 @@ def load_model(
     auth: PoolAuth | None = None,
     failover_s: float | None = DEFAULT_FAILOVER_S,
     replan: Callable[[list[str]], Sequence[Assignment]] | None = None,
+    on_failover: Callable[[FailoverEvent], None] | None = None,
 ) -> Model:
     """Open `path`, check it, and build its pipeline: one local stage by default; in-process stages
     split at `splits`; or with `peers` (host:port) a pool where this machine takes the first share
@@ -193,7 +195,9 @@ def load_model(
         if len(assignments) == 1 and assignments[0].node == LOCAL:
             pipe: Pipeline = LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx, on_layer)])
         else:
-            pipe = _pool(gguf, hp, assignments, n_ctx, wire_dtype, auth, replan, failover_s)
+            pipe = _pool(
+                gguf, hp, assignments, n_ctx, wire_dtype, auth, replan, failover_s, on_failover
+            )
     elif peers:
         nodes = [LOCAL, *peers]
         bounds = split_points(hp.n_layer, tensor_split or [1.0] * len(nodes))
@@ -203,7 +207,7 @@ def load_model(
             )
         ranges = layer_ranges(hp.n_layer, bounds)
         plan = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True) if b > a]
-        pipe = _pool(gguf, hp, plan, n_ctx, wire_dtype, auth, replan, failover_s)
+        pipe = _pool(gguf, hp, plan, n_ctx, wire_dtype, auth, replan, failover_s, on_failover)
     else:
         pipe = LocalPipeline(
             [Stage(hp, gguf, a, b, n_ctx, on_layer) for a, b in layer_ranges(hp.n_layer, splits)]
@@ -220,6 +224,7 @@ def _pool(
     auth: PoolAuth | None,
     replan: Callable[[list[str]], Sequence[Assignment]] | None,
     failover_s: float | None,
+    on_failover: Callable[[FailoverEvent], None] | None = None,
 ) -> Pipeline:
     """The pool's pipeline for `plan`, wrapped to fail over to the nodes left when one goes away."""
     from potluck.engine.failover import FailoverPipeline
@@ -242,7 +247,7 @@ def _pool(
             return LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx)])
         return RemotePipeline(gguf, hp, new, n_ctx, wire_dtype, auth, epoch)
 
-    return FailoverPipeline(first, connect, failover_s)
+    return FailoverPipeline(first, connect, failover_s, on_failover)
 
 
 def split_points(n_layer: int, shares: Sequence[float]) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import logging
 import queue
 import threading
 import time
@@ -28,7 +29,7 @@ from potluck.errors import ContextError, PotluckError
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage, WeightSource
 from potluck.modelfile.gguf_file import GGUFFile, read_header
-from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.modelfile.hparams import HParams, hparams_from_metadata
 from potluck.node import doctor as node_doctor
 from potluck.node.probe import decode_bytes_per_s, physical_cores, usable_memory_bytes
 from potluck.node.weights import BlobSource, BlobStore, IntegrityError, find_local_model
@@ -47,6 +48,8 @@ from potluck.transport.guard import Guard
 from potluck.transport.tls import server_credentials
 
 ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
+log = logging.getLogger("potluck.worker")
+DEFAULT_IDLE_S = 120.0  # a plan no head used or named for this long is freed (seconds)
 ORDER_WAIT_S = 30.0  # longest a batch waits for an earlier batch of its sequence (seconds)
 MAX_PLANS = 2  # a node keeps the stage of the previous plan while the new one takes over
 _WIRE = {
@@ -65,6 +68,10 @@ class Refused(Exception):
         self.code, self.message = code, message
 
 
+class NodeMemoryError(PotluckError):
+    """A stage does not fit in the memory this node offers (--mem)."""
+
+
 class OrderError(PotluckError):
     """A batch waited too long for an earlier batch of the same sequence."""
 
@@ -76,6 +83,8 @@ class LoadedStage:
     next_hop: NodeClient | None
     wire_dtype: torch.dtype
     samplers: dict[int, Sampler] = field(default_factory=dict)
+    reserved_bytes: int = 0  # weights + full-context KV of one sequence, counted against --mem
+    last_used: float = field(default_factory=time.monotonic)
 
 
 class NodeService(pb_grpc.NodeServicer):
@@ -85,8 +94,11 @@ class NodeService(pb_grpc.NodeServicer):
         threads: int | None = None,
         model_dirs: tuple[Path, ...] = (),
         auth: PoolAuth | None = None,
+        mem_limit: int | None = None,
+        idle_s: float = DEFAULT_IDLE_S,
     ) -> None:
         self.name, self.threads, self.model_dirs = name, threads, model_dirs
+        self.mem_limit, self.idle_s = mem_limit, idle_s
         self.auth = auth  # this node proves pool membership to the next hop with it
         self.store = BlobStore()
         self.plans: dict[str, LoadedStage] = {}
@@ -96,6 +108,29 @@ class NodeService(pb_grpc.NodeServicer):
             if threads:
                 torch.set_num_threads(threads)
             self.speed = decode_bytes_per_s()  # measured once, before any stage is loaded
+        threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
+
+    def _memory_bytes(self) -> int:
+        """What this node offers: usable RAM, or less with --mem."""
+        free = usable_memory_bytes()
+        return free if self.mem_limit is None else min(free, self.mem_limit)
+
+    def _janitor(self) -> None:
+        """Free the stages of plans no head has used or named in a heartbeat for idle_s: a head
+        that vanished does not hold this machine's memory forever."""
+        while True:
+            time.sleep(max(0.05, self.idle_s / 4))
+            now = time.monotonic()
+            for plan_id, loaded in list(self.plans.items()):
+                if now - loaded.last_used > self.idle_s:
+                    with self.compute:
+                        gone = self.plans.pop(plan_id, None)
+                    if gone is not None:
+                        log.info(
+                            "freed plan %s: unused for %.0f s", plan_id[:12], now - loaded.last_used
+                        )
+                        if gone.next_hop is not None:
+                            gone.next_hop.close()
 
     # -- handshake ---------------------------------------------------------------------------------
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
@@ -105,11 +140,15 @@ class NodeService(pb_grpc.NodeServicer):
                 f"protocol version {request.protocol_version} from the head, this node speaks "
                 f"{PROTOCOL_VERSION} (potluck {__version__}); install the same Potluck version on every machine",
             )
+        now = time.monotonic()
+        for plan_id in request.plan_ids[: MAX_PLANS * 4]:
+            if (loaded := self.plans.get(plan_id)) is not None:
+                loaded.last_used = now
         return pb.HelloReply(
             protocol_version=PROTOCOL_VERSION,
             node_name=self.name,
             potluck_version=__version__,
-            devices=[pb.Device(kind="cpu", name="cpu", memory_bytes=usable_memory_bytes())],
+            devices=[pb.Device(kind="cpu", name="cpu", memory_bytes=self._memory_bytes())],
             physical_cores=physical_cores(),
             decode_bytes_per_s=self.speed,
         )
@@ -147,14 +186,19 @@ class NodeService(pb_grpc.NodeServicer):
                 if missing:
                     return pb.LoadReply(need_tensors=True, missing=missing)
                 src = BlobSource(tensors, digests, self.store)
+            need = self._check_memory(tensors, hp, request)
             with self.compute:
                 if self.threads:
                     torch.set_num_threads(self.threads)
                 stage = Stage(hp, src, request.start, request.stop, request.n_ctx)
+        except NodeMemoryError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except (PotluckError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         nxt = NodeClient(request.next_hop, self.auth) if request.next_hop else None
-        self.plans[request.plan_id] = LoadedStage(request.plan_id, stage, nxt, wire)
+        self.plans[request.plan_id] = LoadedStage(
+            request.plan_id, stage, nxt, wire, reserved_bytes=need
+        )
         while len(self.plans) > MAX_PLANS:  # the oldest plan goes
             old = self.plans.pop(next(iter(self.plans)))
             if old.next_hop is not None:
@@ -162,6 +206,28 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.LoadReply(
             weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0
         )
+
+    def _check_memory(self, tensors: dict, hp: HParams, request: pb.LoadRequest) -> int:
+        """Bytes the stage reserves (its tensors + one sequence's KV cache at full context); with
+        --mem, refuse a stage that does not fit beside the plan kept from before."""
+        names = stage_tensor_names(tensors.values(), hp.n_layer, request.start, request.stop)
+        weights = sum(tensors[n].nbytes for n in names)
+        kv = hp.kv_bytes_per_token(request.stop - request.start) * request.n_ctx
+        need = weights + kv
+        if self.mem_limit is None:
+            return need
+        kept = list(self.plans.values())[-(MAX_PLANS - 1) :] if MAX_PLANS > 1 else []
+        held = sum(p.reserved_bytes for p in kept if p.plan_id != request.plan_id)
+        if need + held > self.mem_limit:
+            mib = 2**20
+            raise NodeMemoryError(
+                f"node {self.name} has --mem {self.mem_limit / mib:.0f} MiB: layers "
+                f"{request.start}–{request.stop - 1} need {need / mib:.1f} MiB ({weights / mib:.1f} "
+                f"weights + {kv / mib:.1f} KV at -c {request.n_ctx})"
+                + (f" beside {held / mib:.1f} MiB of the previous plan" if held else "")
+                + "; give it fewer layers (--tensor-split), a smaller -c, or more --mem"
+            )
+        return need
 
     def PutTensors(
         self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext
@@ -206,6 +272,7 @@ class NodeService(pb_grpc.NodeServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"plan {request.plan_id[:12]} is not loaded on this node",
             )
+        loaded.last_used = time.monotonic()
         stage = loaded.stage
         try:
             chunks = [SeqChunk(c.seq_id, c.n) for c in request.chunks]
@@ -450,6 +517,7 @@ class NodeService(pb_grpc.NodeServicer):
 
 def serve(host: str, port: int, name: str | None = None, threads: int | None = None,
           model_dirs: tuple[Path, ...] = (), auth: PoolAuth | None = None,
+          mem_limit: int | None = None, idle_s: float = DEFAULT_IDLE_S,
           ) -> tuple[grpc.Server, int]:  # fmt: skip
     """Start the node's gRPC server; returns it and the bound port (port 0 picks a free one).
 
@@ -463,7 +531,7 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
         interceptors=[Guard(auth, sessions)],
     )
     pb_grpc.add_NodeServicer_to_server(
-        NodeService(name or f"{host}:{port}", threads, model_dirs, auth), server
+        NodeService(name or f"{host}:{port}", threads, model_dirs, auth, mem_limit, idle_s), server
     )
     pb_grpc.add_NodeAuthServicer_to_server(AuthService(Handshakes(auth, sessions)), server)
     if auth.tls:

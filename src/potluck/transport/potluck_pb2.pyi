@@ -17,12 +17,14 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ("protocol_version", "head_name")
+    __slots__ = ("protocol_version", "head_name", "plan_ids")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEAD_NAME_FIELD_NUMBER: _ClassVar[int]
+    PLAN_IDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     head_name: str
-    def __init__(self, protocol_version: _Optional[int] = ..., head_name: _Optional[str] = ...) -> None: ...
+    plan_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., head_name: _Optional[str] = ..., plan_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Device(_message.Message):
     __slots__ = ("kind", "name", "memory_bytes")
