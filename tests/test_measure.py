@@ -47,3 +47,31 @@ def test_measure_local_and_pool(smollm2_path: Path) -> None:
     assert all(ms > 0 for ms in pool.stage_ms) and all(ms >= 0 for ms in pool.hop_ms)
     with pytest.raises(ValueError, match="needs 130 positions but the context is 128"):
         measure(load_model(smollm2_path, n_ctx=128), "x", 1, 128)
+
+
+def test_bench_command(smollm2_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    proc, addr = start_worker()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "potluck.cli", "bench", "-m", str(smollm2_path), "-c", "256",
+             "-n", "8", "-p", "16", "--peer", addr, "--tensor-split", "1,1"],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "POTLUCK_MDNS": "0", "COLUMNS": "200"},
+        )  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert " alone " in out and "│ pool " in out and "decode tok/s" in out
+    assert out.splitlines()[-1].startswith("measured: pool ")
+    assert "predicted: " in out
+    alone = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "bench", "-m", str(smollm2_path), "--no-mdns"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "POTLUCK_MDNS": "0"},
+    )  # fmt: skip
+    assert alone.returncode == 1 and "no workers to compare with" in alone.stderr
