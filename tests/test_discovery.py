@@ -310,6 +310,24 @@ def test_doctor_pool_secret_mismatch(lan: Lan) -> None:
     assert by[("reach", lan.home.address)][2] == OK  # the port is fine, the secret is not
 
 
+def test_neighbours_worker_with_another_secret_is_left_out(lan: Lan, smollm2_path: Path) -> None:
+    """Same pool name (the default), another secret: a neighbour's worker. The head leaves it out
+    and says why, instead of failing the run."""
+    env = {**lan.env, "POTLUCK_SECRET": "the-neighbours-secret-" + "n" * 24}
+    r = lan.head.run(
+        _cmd("plan", "-m", str(smollm2_path), "-c", "256"), env=env, timeout=180, check=False
+    )
+    assert r.returncode == 0, r.stderr
+    log = " ".join(r.stderr.split())
+    assert f"left out {lan.home.address} (mDNS:" in log
+    assert "pool secret mismatch" in log
+    assert "no workers found" in log or f"(mDNS 1 s): {lan.home.address}" not in log
+    r = lan.head.run(_cmd("nodes", "--json"), env=env, timeout=180, check=False)
+    assert r.returncode == 0, r.stderr
+    home = next(n for n in json.loads(r.stdout) if n["name"] == lan.home.address)
+    assert not home["usable"] and "pool secret mismatch" in home["why"], home
+
+
 def _claim_context(path: Path, n_ctx: int) -> None:
     """Rewrite the model's context_length (a GGUF uint32 key) in place."""
     data = bytearray(path.read_bytes())

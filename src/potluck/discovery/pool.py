@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from potluck.discovery.mdns import WorkerAdvert
-from potluck.discovery.measure import REACHED, tcp_reach
-from potluck.discovery.static import MDNS, Peer, dedupe, split_address
+from potluck.discovery.measure import REACHED, session_error, tcp_reach
+from potluck.discovery.static import MDNS, Peer, dedupe
+from potluck.transport.client import NodeClient
 from potluck.transport.codec import PROTOCOL_VERSION
 
 REACH_TIMEOUT_S = 1.0  # a worker announced on this LAN answers a TCP connect in well under 1 s
@@ -55,16 +56,41 @@ def usable_reason(advert: WorkerAdvert, pool: str) -> str:
     return ""
 
 
+Vet = Callable[[Peer], str]  # why an announced worker cannot be used ("" if it can)
+
+
+def reachable(peer: Peer) -> str:
+    """An announcement can outlive its worker by a few seconds: does it accept a connection?"""
+    r = tcp_reach(peer.host, peer.port, REACH_TIMEOUT_S)
+    if r.outcome == REACHED:
+        return ""
+    return f"it is announced on mDNS but does not accept connections ({r.outcome}: {r.detail})"
+
+
+def member(dial: Callable[[str], NodeClient]) -> Vet:
+    """reachable() and then the pool secret's handshake: a neighbour's worker that announces the
+    same pool name (say the default, "home") but holds another secret is left out, not fatal."""
+
+    def vet(peer: Peer) -> str:
+        if why := reachable(peer):
+            return why
+        client = dial(peer.address)
+        try:
+            return session_error(client)[0]
+        finally:
+            client.close()
+
+    return vet
+
+
 def gather(
     static: Sequence[Peer],
     adverts: Sequence[WorkerAdvert],
     pool: str,
-    reach: Callable[[str, int], bool] | None = None,
+    vet: Vet = reachable,
 ) -> Found:
     """Static peers as given (a bad one fails loudly later, when the head dials it: the user typed
-    it), plus each announced worker of `pool` that speaks this protocol and accepts a TCP
-    connection (an announcement can outlive its worker by a few seconds)."""
-    reach = reach or (lambda h, p: tcp_reach(h, p, REACH_TIMEOUT_S).outcome == REACHED)
+    it), plus each announced worker of `pool` that speaks this protocol and passes `vet`."""
     peers = dedupe(static)
     known = {(ip, p.port) for p in peers for ip in _ips(p.host)}
     known |= {(p.host, p.port) for p in peers}
@@ -73,9 +99,7 @@ def gather(
         peer = Peer(a.address, MDNS, a)
         if any((ip, a.port) in known for ip in a.addresses):
             continue  # the same worker, already a static peer
-        why = usable_reason(a, pool)
-        if not why and not reach(*split_address(a.address)):
-            why = "it is announced on mDNS but does not accept connections (stopped, or a firewall)"
+        why = usable_reason(a, pool) or vet(peer)
         if why:
             skipped.append((peer, why))
             continue
@@ -132,11 +156,11 @@ class PeerFinder:
     def browsing(self) -> bool:
         return self.browser is not None
 
-    def find(self, reach: Callable[[str, int], bool] | None = None) -> Found:
-        """End the browse (after its window) and merge; `reach` as in gather()."""
+    def find(self, vet: Vet = reachable) -> Found:
+        """End the browse (after its window) and merge; `vet` as in gather()."""
         adverts = self.browser.results() if self.browser is not None else []
         self.browser = None
-        return gather(self.static, adverts, self.pool, reach)
+        return gather(self.static, adverts, self.pool, vet)
 
     def close(self) -> None:
         if self.browser is not None:
