@@ -415,6 +415,36 @@ def test_static_peers_when_multicast_does_not_cross(tmp_path: Path, smollm2_path
         assert r.returncode == 0, r.stderr
         row = next(row for row in rows(r.stdout) if row[0] == f"{far.ip}:{PORT}")
         assert row[1] == "peers file" and row[-1] == "yes", row
+        # a worker stopped with SIGTERM says goodbye: a browser that saw it drops it at once
+        # (without the goodbye it would stay in every cache for the record's TTL, minutes)
+        watcher = far.popen(
+            [sys.executable, "-c", WATCH], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert watcher.stdout is not None and watcher.stdin is not None
+        assert watcher.stdout.readline().strip() == "seen"
+        t0 = time.monotonic()
+        far.stop(w.proc)
+        watcher.stdin.write("stopped\n")
+        watcher.stdin.flush()
+        assert watcher.stdout.readline().strip() == "gone"
+        assert time.monotonic() - t0 < 10
+
+
+WATCH = """
+import sys, time
+from potluck.discovery.mdns import Browser
+b = Browser(None)
+while not b.seen():
+    time.sleep(0.05)
+print("seen", flush=True)
+sys.stdin.readline()
+end = time.monotonic() + 5
+while b.seen() and time.monotonic() < end:
+    time.sleep(0.05)
+print("gone" if not b.seen() else f"still there: {b.seen()}", flush=True)
+b.close()
+"""
 
 
 def test_empty_network_browse_is_short(tmp_path: Path) -> None:

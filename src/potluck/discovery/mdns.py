@@ -276,6 +276,11 @@ class Browser:
             else:
                 self._names.add(name)
 
+    def seen(self) -> set[str]:
+        """Service names seen so far and not said goodbye (unresolved, any pool)."""
+        with self._lock:
+            return set(self._names)
+
     def results(self) -> list[WorkerAdvert]:
         """Wait out the window, resolve what was seen, close. Sorted by instance name."""
         if self.zc is None:
