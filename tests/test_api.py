@@ -21,7 +21,7 @@ import pytest
 
 from potluck.api.server import ServerConfig, bind, create_app, model_id_of, uvicorn_server
 from potluck.engine.generate import Model, generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler
+from potluck.engine.sampling import GREEDY, Sampler, SamplingParams
 from potluck.engine.scheduler import Scheduler, SchedulerConfig
 
 KEY = "test-key-123"
@@ -574,14 +574,19 @@ def pool_server(smollm2_path: Path) -> Iterator[Server]:
 
 def test_pool_server_dashboard_and_logprobs(pool_server: Server, ref: Model) -> None:
     """Over a pool the answers are the same, /api/pool lists both nodes with the worker's memory
-    and per-hop time, and logprobs are refused with a clear 400 instead of answered wrong."""
+    and per-hop time, and logprobs come back from the last stage equal to one process's."""
     c = pool_server.client()
     ids = ref.tokenizer.encode("The three laws of robotics are")
     text, out, _ = _greedy(ref, ids, 12)
     r = c.completions.create(model=pool_server.model_id, prompt=ids, max_tokens=12, temperature=0)
     assert r.choices[0].text == text and r.usage.completion_tokens == len(out)
-    with pytest.raises(openai.BadRequestError, match="logprobs are not yet supported over a pool"):
-        c.completions.create(model=pool_server.model_id, prompt="Hi", max_tokens=2, logprobs=1)
+    lp = c.completions.create(model=pool_server.model_id, prompt=ids, max_tokens=3, logprobs=1,
+                              temperature=0)  # fmt: skip
+    want = list(generate(ref, ids, 3, Sampler(SamplingParams(temperature=0, logprobs=1))))
+    got = lp.choices[0].logprobs.token_logprobs
+    assert len(got) == len(want) and all(
+        abs(g - w.logprob) < 1e-4 for g, w in zip(got, want, strict=True)
+    )
     p = httpx.get(pool_server.url + "/api/pool").json()
     head, worker = p["nodes"]
     assert head["address"] == "local" and head["layers"] == [0, 15] and head["hop_ms"] is None

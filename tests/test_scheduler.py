@@ -23,7 +23,7 @@ from potluck.engine.scheduler import (
     SchedulerConfig,
     TokenEvent,
 )
-from potluck.errors import ContextError, UnsupportedError
+from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk
 
 PROMPTS = [
@@ -199,8 +199,8 @@ def pool_model(smollm2_path: Path) -> Iterator[Model]:
 
 def test_pool_concurrent_equal_alone(smol: Model, pool_model: Model) -> None:
     """Three stages (this machine + two workers): sequences spread over up to 3 batches in flight
-    give the same greedy and seeded tokens as one process alone; logprobs say they are not
-    supported over a pool instead of answering wrong."""
+    give the same greedy and seeded tokens as one process alone, and the same logprobs (sent back
+    by the last stage)."""
     assert pool_model.pipeline.depth == 3
     ids = [smol.tokenizer.encode(p) for p in PROMPTS[:6]]
     params = [GREEDY if i % 2 else SamplingParams(temperature=0.8, seed=i) for i in range(6)]
@@ -211,10 +211,13 @@ def test_pool_concurrent_equal_alone(smol: Model, pool_model: Model) -> None:
             s, [Request(tuple(p), q, 10, frozenset()) for p, q in zip(ids, params, strict=True)]
         )
         assert [toks for toks, _ in got] == want
-        with pytest.raises(UnsupportedError, match="logprobs are not yet supported over a pool"):
-            s.submit(
-                Request(tuple(ids[0]), SamplingParams(logprobs=1), 3, frozenset()), QueueSink()
-            )
+        lp = SamplingParams(temperature=0.0, logprobs=2)
+        alone = _alone(smol, ids[0], 3, lp)
+        ((pooled, _),) = _run(s, [Request(tuple(ids[0]), lp, 3, frozenset())])
+        assert pooled == alone
+        for a, b in zip(alone, pooled, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-5
+            assert [i for i, _ in a.top] == [i for i, _ in b.top] and len(b.top) == 2
         assert len(s.stats.stage_ms) == 3 and len(s.stats.hop_ms) == 3
         assert s.stats.max_in_flight > 1  # (with a synchronous submit this stays 1)
     finally:

@@ -80,6 +80,8 @@ Connect = Callable[[frozenset[str], int], "object"]
 class FailoverPipeline:
     """A Pipeline (engine/generate.py) over a pool that re-plans when a node goes away."""
 
+    supports_logprobs = True
+
     def __init__(
         self,
         first: object,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from potluck.engine.sampling import Sampler
+from potluck.engine.sampling import Sampler, Token
 from potluck.errors import PotluckError
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage
@@ -67,6 +67,8 @@ def plan_id_of(
 
 class RemotePipeline:
     """Runs a plan whose first assignment may be local and whose others are remote nodes, in order."""
+
+    supports_logprobs = True  # the last stage sends each sampled token's logprobs when asked
 
     def __init__(
         self,
@@ -248,8 +250,21 @@ class RemotePipeline:
             exc = f.exception()
             if exc is not None:
                 out.set_exception(exc)
-            else:
-                out.set_result(list(f.result().tokens))
+                return
+            reply = f.result()
+            if not reply.logprobs:
+                out.set_result(list(reply.tokens))
+                return
+            out.set_result(
+                [
+                    Token(t, lp, tuple(zip(top.ids, top.logprobs, strict=True)))
+                    if t >= 0 and s.sample and s.sampling.has_logprobs
+                    else t
+                    for t, lp, top, s in zip(
+                        reply.tokens, reply.logprobs, reply.top, wire, strict=True
+                    )
+                ]
+            )
 
         self._start(tokens, chunks, wire, False).add_done_callback(done)
         return out

@@ -24,7 +24,7 @@ import grpc
 import torch
 
 from potluck import __version__
-from potluck.engine.sampling import Sampler
+from potluck.engine.sampling import Sampler, Token
 from potluck.errors import ContextError, PotluckError
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage, WeightSource
@@ -330,6 +330,8 @@ class NodeService(pb_grpc.NodeServicer):
             logits=reply.logits,
             stage_ms=[stage_ms, *reply.stage_ms],
             hop_ms=[hop_ms, *reply.hop_ms],
+            logprobs=reply.logprobs,
+            top=reply.top,
         )
 
     def _finish(
@@ -352,7 +354,14 @@ class NodeService(pb_grpc.NodeServicer):
                 except WireError as exc:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             tokens.append(sampler.sample(row, list(chunk.recent)))
-        return pb.ForwardReply(tokens=tokens, stage_ms=[stage_ms])
+        reply = pb.ForwardReply(tokens=tokens, stage_ms=[stage_ms])
+        if any(isinstance(t, Token) for t in tokens):  # logprobs asked: one entry per chunk
+            for t in tokens:
+                lp = t.logprob if isinstance(t, Token) else 0.0
+                top = t.top if isinstance(t, Token) else ()
+                reply.logprobs.append(lp)
+                reply.top.add(ids=[i for i, _ in top], logprobs=[v for _, v in top])
+        return reply
 
     def Forward(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardReply:
         try:

@@ -80,6 +80,8 @@ def sampling_to_proto(p: SamplingParams, seed: int) -> pb.SamplingConfig:
         frequency_penalty=p.frequency_penalty,
         has_seed=True,
         seed=seed,
+        has_logprobs=p.logprobs is not None,
+        top_logprobs=p.logprobs or 0,
     )
 
 
@@ -95,6 +97,7 @@ def sampling_from_proto(msg: pb.SamplingConfig) -> SamplingParams:
             presence_penalty=msg.presence_penalty,
             frequency_penalty=msg.frequency_penalty,
             seed=msg.seed if msg.has_seed else None,
+            logprobs=msg.top_logprobs if msg.has_logprobs else None,
         )
     except ValueError as exc:
         raise WireError(f"bad sampling parameters: {exc}") from None

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpotluck/transport/potluck.proto\x12\npotluck.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"M\n\x0cHelloRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\thead_name\x18\x02 \x01(\t\x12\x10\n\x08plan_ids\x18\x03 \x03(\t\":\n\x06\x44\x65vice\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\"\xc1\x01\n\nHelloReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12\x17\n\x0fpotluck_version\x18\x03 \x01(\t\x12#\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x12.potluck.v1.Device\x12\x16\n\x0ephysical_cores\x18\x05 \x01(\r\x12\x1a\n\x12\x64\x65\x63ode_bytes_per_s\x18\x06 \x01(\x01\x12\x14\n\x0cmodel_sha256\x18\x07 \x03(\t\"\xba\x02\n\x0bLoadRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x01(\r\x12\r\n\x05n_ctx\x18\x05 \x01(\r\x12\x10\n\x08next_hop\x18\x06 \x01(\t\x12\x15\n\rmetadata_gguf\x18\x07 \x01(\x0c\x12\x0f\n\x07threads\x18\x08 \x01(\r\x12@\n\rtensor_sha256\x18\t \x03(\x0b\x32).potluck.v1.LoadRequest.TensorSha256Entry\x12\x12\n\nwire_dtype\x18\n \x01(\t\x12\x13\n\x0bmodel_bytes\x18\x0b \x01(\x04\x1a\x33\n\x11TensorSha256Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"^\n\tLoadReply\x12\x14\n\x0cneed_tensors\x18\x01 \x01(\x08\x12\x0f\n\x07missing\x18\x02 \x03(\t\x12\x14\n\x0cweight_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"N\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x1c\n\x08PutReply\x12\x10\n\x08received\x18\x01 \x01(\r\"\xd6\x01\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x16\n\x0erepeat_penalty\x18\x05 \x01(\x01\x12\x15\n\rrepeat_last_n\x18\x06 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x10\n\x08has_seed\x18\t \x01(\x08\x12\x0c\n\x04seed\x18\n \x01(\x04\"\x80\x01\n\x08SeqChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\t\n\x01n\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.potluck.v1.SamplingConfig\x12\x0e\n\x06recent\x18\x04 \x03(\x03\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x0b\n\x03pos\x18\x06 \x01(\r\"\x93\x01\n\x0e\x46orwardRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12$\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x14.potluck.v1.SeqChunk\x12!\n\x05input\x18\x03 \x01(\x0b\x32\x12.potluck.v1.Tensor\x12\x13\n\x0bwant_logits\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\"\x9b\x01\n\x0c\x46orwardReply\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\"\n\x06logits\x18\x02 \x01(\x0b\x32\x12.potluck.v1.Tensor\x12\x10\n\x08stage_ms\x18\x03 \x03(\x01\x12\x0e\n\x06hop_ms\x18\x04 \x03(\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\nerror_code\x18\x07 \x01(\t\"/\n\x0b\x44ropRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\"\x0b\n\tDropReply\"B\n\x10\x43hallengeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x14\n\x0c\x63lient_nonce\x18\x02 \x01(\x0c\"<\n\x0e\x43hallengeReply\x12\x17\n\x0fsecret_required\x18\x01 \x01(\x08\x12\x11\n\tchallenge\x18\x02 \x01(\x0c\"g\n\x0cProveRequest\x12\x14\n\x0c\x63lient_nonce\x18\x01 \x01(\x0c\x12\x11\n\tchallenge\x18\x02 \x01(\x0c\x12\x18\n\x10seen_cert_sha256\x18\x03 \x01(\x0c\x12\x14\n\x0c\x63lient_proof\x18\x04 \x01(\x0c\"I\n\nProveReply\x12\x14\n\x0cserver_proof\x18\x01 \x01(\x0c\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x14\n\x0cidle_seconds\x18\x03 \x01(\r\"3\n\x0b\x45\x63hoRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\x04\"\x1c\n\tEchoReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x11\n\x0f\x44\x65scribeRequest\"q\n\rDescribeReply\x12\x0f\n\x07threads\x18\x01 \x01(\r\x12\x16\n\x0ephysical_cores\x18\x02 \x01(\r\x12\x15\n\rlogical_cores\x18\x03 \x01(\r\x12\n\n\x02os\x18\x04 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\"2\n\rStressRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x10\n\x08interval\x18\x02 \x01(\x01\".\n\x0cStressSample\x12\t\n\x01t\x18\x01 \x01(\x01\x12\x13\n\x0b\x62ytes_per_s\x18\x02 \x01(\x01\x32\xb9\x04\n\x04Node\x12\x39\n\x05Hello\x12\x18.potluck.v1.HelloRequest\x1a\x16.potluck.v1.HelloReply\x12\x36\n\x04Load\x12\x17.potluck.v1.LoadRequest\x1a\x15.potluck.v1.LoadReply\x12=\n\nPutTensors\x12\x17.potluck.v1.TensorChunk\x1a\x14.potluck.v1.PutReply(\x01\x12?\n\x07\x46orward\x12\x1a.potluck.v1.ForwardRequest\x1a\x18.potluck.v1.ForwardReply\x12I\n\rForwardStream\x12\x1a.potluck.v1.ForwardRequest\x1a\x18.potluck.v1.ForwardReply(\x01\x30\x01\x12\x36\n\x04\x44rop\x12\x17.potluck.v1.DropRequest\x1a\x15.potluck.v1.DropReply\x12\x36\n\x04\x45\x63ho\x12\x17.potluck.v1.EchoRequest\x1a\x15.potluck.v1.EchoReply\x12\x42\n\x08\x44\x65scribe\x12\x1b.potluck.v1.DescribeRequest\x1a\x19.potluck.v1.DescribeReply\x12?\n\x06Stress\x12\x19.potluck.v1.StressRequest\x1a\x18.potluck.v1.StressSample0\x01\x32\x8c\x01\n\x08NodeAuth\x12\x45\n\tChallenge\x12\x1c.potluck.v1.ChallengeRequest\x1a\x1a.potluck.v1.ChallengeReply\x12\x39\n\x05Prove\x12\x18.potluck.v1.ProveRequest\x1a\x16.potluck.v1.ProveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpotluck/transport/potluck.proto\x12\npotluck.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"M\n\x0cHelloRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\thead_name\x18\x02 \x01(\t\x12\x10\n\x08plan_ids\x18\x03 \x03(\t\":\n\x06\x44\x65vice\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\"\xc1\x01\n\nHelloReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12\x17\n\x0fpotluck_version\x18\x03 \x01(\t\x12#\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x12.potluck.v1.Device\x12\x16\n\x0ephysical_cores\x18\x05 \x01(\r\x12\x1a\n\x12\x64\x65\x63ode_bytes_per_s\x18\x06 \x01(\x01\x12\x14\n\x0cmodel_sha256\x18\x07 \x03(\t\"\xba\x02\n\x0bLoadRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x01(\r\x12\r\n\x05n_ctx\x18\x05 \x01(\r\x12\x10\n\x08next_hop\x18\x06 \x01(\t\x12\x15\n\rmetadata_gguf\x18\x07 \x01(\x0c\x12\x0f\n\x07threads\x18\x08 \x01(\r\x12@\n\rtensor_sha256\x18\t \x03(\x0b\x32).potluck.v1.LoadRequest.TensorSha256Entry\x12\x12\n\nwire_dtype\x18\n \x01(\t\x12\x13\n\x0bmodel_bytes\x18\x0b \x01(\x04\x1a\x33\n\x11TensorSha256Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"^\n\tLoadReply\x12\x14\n\x0cneed_tensors\x18\x01 \x01(\x08\x12\x0f\n\x07missing\x18\x02 \x03(\t\x12\x14\n\x0cweight_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"N\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x1c\n\x08PutReply\x12\x10\n\x08received\x18\x01 \x01(\r\"\x82\x02\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x16\n\x0erepeat_penalty\x18\x05 \x01(\x01\x12\x15\n\rrepeat_last_n\x18\x06 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x10\n\x08has_seed\x18\t \x01(\x08\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x14\n\x0chas_logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\",\n\x0bTopLogprobs\x12\x0b\n\x03ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"\x80\x01\n\x08SeqChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\t\n\x01n\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.potluck.v1.SamplingConfig\x12\x0e\n\x06recent\x18\x04 \x03(\x03\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x0b\n\x03pos\x18\x06 \x01(\r\"\x93\x01\n\x0e\x46orwardRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12$\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x14.potluck.v1.SeqChunk\x12!\n\x05input\x18\x03 \x01(\x0b\x32\x12.potluck.v1.Tensor\x12\x13\n\x0bwant_logits\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\"\xd3\x01\n\x0c\x46orwardReply\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\"\n\x06logits\x18\x02 \x01(\x0b\x32\x12.potluck.v1.Tensor\x12\x10\n\x08stage_ms\x18\x03 \x03(\x01\x12\x0e\n\x06hop_ms\x18\x04 \x03(\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\nerror_code\x18\x07 \x01(\t\x12\x10\n\x08logprobs\x18\x08 \x03(\x01\x12$\n\x03top\x18\t \x03(\x0b\x32\x17.potluck.v1.TopLogprobs\"/\n\x0b\x44ropRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\"\x0b\n\tDropReply\"B\n\x10\x43hallengeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x14\n\x0c\x63lient_nonce\x18\x02 \x01(\x0c\"<\n\x0e\x43hallengeReply\x12\x17\n\x0fsecret_required\x18\x01 \x01(\x08\x12\x11\n\tchallenge\x18\x02 \x01(\x0c\"g\n\x0cProveRequest\x12\x14\n\x0c\x63lient_nonce\x18\x01 \x01(\x0c\x12\x11\n\tchallenge\x18\x02 \x01(\x0c\x12\x18\n\x10seen_cert_sha256\x18\x03 \x01(\x0c\x12\x14\n\x0c\x63lient_proof\x18\x04 \x01(\x0c\"I\n\nProveReply\x12\x14\n\x0cserver_proof\x18\x01 \x01(\x0c\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x14\n\x0cidle_seconds\x18\x03 \x01(\r\"3\n\x0b\x45\x63hoRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\x04\"\x1c\n\tEchoReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x11\n\x0f\x44\x65scribeRequest\"q\n\rDescribeReply\x12\x0f\n\x07threads\x18\x01 \x01(\r\x12\x16\n\x0ephysical_cores\x18\x02 \x01(\r\x12\x15\n\rlogical_cores\x18\x03 \x01(\r\x12\n\n\x02os\x18\x04 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\"2\n\rStressRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x10\n\x08interval\x18\x02 \x01(\x01\".\n\x0cStressSample\x12\t\n\x01t\x18\x01 \x01(\x01\x12\x13\n\x0b\x62ytes_per_s\x18\x02 \x01(\x01\x32\xb9\x04\n\x04Node\x12\x39\n\x05Hello\x12\x18.potluck.v1.HelloRequest\x1a\x16.potluck.v1.HelloReply\x12\x36\n\x04Load\x12\x17.potluck.v1.LoadRequest\x1a\x15.potluck.v1.LoadReply\x12=\n\nPutTensors\x12\x17.potluck.v1.TensorChunk\x1a\x14.potluck.v1.PutReply(\x01\x12?\n\x07\x46orward\x12\x1a.potluck.v1.ForwardRequest\x1a\x18.potluck.v1.ForwardReply\x12I\n\rForwardStream\x12\x1a.potluck.v1.ForwardRequest\x1a\x18.potluck.v1.ForwardReply(\x01\x30\x01\x12\x36\n\x04\x44rop\x12\x17.potluck.v1.DropRequest\x1a\x15.potluck.v1.DropReply\x12\x36\n\x04\x45\x63ho\x12\x17.potluck.v1.EchoRequest\x1a\x15.potluck.v1.EchoReply\x12\x42\n\x08\x44\x65scribe\x12\x1b.potluck.v1.DescribeRequest\x1a\x19.potluck.v1.DescribeReply\x12?\n\x06Stress\x12\x19.potluck.v1.StressRequest\x1a\x18.potluck.v1.StressSample0\x01\x32\x8c\x01\n\x08NodeAuth\x12\x45\n\tChallenge\x12\x1c.potluck.v1.ChallengeRequest\x1a\x1a.potluck.v1.ChallengeReply\x12\x39\n\x05Prove\x12\x18.potluck.v1.ProveRequest\x1a\x16.potluck.v1.ProveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,39 +52,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTREPLY']._serialized_start=929
   _globals['_PUTREPLY']._serialized_end=957
   _globals['_SAMPLINGCONFIG']._serialized_start=960
-  _globals['_SAMPLINGCONFIG']._serialized_end=1174
-  _globals['_SEQCHUNK']._serialized_start=1177
-  _globals['_SEQCHUNK']._serialized_end=1305
-  _globals['_FORWARDREQUEST']._serialized_start=1308
-  _globals['_FORWARDREQUEST']._serialized_end=1455
-  _globals['_FORWARDREPLY']._serialized_start=1458
-  _globals['_FORWARDREPLY']._serialized_end=1613
-  _globals['_DROPREQUEST']._serialized_start=1615
-  _globals['_DROPREQUEST']._serialized_end=1662
-  _globals['_DROPREPLY']._serialized_start=1664
-  _globals['_DROPREPLY']._serialized_end=1675
-  _globals['_CHALLENGEREQUEST']._serialized_start=1677
-  _globals['_CHALLENGEREQUEST']._serialized_end=1743
-  _globals['_CHALLENGEREPLY']._serialized_start=1745
-  _globals['_CHALLENGEREPLY']._serialized_end=1805
-  _globals['_PROVEREQUEST']._serialized_start=1807
-  _globals['_PROVEREQUEST']._serialized_end=1910
-  _globals['_PROVEREPLY']._serialized_start=1912
-  _globals['_PROVEREPLY']._serialized_end=1985
-  _globals['_ECHOREQUEST']._serialized_start=1987
-  _globals['_ECHOREQUEST']._serialized_end=2038
-  _globals['_ECHOREPLY']._serialized_start=2040
-  _globals['_ECHOREPLY']._serialized_end=2068
-  _globals['_DESCRIBEREQUEST']._serialized_start=2070
-  _globals['_DESCRIBEREQUEST']._serialized_end=2087
-  _globals['_DESCRIBEREPLY']._serialized_start=2089
-  _globals['_DESCRIBEREPLY']._serialized_end=2202
-  _globals['_STRESSREQUEST']._serialized_start=2204
-  _globals['_STRESSREQUEST']._serialized_end=2254
-  _globals['_STRESSSAMPLE']._serialized_start=2256
-  _globals['_STRESSSAMPLE']._serialized_end=2302
-  _globals['_NODE']._serialized_start=2305
-  _globals['_NODE']._serialized_end=2874
-  _globals['_NODEAUTH']._serialized_start=2877
-  _globals['_NODEAUTH']._serialized_end=3017
+  _globals['_SAMPLINGCONFIG']._serialized_end=1218
+  _globals['_TOPLOGPROBS']._serialized_start=1220
+  _globals['_TOPLOGPROBS']._serialized_end=1264
+  _globals['_SEQCHUNK']._serialized_start=1267
+  _globals['_SEQCHUNK']._serialized_end=1395
+  _globals['_FORWARDREQUEST']._serialized_start=1398
+  _globals['_FORWARDREQUEST']._serialized_end=1545
+  _globals['_FORWARDREPLY']._serialized_start=1548
+  _globals['_FORWARDREPLY']._serialized_end=1759
+  _globals['_DROPREQUEST']._serialized_start=1761
+  _globals['_DROPREQUEST']._serialized_end=1808
+  _globals['_DROPREPLY']._serialized_start=1810
+  _globals['_DROPREPLY']._serialized_end=1821
+  _globals['_CHALLENGEREQUEST']._serialized_start=1823
+  _globals['_CHALLENGEREQUEST']._serialized_end=1889
+  _globals['_CHALLENGEREPLY']._serialized_start=1891
+  _globals['_CHALLENGEREPLY']._serialized_end=1951
+  _globals['_PROVEREQUEST']._serialized_start=1953
+  _globals['_PROVEREQUEST']._serialized_end=2056
+  _globals['_PROVEREPLY']._serialized_start=2058
+  _globals['_PROVEREPLY']._serialized_end=2131
+  _globals['_ECHOREQUEST']._serialized_start=2133
+  _globals['_ECHOREQUEST']._serialized_end=2184
+  _globals['_ECHOREPLY']._serialized_start=2186
+  _globals['_ECHOREPLY']._serialized_end=2214
+  _globals['_DESCRIBEREQUEST']._serialized_start=2216
+  _globals['_DESCRIBEREQUEST']._serialized_end=2233
+  _globals['_DESCRIBEREPLY']._serialized_start=2235
+  _globals['_DESCRIBEREPLY']._serialized_end=2348
+  _globals['_STRESSREQUEST']._serialized_start=2350
+  _globals['_STRESSREQUEST']._serialized_end=2400
+  _globals['_STRESSSAMPLE']._serialized_start=2402
+  _globals['_STRESSSAMPLE']._serialized_end=2448
+  _globals['_NODE']._serialized_start=2451
+  _globals['_NODE']._serialized_end=3020
+  _globals['_NODEAUTH']._serialized_start=3023
+  _globals['_NODEAUTH']._serialized_end=3163
 # @@protoc_insertion_point(module_scope)

@@ -118,7 +118,7 @@ class PutReply(_message.Message):
     def __init__(self, received: _Optional[int] = ...) -> None: ...
 
 class SamplingConfig(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "has_seed", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "has_seed", "seed", "has_logprobs", "top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,8 @@ class SamplingConfig(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -139,7 +141,17 @@ class SamplingConfig(_message.Message):
     frequency_penalty: float
     has_seed: bool
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+    has_logprobs: bool
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("ids", "logprobs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
     __slots__ = ("seq_id", "n", "sampling", "recent", "sample", "pos")
@@ -172,7 +184,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, plan_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("tokens", "logits", "stage_ms", "hop_ms", "request_id", "error", "error_code")
+    __slots__ = ("tokens", "logits", "stage_ms", "hop_ms", "request_id", "error", "error_code", "logprobs", "top")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     STAGE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +192,8 @@ class ForwardReply(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logits: Tensor
     stage_ms: _containers.RepeatedScalarFieldContainer[float]
@@ -187,7 +201,9 @@ class ForwardReply(_message.Message):
     request_id: int
     error: str
     error_code: str
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., stage_ms: _Optional[_Iterable[float]] = ..., hop_ms: _Optional[_Iterable[float]] = ..., request_id: _Optional[int] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., stage_ms: _Optional[_Iterable[float]] = ..., hop_ms: _Optional[_Iterable[float]] = ..., request_id: _Optional[int] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DropRequest(_message.Message):
     __slots__ = ("plan_id", "seq_ids")
