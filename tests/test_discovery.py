@@ -328,6 +328,22 @@ def test_neighbours_worker_with_another_secret_is_left_out(lan: Lan, smollm2_pat
     assert not home["usable"] and "pool secret mismatch" in home["why"], home
 
 
+def test_doctor_tls_on_one_side_only(tmp_path: Path) -> None:
+    """A worker with --tls: a doctor without --tls is told to pass it; with it, all is well."""
+    env = _env(tmp_path)
+    with netns_lan(2) as (w_host, head):
+        w = start_worker(w_host, env, "--tls", "--no-mdns")
+        args = ["--no-mdns", "--peer", w.address, "--load-seconds", "0"]
+        code, table, out = _doctor(head, env, *args)
+        assert code == 1, out
+        shake = next(c for c in table if c[1] == w.address and c[2] == "fail")
+        assert "speaks TLS" in shake[3] and "--tls" in shake[4], shake
+        code, table, out = _doctor(head, env, *args, "--tls")
+        assert code == 0, out
+        by = {(c[0], c[1]): c for c in table}
+        assert by[("secret", w.address)][2] == OK and by[("link", w.address)][2] in (OK, WARN)
+
+
 def _claim_context(path: Path, n_ctx: int) -> None:
     """Rewrite the model's context_length (a GGUF uint32 key) in place."""
     data = bytearray(path.read_bytes())

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from potluck import __version__
 from potluck.discovery.measure import (
+    CLIENT_ERROR,
     NO_NAME,
     REACHED,
     REFUSED,
@@ -42,6 +43,7 @@ from potluck.planner import Link, NodeInfo, NotEnoughMemoryError
 from potluck.planner.errors import fmt_bytes
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.codec import PROTOCOL_VERSION
+from potluck.transport.tls import speaks_tls
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 THIS_MACHINE = "this machine"
@@ -146,6 +148,14 @@ def _handshake_checks(peer: Peer, h_code: str, h_detail: str, timeout: float) ->
             "handshake", peer.address, FAIL,
             f"the port accepts connections but no answer to Hello in {timeout:g} s",
             "the worker is hung or busy (stopped with Ctrl-Z? swapping?): restart it",
+        )  # fmt: skip
+    if h_code == CLIENT_ERROR:
+        return Check("handshake", peer.address, FAIL, h_detail, "do what the message says")
+    if h_code == "UNAVAILABLE" and speaks_tls(peer.address):
+        return Check(
+            "handshake", peer.address, FAIL,
+            "the worker speaks TLS (it runs with --tls) and this head does not",
+            "pass --tls here too (every machine of a TLS pool needs it)",
         )  # fmt: skip
     if h_code in ("UNIMPLEMENTED", "UNAVAILABLE", "INTERNAL", "UNKNOWN"):
         return Check(
@@ -384,8 +394,8 @@ def _session_checks(
     why, mismatch = session_error(client)  # the pool secret's handshake (transport/auth.py)
     if mismatch:
         return [_secret_fail(peer, why)]
-    if why:
-        return [Check("handshake", peer.address, FAIL, why, "see the message")]
+    if why:  # e.g. TLS on one side only, or a worker too old for the handshake
+        return [Check("handshake", peer.address, FAIL, why, "do what the message says")]
     try:
         d = describe(client, cfg.call_timeout_s)
     except grpc.RpcError as exc:

@@ -29,6 +29,7 @@ _UNREACHABLE_ERRNOS = {
     getattr(errno, n) for n in ("EHOSTUNREACH", "ENETUNREACH", "EHOSTDOWN", "ENETDOWN")
     if hasattr(errno, n)
 }  # fmt: skip
+CLIENT_ERROR = "CLIENT"  # Hello.code when this side failed before any call
 BANDWIDTH_TARGET_S = 0.25  # grow the transfer until one takes this long (or hits the cap)
 BANDWIDTH_MAX_BYTES = 16 * 2**20  # the node's Echo cap (node/worker.py ECHO_MAX_BYTES)
 BANDWIDTH_START_BYTES = 256 * 2**10
@@ -97,6 +98,8 @@ def hello(client: NodeClient, timeout: float, head_name: str = "potluck doctor")
     except grpc.RpcError as exc:
         code, detail = rpc_code(exc)
         return Hello(None, code, detail, time.perf_counter() - t0)
+    except PotluckError as exc:  # the client could not open the channel (with --tls: no TLS there)
+        return Hello(None, CLIENT_ERROR, str(exc), time.perf_counter() - t0)
     return Hello(reply, "OK", "", time.perf_counter() - t0)
 
 
