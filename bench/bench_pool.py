@@ -79,6 +79,39 @@ def child(path: Path, mode: str, task: str, n_tok: int, peers: list[str]) -> dic
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+LLAMA_UBATCH = 64  # llama.cpp RPC's best prompt micro-batch over two servers (BENCHMARKS.md)
+
+
+def start_rpc_server(bin_dir: Path, core: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = ["taskset", "-c", str(core), str(bin_dir / "ggml-rpc-server"), "-t", "1", "-p", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"127.0.0.1:{port}"
+        time.sleep(0.1)
+    raise SystemExit("ggml-rpc-server did not start")
+
+
+def llama_rpc(bin_dir: Path, path: Path, task: str, n: int, servers: list[str]) -> float | None:
+    """llama.cpp's RPC mode: all layers (-ngl 99) on the two pinned rpc servers; tokens/s."""
+    if task == "streams":
+        return None  # llama-bench has no concurrent-stream mode
+    work = (
+        ["-p", "0", "-n", str(n)]
+        if task == "decode"
+        else ["-p", str(n), "-n", "0", "-ub", str(LLAMA_UBATCH)]
+    )
+    cmd = ["taskset", "-c", "0,1", str(bin_dir / "llama-bench"), "-m", str(path), "--rpc",
+           ",".join(servers), "-ngl", "99", "-r", "1", "-o", "json", *work]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"llama-bench failed:\n{done.stderr[-2000:]}")
+    return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -92,6 +125,11 @@ def main() -> None:
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench/out/pool.json"))
+    ap.add_argument(
+        "--llamacpp-bin", type=Path, default=os.environ.get("LLAMACPP_BIN"),
+        help="folder with llama.cpp's llama-bench and ggml-rpc-server (built with GGML_RPC=ON); "
+        "adds llama.cpp RPC over two pinned servers to the same run",
+    )  # fmt: skip
     args = ap.parse_args()
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs two cores to pin two workers")
@@ -101,28 +139,36 @@ def main() -> None:
         path = model_path(name)
         (w0, a0, t0), (w1, a1, t1) = start_worker(0), start_worker(1)
         entry: dict = {"worker_ready_s": [t0, t1]}
+        rpc = [start_rpc_server(args.llamacpp_bin, c) for c in (0, 1)] if args.llamacpp_bin else []
         try:
             for task in args.tasks.split(","):
                 n = TASKS[task]
-                samples: dict[str, list[float]] = {"single": [], "pool": []}
+                samples: dict[str, list[float]] = {"single": [], "pool": [], "llama_rpc": []}
                 last: dict = {}
-                for _ in range(args.reps):  # A B A B ...
+                for _ in range(args.reps):  # A B C A B C ...
                     samples["single"].append(child(path, "single", task, n, [])["tok_s"])
                     last = child(path, "pool", task, n, [a0, a1])
                     samples["pool"].append(last["tok_s"])
+                    if rpc and (
+                        r := llama_rpc(args.llamacpp_bin, path, task, n, [a for _, a in rpc])
+                    ):
+                        samples["llama_rpc"].append(r)
                 single, pool = median(samples["single"]), median(samples["pool"])
+                lrpc = median(samples["llama_rpc"]) if samples["llama_rpc"] else None
                 entry[task] = {
                     "samples": samples, "single_tok_s": single, "pool_tok_s": pool,
-                    "ratio": pool / single, "last_stage_ms": last.get("stage_ms"),
-                    "last_hop_ms": last.get("hop_ms"),
+                    "ratio": pool / single, "llama_rpc_tok_s": lrpc,
+                    "vs_llama_rpc": pool / lrpc if lrpc else None,
+                    "last_stage_ms": last.get("stage_ms"), "last_hop_ms": last.get("hop_ms"),
                 }  # fmt: skip
                 stage = "/".join(f"{x:.2f}" for x in last.get("stage_ms", []))
                 hop = "/".join(f"{x:.2f}" for x in last.get("hop_ms", []))
                 rows.append([name, task, f"{single:.1f}", f"{pool:.1f}", f"{pool / single:.2f}×",
+                             f"{lrpc:.1f}" if lrpc else "–", f"{pool / lrpc:.2f}×" if lrpc else "–",
                              stage, hop])  # fmt: skip
             entry["worker_peak_rss_mib"] = [rss_mib(w0.pid), rss_mib(w1.pid)]
         finally:
-            for w in (w0, w1):
+            for w in (w0, w1, *(p for p, _ in rpc)):
                 w.terminate()
                 w.wait()
         from potluck.modelfile.gguf_file import GGUFFile
@@ -136,7 +182,17 @@ def main() -> None:
         result["models"][name] = entry
     print_table(
         "2 single-core workers (pinned) vs 1 single-core process; tok/s, medians",
-        ["model", "task", "1 core", "2 workers", "ratio", "last stage ms", "last hop ms"],
+        [
+            "model",
+            "task",
+            "1 core",
+            "2 workers",
+            "ratio",
+            "llama.cpp RPC",
+            "vs RPC",
+            "last stage ms",
+            "last hop ms",
+        ],  # fmt: skip
         rows,
     )
     print_table(

@@ -9,6 +9,10 @@ import pytest
 
 from potluck.modelfile.sources import cache_dir, default_model_path
 
+# Tests name their peers. mDNS stays off in every process they start unless a test turns it on
+# (tests/test_discovery.py does): a head would otherwise also find other test runs' workers.
+os.environ["POTLUCK_MDNS"] = "0"
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:

@@ -156,3 +156,30 @@ def test_cli_run_survives_a_killed_worker(spawn, smollm2_path: Path) -> None:
     assert proc.returncode == 0, log
     assert (first + rest).decode() == alone.stdout
     assert f"{addr} went away" in log and "re-planned and replayed" in log
+
+
+def test_next_hop_gone_before_first_batch_with_a_secret(smollm2_path: Path) -> None:
+    """A middle worker whose next hop vanished before the first batch (its handshake to it fails)
+    answers the batch with an error: the head gets it at once, or fails over; it never hangs."""
+    from potluck.transport.auth import PoolAuth
+    from potluck.transport.client import NodeError
+    from potluck.transport.secret import new_secret
+
+    secret = new_secret()
+    env = {"POTLUCK_SECRET": secret}
+    procs = [start_worker(env), start_worker(env)]
+    try:
+        auth = PoolAuth.from_secret(secret)
+        peers = [a for _, a in procs]
+        m = load_model(smollm2_path, n_ctx=128, peers=peers, auth=auth, failover_s=None)
+        procs[1][0].kill()
+        procs[1][0].wait(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(NodeError, match=peers[1]):
+            list(generate(m, _ids(m), 2, Sampler(GREEDY)))
+        assert time.monotonic() - t0 < 30
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=10)

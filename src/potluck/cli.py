@@ -71,6 +71,13 @@ RpcOpt = Annotated[
     str | None,
     typer.Option("--rpc", help="Workers as llama.cpp users type them: host:port,host:port."),
 ]
+FailoverOpt = Annotated[
+    float,
+    typer.Option(
+        "--failover-timeout",
+        help="Seconds a pool node may stay silent before the head drops it and re-plans on the rest (0 = off).",
+    ),
+]
 SplitOpt = Annotated[
     str | None,
     typer.Option(
@@ -79,13 +86,131 @@ SplitOpt = Annotated[
 ]
 
 
-def _peers(peer: list[str] | None, rpc: str | None) -> list[str]:
-    peers = list(peer or []) + [p.strip() for p in (rpc or "").split(",") if p.strip()]
-    for p in peers:
-        host, _, port = p.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise typer.BadParameter(f"peer {p!r} is not host:port (e.g. 192.168.1.20:50052)")
-    return peers
+def _pool_name(name: str) -> str:
+    from potluck.discovery.mdns import DiscoveryError, check_pool_name
+
+    try:
+        return check_pool_name(name)
+    except DiscoveryError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+PoolOpt = Annotated[
+    str,
+    typer.Option(
+        "--pool",
+        envvar="POTLUCK_POOL",
+        callback=_pool_name,
+        help="Pool name: a head uses only the workers that announce the same one on mDNS.",
+    ),
+]
+NoMdnsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-mdns", help="No mDNS (announcing or browsing): static peers only. Env POTLUCK_MDNS=0."
+    ),
+]
+DEFAULT_POOL = "home"
+
+
+def _config_dir() -> Path:
+    """POTLUCK_CONFIG, else $XDG_CONFIG_HOME/potluck, else ~/.config/potluck (the peers file)."""
+    if env := os.environ.get("POTLUCK_CONFIG"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "potluck"
+
+
+def _mdns_on(no_mdns: bool) -> bool:
+    return not no_mdns and os.environ.get("POTLUCK_MDNS", "1").lower() not in ("0", "off", "no")
+
+
+def _static_peers(peer: list[str] | None, rpc: str | None):
+    """--peer / --rpc as typed, then the peers file in the config folder."""
+    from potluck.discovery.static import (
+        PEERS_FILE,
+        PeerAddressError,
+        dedupe,
+        peers_from_flags,
+        read_peers_file,
+    )
+
+    try:
+        flags = peers_from_flags(peer, rpc)
+    except PeerAddressError as exc:
+        raise typer.BadParameter(f"peer {exc}") from None
+    return dedupe(flags + read_peers_file(_config_dir() / PEERS_FILE))
+
+
+def _peers(peer: list[str] | None, rpc: str | None, pool: str = DEFAULT_POOL, no_mdns: bool = True):
+    """The static peers and, unless no_mdns, an mDNS browse for workers of `pool` that starts now
+    (it overlaps loading the model); `_found` ends it."""
+    from potluck.discovery.mdns import DEFAULT_BROWSE_S
+    from potluck.discovery.pool import PeerFinder
+
+    browse_s = DEFAULT_BROWSE_S if _mdns_on(no_mdns) else None
+    return PeerFinder(_static_peers(peer, rpc), pool, browse_s)
+
+
+def _found(finder, auth_of=None) -> list[str]:
+    """End the browse; say which nodes were found and how, and which were left out and why.
+    auth_of() gives the pool credentials: announced workers that refuse them are left out."""
+    from potluck.discovery.pool import describe_peer, member, reachable
+    from potluck.transport.client import NodeClient
+
+    browsing = finder.browsing
+    vet = member(lambda a: NodeClient(a, auth_of())) if auth_of is not None else reachable
+    found = finder.find(vet)
+    if finder.error:
+        err.print(f"[yellow]mDNS unavailable:[/] {finder.error}; using static peers only")
+    how = f"mDNS {finder.browse_s:g} s" if browsing else "mDNS off"
+    if found.peers:
+        used = ", ".join(describe_peer(p) for p in found.peers)
+        err.print(f"[dim]pool {finder.pool!r} ({how}): {used}[/]")
+    elif browsing:
+        err.print(f"[dim]pool {finder.pool!r} ({how}): no workers found, this machine alone[/]")
+    for p, why in found.skipped:
+        err.print(f"[dim]  left out {describe_peer(p)}: {why}[/]")
+    return [p.address for p in found.peers]
+
+
+SecretOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--secret",
+        help="The pool secret (default: $POTLUCK_SECRET, else the file `potluck secret --save` "
+        "writes). A flag shows in `ps`: prefer the variable or the file.",
+    ),
+]
+TlsOpt = Annotated[
+    bool,
+    typer.Option("--tls", help="Encrypt the pool's traffic (every machine of the pool needs it)."),
+]
+
+
+def _secret(secret: str | None) -> tuple[str | None, str]:
+    """The pool secret and where it came from: --secret, else POTLUCK_SECRET, else the file."""
+    from potluck.transport.secret import SECRET_FILE, check_secret, read_secret_file
+
+    if secret is not None:
+        return check_secret(secret, "--secret"), "--secret"
+    if env := os.environ.get("POTLUCK_SECRET"):
+        return check_secret(env, "POTLUCK_SECRET"), "POTLUCK_SECRET"
+    path = _config_dir() / SECRET_FILE
+    found = read_secret_file(path)
+    return found, (str(path) if found else "none")
+
+
+def _auth(secret: str | None, tls: bool, worker: bool = False):
+    """How this process proves pool membership (transport/auth.py); a worker with --tls also gets
+    its certificate, made once in the config folder."""
+    from potluck.transport.auth import PoolAuth
+    from potluck.transport.tls import load_or_create_identity
+
+    auth = PoolAuth.from_secret(_secret(secret)[0], tls)
+    if worker and tls:
+        auth = PoolAuth(auth.key, True, load_or_create_identity(_config_dir()))
+    return auth
 
 
 def _shares(text: str | None) -> list[float]:
@@ -102,10 +227,14 @@ def _load(
     ctx: int | None,
     threads: int | None,
     splits: list[int] | None = None,
-    peers: list[str] | None = None,
+    peers=None,  # a PeerFinder (_peers)
     shares: list[float] | None = None,
+    auth_flags: tuple[str | None, bool] = (None, False),  # --secret, --tls (see _auth)
+    failover_s: float | None = 5.0,
 ):
-    """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan)."""
+    """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan).
+    Over a pool, a node silent for failover_s seconds is dropped and the planner re-plans on the
+    nodes left (the generation pauses, then goes on)."""
     from potluck.engine.generate import load_model
     from potluck.modelfile.sources import resolve_model
 
@@ -129,15 +258,33 @@ def _load(
         from potluck.modelfile.hparams import hparams_from_metadata
 
         bar.update(task, total=hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer)
-        assignments = []
-        if peers:
-            bar.update(task, description=f"{path.name} (asking {len(peers)} peers, planning)")
-            plan = _plan(path, ctx, peers, shares)
+        assignments, auth = [], None
+        addresses = _found(peers, lambda: _auth(*auth_flags)) if peers is not None else []
+        if addresses:
+            bar.update(task, description=f"{path.name} (asking {len(addresses)} peers, planning)")
+            auth = _auth(*auth_flags)
+            plan = _plan(path, ctx, addresses, shares, auth)
             from potluck.engine.survey import assignments_of
 
             assignments = assignments_of(plan)
             err.print(f"[dim]{plan.verdict}[/]")
-        m = load_model(path, ctx, splits or (), on_layer, assignments=assignments)
+        from potluck.engine.survey import assignments_of
+
+        def replan(alive: list[str]):
+            return assignments_of(_plan(path, ctx, alive, None, auth))
+
+        def on_failover(ev) -> None:
+            err.print(
+                f"[yellow]{', '.join(ev.gone) or 'a node'} went away ({ev.reason}); re-planned and "
+                f"replayed {ev.replayed_tokens} tokens in {ev.recover_s:.1f} s:[/]"
+            )
+            for line in ev.assignments:
+                err.print(f"[dim]  {line}[/]")
+
+        m = load_model(
+            path, ctx, splits or (), on_layer, assignments=assignments, auth=auth,
+            failover_s=failover_s, replan=replan, on_failover=on_failover,
+        )  # fmt: skip
     err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
     for a in getattr(m.pipeline, "assignments", []):
         err.print(f"[dim]  {a.describe()}[/]")
@@ -162,7 +309,7 @@ def _sampling(
         raise typer.BadParameter(str(exc)) from None
 
 
-def _plan(path: Path, ctx: int | None, peers: list[str], shares: list[float] | None):
+def _plan(path: Path, ctx: int | None, peers: list[str], shares: list[float] | None, auth=None):
     """Survey the peers, then run the planner for this model and context."""
     from potluck.engine.generate import DEFAULT_CTX
     from potluck.engine.survey import survey
@@ -173,7 +320,7 @@ def _plan(path: Path, ctx: int | None, peers: list[str], shares: list[float] | N
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata, str(path))
     n_ctx = ctx or min(hp.n_ctx_train, DEFAULT_CTX)
-    nodes, links = survey(peers)
+    nodes, links = survey(peers, auth=auth)
     from potluck.kernels.qlinear import held_bytes
 
     fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes)
@@ -256,13 +403,23 @@ def run(
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
+    failover_timeout: FailoverOpt = 5.0,
 ) -> None:
-    """Generate text from a prompt, streaming it to stdout (over a pool with --peer)."""
+    """Generate text from a prompt, streaming it to stdout (over the pool's workers: found on
+    mDNS, or --peer)."""
     from potluck.engine.sampling import Sampler
 
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
     splits = [int(s) for s in split.split(",")] if split else None
-    m = _load(model, ctx, threads, splits, _peers(peer, rpc), _shares(tensor_split))
+    finder = _peers(peer, rpc, pool, no_mdns or splits is not None)  # --split: in-process check
+    m = _load(
+        model, ctx, threads, splits, finder, _shares(tensor_split), (secret, tls),
+        _failover(failover_timeout),
+    )  # fmt: skip
     if raw:
         ids = m.tokenizer.encode(prompt)
     else:
@@ -292,12 +449,21 @@ def chat(
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
+    failover_timeout: FailoverOpt = 5.0,
 ) -> None:
     """Chat interactively with the model's chat template. Ctrl-D or /exit to leave."""
     from potluck.engine.sampling import Sampler
 
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
-    m = _load(model, ctx, threads, None, _peers(peer, rpc), _shares(tensor_split))
+    finder = _peers(peer, rpc, pool, no_mdns)
+    m = _load(
+        model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
+        _failover(failover_timeout),
+    )  # fmt: skip
     sampler = Sampler(params)
     msgs: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     err.print("[dim]type a message; /exit or Ctrl-D to quit, /reset to start over[/]")
@@ -376,21 +542,179 @@ def plan(
     rpc: RpcOpt = None,
     ctx: CtxOpt = None,
     tensor_split: SplitOpt = None,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
 ) -> None:
     """Dry run: who would get which layers, memory per node, predicted tok/s, and whether pooling
     beats the best single machine at all."""
     from potluck.modelfile.sources import resolve_model
     from potluck.planner import PLAN_COLUMNS, format_plan, format_summary
 
+    finder = _peers(peer, rpc, pool, no_mdns)
     _setup_threads(None)
     path = resolve_model(model)
-    p = _plan(path, ctx, _peers(peer, rpc), _shares(tensor_split))
+    found = _found(finder, lambda: _auth(secret, tls))
+    p = _plan(path, ctx, found, _shares(tensor_split), _auth(secret, tls) if found else None)
     table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}")
     for row in format_plan(p):
         table.add_row(*row)
     Console().print(table)
     for line in format_summary(p):
         print(line)
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _dialer(secret: str | None, tls: bool):
+    """address -> a client with the pool's credentials, for `potluck nodes` / `doctor`."""
+    from potluck.transport.client import NodeClient
+
+    auth = _auth(secret, tls)
+    return lambda address: NodeClient(address, auth)
+
+
+@app.command()
+def nodes(
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Seconds to wait for each node.")
+    ] = 3.0,
+    as_json: JsonOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
+) -> None:
+    """Every node seen (mDNS, --peer, the peers file): devices, free memory, round trip,
+    bandwidth, version, and whether this head can use it (and if not, why)."""
+    import json
+
+    import torch
+
+    from potluck.discovery.mdns import Browser, DiscoveryError
+    from potluck.discovery.nodes import (
+        NODE_COLUMNS,
+        format_row,
+        inspect,
+        local_report,
+        report_json,
+    )
+    from potluck.discovery.static import MDNS, Peer, dedupe
+    from potluck.node.probe import physical_cores, usable_memory_bytes
+
+    static = _static_peers(peer, rpc)
+    adverts = []
+    if _mdns_on(no_mdns):
+        try:  # every pool: a worker of another pool is listed, with the reason it is not used
+            adverts = Browser(None, window_s=2.0).results()
+        except DiscoveryError as exc:
+            err.print(f"[yellow]mDNS unavailable:[/] {exc}; static peers only")
+    peers = dedupe([*static, *(Peer(a.address, MDNS, a) for a in adverts)])
+    dial = _dialer(secret, tls)
+    reports = [local_report(usable_memory_bytes(), physical_cores(), torch.get_num_threads())]
+    with err.status("measuring") as status:
+        for p in peers:
+            status.update(f"measuring {p.address}")
+            reports.append(inspect(p, pool, dial, timeout))
+    if as_json:
+        print(json.dumps([report_json(r) for r in reports], indent=1))
+    else:
+        table = Table(*NODE_COLUMNS, title=f"pool {pool!r}")
+        for r in reports:
+            table.add_row(*format_row(r))
+        Console(width=max(160, Console().width)).print(table)
+    if not peers:
+        err.print(
+            "no workers found: start `potluck worker -H 0.0.0.0` on another machine (same --pool), "
+            "or name one with --peer HOST:PORT"
+        )
+
+
+@app.command()
+def doctor(
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    model: Annotated[
+        str | None, typer.Option("-m", "--model", help="Check that this model fits the pool.")
+    ] = None,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    load_seconds: Annotated[
+        float,
+        typer.Option(
+            "--load-seconds",
+            help="Load every node this long to catch thermal throttling (0: skip).",
+        ),
+    ] = 60.0,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Seconds to wait for a connection / an answer.")
+    ] = 3.0,
+    as_json: JsonOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
+) -> None:
+    """Check the pool for what users trip over and say what to do: ports, firewalls, versions,
+    the pool secret, memory for the model and its context, threads, slow links, throttling."""
+    import dataclasses
+    import json
+
+    import psutil
+
+    from potluck.discovery.doctor import FAIL, DoctorConfig, run_doctor
+    from potluck.engine.survey import this_machine
+    from potluck.modelfile.sources import resolve_model
+    from potluck.node.doctor import load_samples
+    from potluck.node.probe import physical_cores
+
+    finder = _peers(peer, rpc, pool, no_mdns)
+    found = finder.find(lambda peer: "")  # check even those that do not answer
+    if finder.error:
+        err.print(f"[yellow]mDNS unavailable:[/] {finder.error}; static peers only")
+    _setup_threads(threads)
+    cfg = DoctorConfig(
+        pool=pool,
+        threads=threads,
+        model=resolve_model(model) if model else None,
+        ctx=ctx,
+        connect_timeout_s=timeout,
+        call_timeout_s=max(timeout, 5.0),
+        load_seconds=load_seconds,
+    )
+
+    def local_load(seconds: float, interval: float) -> list[tuple[float, float]]:
+        return list(load_samples(seconds, interval))
+
+    cores = (physical_cores(), psutil.cpu_count(logical=True) or physical_cores())
+    with err.status("checking") as status:
+        checks = run_doctor(
+            list(found.peers) + [p for p, _ in found.skipped], cfg, _dialer(secret, tls),
+            this_machine, cores,
+            local_load, on_progress=status.update,
+        )  # fmt: skip
+    if as_json:
+        print(json.dumps([dataclasses.asdict(c) for c in checks], indent=1))
+    else:
+        style = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+        table = Table("check", "node", "result", "what was found", "what to do", title="doctor")
+        for c in checks:
+            table.add_row(
+                c.check, c.node, f"[{style[c.status]}]{c.status}[/]", c.detail, c.advice or "-"
+            )
+        Console(width=max(160, Console().width)).print(table)
+    if not found.peers and not found.skipped:
+        err.print(
+            "no workers to check: add --peer HOST:PORT, or start `potluck worker` (same --pool)"
+        )
+    failed = sum(c.status == FAIL for c in checks)
+    if failed:
+        err.print(f"[bold red]{failed} check(s) failed[/]")
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -403,35 +727,128 @@ def worker(
         typer.Option("--model-dir", help="Extra folder with GGUF files this machine already has."),
     ] = None,
     insecure: Annotated[
-        bool, typer.Option("--insecure", help="Allow a non-loopback address without a pool secret.")
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Listen on a network address WITHOUT a pool secret: anyone who can reach the "
+            "port can use this machine. Only for a network you trust.",
+        ),
     ] = False,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
+    mem: Annotated[
+        str | None,
+        typer.Option("--mem", help="Most memory this worker offers the pool, e.g. 4G or 512M (default: what is free, less 1 GiB)."),
+    ] = None,
+    n_gpu_layers: Annotated[
+        int, typer.Option("-ngl", "--n-gpu-layers", help="Layers on the GPU (llama.cpp's -ngl).")
+    ] = 0,
+    device: Annotated[
+        str, typer.Option("--device", help="Where layers compute: cpu (GPU backends are not built yet).")
+    ] = "cpu",
+    idle_timeout: Annotated[
+        float,
+        typer.Option("--idle-timeout", help="Free a plan's layers after this many seconds without its head."),
+    ] = 120.0,
 ) -> None:
     """Serve layers to a pool: wait for a head (`potluck run --peer THIS_HOST:PORT`)."""
-    import ipaddress
-    import socket
-
     from potluck.node.worker import serve
 
-    try:
-        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        loopback = False
-    if not loopback and not insecure:
+    if device != "cpu":
         raise PotluckError(
-            f"refusing to listen on {host}: pool secrets are not implemented yet, so anyone on the "
-            "network could use this worker; pass --insecure to accept that on a trusted network"
+            f"--device {device}: Potluck computes on the CPU only so far (GPU stages are not built "
+            "yet); use --device cpu"
         )
+    if n_gpu_layers:
+        err.print(f"[yellow]note:[/] -ngl {n_gpu_layers} ignored: this worker computes on the CPU only")
+    if idle_timeout <= 0:
+        raise typer.BadParameter(f"--idle-timeout must be positive, got {idle_timeout}")
+    mem_limit = _size(mem, "--mem") if mem else None
+
+    value, source = _secret(secret)
+    if value is None and not _loopback_only(host) and not insecure:
+        raise PotluckError(
+            f"refusing to listen on {host} without a pool secret: anyone who can reach port "
+            f"{port} could use this machine and see what it computes; make one with `potluck "
+            "secret --save` and give every machine of the pool the same one (`potluck secret "
+            "--set -`), or pass --secret / POTLUCK_SECRET (--insecure accepts the risk on a "
+            "network you trust)"
+        )
+    auth = _auth(secret, tls, worker=True)
     _setup_threads(threads)
     server, bound = serve(
-        host, port, threads=threads or _physical_cores(), model_dirs=tuple(model_dir or ())
-    )
+        host, port, threads=threads or _physical_cores(), model_dirs=tuple(model_dir or ()),
+        auth=auth, mem_limit=mem_limit, idle_s=idle_timeout,
+    )  # fmt: skip
+    advertiser = _announce(host, bound, pool, no_mdns)
+    guard = f"pool secret from {source}" if value else "no pool secret"
+    if auth.identity is not None:
+        guard += f" · TLS, certificate sha256 {auth.identity.sha256.hex()[:16]}…"
+    if value is None and not _loopback_only(host):
+        err.print(f"[bold yellow]warning:[/] no pool secret: anyone who can reach {host}:{bound} can use this machine")
     err.print(
-        f"potluck worker {__version__} listening on {host}:{bound} · {_physical_cores()} cores · Ctrl-C to stop"
+        f"potluck worker {__version__} listening on {host}:{bound} · {_physical_cores()} cores · "
+        f"{guard} · Ctrl-C to stop"
     )
     try:
         server.wait_for_termination()
     except KeyboardInterrupt:
         server.stop(grace=1.0)
+    finally:
+        if advertiser is not None:
+            advertiser.close()  # goodbye packets: heads drop this worker at once
+
+
+def _failover(seconds: float) -> float | None:
+    if seconds < 0:
+        raise typer.BadParameter(f"--failover-timeout must be 0 (off) or positive, got {seconds}")
+    return seconds or None
+
+
+def _size(text: str, flag: str) -> int:
+    """'4G', '512M', '1.5GiB', '800000000' -> bytes (binary units, as free(1) and llama.cpp)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise typer.BadParameter(f"{flag} {text!r}: give a size like 4G, 512M or 1.5GiB")
+    scale = 1024 ** "_KMGT".index(m.group(2).upper() or "_") if m.group(2) else 1
+    return int(float(m.group(1)) * scale)
+
+
+def _announce(host: str, port: int, pool: str, no_mdns: bool):
+    """Announce the worker on mDNS (see discovery/mdns.py for where); None when off or it cannot
+    (said on stderr: heads can still use --peer). SIGTERM (systemd, docker stop) then ends the
+    worker like Ctrl-C, so it says goodbye."""
+    import signal
+
+    from potluck.discovery.mdns import Advertiser, DiscoveryError, announce_scope, worker_advert
+    from potluck.node.probe import physical_cores, usable_memory_bytes
+    from potluck.transport.codec import PROTOCOL_VERSION
+
+    if not _mdns_on(no_mdns):
+        return None
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        addresses, interfaces = announce_scope(host)
+        advert = worker_advert(
+            port, pool, addresses, PROTOCOL_VERSION, __version__, physical_cores(),
+            usable_memory_bytes(),
+        )  # fmt: skip
+        advertiser = Advertiser(advert, interfaces)
+        a = advertiser.start()
+    except DiscoveryError as exc:
+        err.print(f"[yellow]not announced on mDNS:[/] {exc}; heads can still use --peer")
+        return None
+    where = "this machine only" if host.startswith("127.") else ", ".join(a.addresses)
+    err.print(f"announced on mDNS as {a.instance!r} in pool {pool!r} ({where})")
+    return advertiser
 
 
 @app.command()
@@ -462,6 +879,10 @@ def serve(
     parallel: Annotated[
         int, typer.Option("-np", "--parallel", help="Requests generating at once.")
     ] = 16,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
 ) -> None:
     """Serve the model (over a pool with --peer) as an OpenAI-compatible API with a web page."""
     from potluck.api.server import ServerConfig, create_app, is_loopback, model_id_of
@@ -478,7 +899,8 @@ def serve(
         sched_config = SchedulerConfig(n_batch=batch, max_queue=max_queue, max_active=parallel)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    m = _load(model, ctx, threads, None, _peers(peer, rpc), _shares(tensor_split))
+    finder = _peers(peer, rpc, pool, no_mdns)
+    m = _load(model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls))
     scheduler = Scheduler(m, sched_config)
     app_ = create_app(m, scheduler, ServerConfig(model_id=model_id_of(m), api_key=key))
 
@@ -494,6 +916,130 @@ def serve(
         run_server(app_, host, port, on_listen)
     finally:
         scheduler.close()
+
+
+def _loopback_only(host: str) -> bool:
+    """Whether every address `host` names is a loopback one (unresolvable: no)."""
+    import ipaddress
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, None)
+        return bool(infos) and all(
+            ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos
+        )
+    except (OSError, ValueError):
+        return False
+
+
+@app.command("secret")
+def secret_command(
+    save: Annotated[
+        bool,
+        typer.Option(
+            "--save", help="Also keep it in the config folder (mode 0600), where potluck finds it."
+        ),
+    ] = False,
+    set_: Annotated[
+        str | None,
+        typer.Option(
+            "--set",
+            help="Keep this secret (the pool's, from another machine) instead of a new one; "
+            "'-' reads it from stdin, out of the shell's history.",
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a kept secret.")] = False,
+) -> None:
+    """Make a new pool secret and print it; every machine of a pool needs the same one."""
+    from potluck.transport.secret import SECRET_FILE, check_secret, new_secret, save_secret
+
+    path = _config_dir() / SECRET_FILE
+    if set_ is not None:
+        value = check_secret(sys.stdin.readline() if set_ == "-" else set_, "--set")
+        save_secret(path, value, replace=force)
+        err.print(f"kept in {path} (mode 0600); potluck on this machine now uses it")
+        return
+    value = new_secret()
+    if save:
+        save_secret(path, value, replace=force)
+        err.print(
+            f"kept in {path} (mode 0600). On every other machine of the pool run "
+            "`potluck secret --set -` and paste it"
+        )
+    print(value)
+
+
+@app.command()
+def bench(
+    model: ModelOpt = None,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to decode.")] = 32,
+    n_prompt: Annotated[int, typer.Option("-p", "--n-prompt", help="Prompt tokens to process.")] = 128,
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
+) -> None:
+    """Measure the model on the best single machine and on the pool, side by side: tokens/s,
+    compute per stage and time on each link, and whether pooling is worth it (measured)."""
+    from potluck.engine.generate import load_model
+    from potluck.engine.measure import measure, measured_verdict
+    from potluck.engine.pipeline import LOCAL, Assignment
+    from potluck.engine.survey import THIS_MACHINE, assignments_of
+    from potluck.modelfile.sources import resolve_model
+
+    _setup_threads(threads)
+    path = resolve_model(model)
+    addresses = _found(_peers(peer, rpc, pool, no_mdns))
+    if not addresses:
+        raise PotluckError(
+            "no workers to compare with: start `potluck worker` on another machine of the pool, "
+            "or name one with --peer HOST:PORT"
+        )
+    auth = _auth(secret, tls)
+    shares = _shares(tensor_split)
+    plan_ = _plan(path, ctx, addresses, shares, auth)
+    pool_plan = assignments_of(plan_)
+    if len(pool_plan) == 1:  # the planner would use one machine: show what an even pool does
+        plan_ = _plan(path, ctx, addresses, [1.0] * (len(addresses) + 1), auth)
+        pool_plan = assignments_of(plan_)
+    runs = []
+    best = plan_.best_single
+    if best is None:
+        err.print("[dim]no single machine can hold the model: measuring the pool only[/]")
+    else:
+        node = LOCAL if best.node == THIS_MACHINE else best.node
+        runs.append((best.node, [Assignment(node, 0, plan_.n_layer)]))
+    runs.append(("pool", pool_plan))
+    results = []
+    for label, assignments in runs:
+        err.print(f"[dim]measuring {label}: " + "; ".join(a.describe() for a in assignments) + "[/]")
+        m = load_model(path, ctx, assignments=assignments, auth=auth, failover_s=None)
+        try:
+            results.append(measure(m, label, n_predict, n_prompt))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        finally:
+            if hasattr(m.pipeline, "close"):
+                m.pipeline.close()
+    table = Table(title=f"potluck bench · {path.name} · -p {n_prompt} -n {n_predict}")
+    for col in ("run", "decode tok/s", "prompt tok/s", "compute ms/token per stage", "link ms/token per hop"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for r in results:
+        table.add_row(
+            r.label if r.label == "pool" else f"{r.label} alone",
+            f"{r.decode_tokens_per_s:.1f}", f"{r.prompt_tokens_per_s:.1f}",
+            " + ".join(f"{x:.2f}" for x in r.stage_ms), " + ".join(f"{x:.2f}" for x in r.hop_ms) or "–",
+        )  # fmt: skip
+    Console(highlight=False).print(table)
+    names = [a.describe() for a in pool_plan]
+    print(f"predicted: {plan_.verdict}")
+    if len(results) == 2:
+        print(measured_verdict(results[0], results[1], names))
 
 
 @app.command()

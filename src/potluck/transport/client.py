@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 import grpc
 
-from potluck.errors import NodeError
+from potluck.errors import NodeError, PotluckError
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.auth import (
@@ -153,10 +153,18 @@ class ForwardLink:
         return True
 
     def send(self, request: pb.ForwardRequest) -> Future[pb.ForwardReply]:
+        """Never raises: a node that cannot be reached (or refuses this head) fails the future."""
         fut: Future[pb.ForwardReply] = Future()
         with self._lock:
             if self._queue is None:
-                self._queue = self._open()
+                try:
+                    self._queue = self._open()
+                except PotluckError as exc:
+                    fut.set_exception(exc)
+                    return fut
+                except grpc.RpcError as exc:
+                    fut.set_exception(_explain(self.client.address, exc))
+                    return fut
             self._next_id += 1
             request.request_id = self._next_id
             self._pending[self._next_id] = (fut, request)
