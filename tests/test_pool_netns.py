@@ -118,3 +118,36 @@ def test_pool_through_delayed_links(smollm2_path: Path, alone: str) -> None:
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert done.stdout == alone
+
+
+def test_link_cut_mid_generation(smollm2_path: Path, alone: str) -> None:
+    """Pull a worker's cable while text is flowing: the head stops hearing from it, declares it
+    gone after the failover timeout, re-plans on the rest, and the text is the same."""
+    env = {**os.environ, "POTLUCK_MDNS": "0"}
+    with netns_lan(3) as (head, w1, w2):
+        workers = []
+        for host in (w1, w2):
+            p = host.popen(
+                _cmd("worker", "-H", "127.0.0.1", "-p", "50052", "-t", "1", "--no-mdns"),
+                env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+            _wait_line(p, "listening on", f"worker in {host.ip}")
+            proxy = host.popen(
+                [sys.executable, str(PROXY), f"{host.ip}:6000", "127.0.0.1:50052", "0"],
+                stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            _wait_line(proxy, "ready", "proxy", "stdout")
+            workers.append(f"{host.ip}:6000")
+        run = head.popen(
+            _cmd(*_run_args(smollm2_path), "--peer", workers[0], "--peer", workers[1],
+                 "--tensor-split", "1,1,1", "--failover-timeout", "2", *_no_mdns()),
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        assert run.stdout is not None
+        first = os.read(run.stdout.fileno(), 1)
+        w2.cut()
+        rest, err = run.communicate(timeout=120)
+        log = err.decode()
+        assert run.returncode == 0, log
+        assert (first + rest).decode() == alone
+        assert f"{workers[1]} went away" in log
