@@ -33,7 +33,6 @@ from potluck.transport.client import NodeError
 from potluck.transport.codec import PROTOCOL_VERSION
 
 DEFAULT_TIMEOUT_S = 5.0
-REPLAY_BATCH = 512  # tokens per replayed micro-batch
 MAX_RECOVERIES_IN_A_ROW = 4  # another node failing during a recovery starts it over, this often
 
 
@@ -97,7 +96,10 @@ class FailoverPipeline:
         self.gone: set[str] = set()
         self.events: list[FailoverEvent] = []
         self._lock = threading.RLock()
-        self._confirmed: dict[int, list[int]] = {}  # tokens of each sequence every stage has seen
+        # every batch every stage has computed, as (chunk, its token ids) lists, in order: the replay
+        # sends them again with the same shapes, so the rebuilt caches are bit-identical (a prompt
+        # batch and single-token steps take different kernels; re-chunking would shift the floats)
+        self._confirmed: list[list[tuple[SeqChunk, list[int]]]] = []
         self._failed: PoolLostError | None = None
         self._redo: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._health: dict[str, _Health] = {}
@@ -163,13 +165,14 @@ class FailoverPipeline:
             self._raise_if_failed()
             inner = self.inner
         logits = inner.forward(tokens, chunks, logits_rows)  # type: ignore[attr-defined]
-        for c, part in zip(chunks, _split(tokens, chunks), strict=True):
-            self._confirmed.setdefault(c.seq_id, []).extend(part)
+        with self._lock:
+            self._confirmed.append(list(zip(chunks, _split(tokens, chunks), strict=True)))
         return logits
 
     def drop(self, seq_id: int) -> None:
         with self._lock:
-            self._confirmed.pop(seq_id, None)
+            kept = [[(c, t) for c, t in batch if c.seq_id != seq_id] for batch in self._confirmed]
+            self._confirmed = [batch for batch in kept if batch]
             inner = self.inner
         with contextlib.suppress(PotluckError):  # a node that is gone took its caches with it
             inner.drop(seq_id)  # type: ignore[attr-defined]
@@ -202,8 +205,9 @@ class FailoverPipeline:
             with self._lock:
                 current = b.epoch == self.epoch
                 if current:
-                    for c, part in zip(b.chunks, _split(b.tokens, b.chunks), strict=True):
-                        self._confirmed.setdefault(c.seq_id, []).extend(part)
+                    self._confirmed.append(
+                        list(zip(b.chunks, _split(b.tokens, b.chunks), strict=True))
+                    )
             if current:
                 b.out.set_result(f.result())
             else:  # it finished on the old plan after the replay was taken: run it on the new one
@@ -275,15 +279,15 @@ class FailoverPipeline:
         self._failed = PoolLostError(f"nodes kept failing while recovering: {reason}")
 
     def _replay(self, pipe: object) -> int:
-        """Feed every live sequence's confirmed tokens through the new plan (no sampling)."""
+        """Send every confirmed batch of the live sequences through the new plan again, in order
+        and with the same shapes (no sampling); all in flight at once, so stages overlap."""
         pending = []
         n = 0
-        for seq, toks in self._confirmed.items():
-            for i in range(0, len(toks), REPLAY_BATCH):
-                part = toks[i : i + REPLAY_BATCH]
-                n += len(part)
-                fut = pipe.submit(torch.tensor(part), [SeqChunk(seq, len(part))], {}, {})  # type: ignore[attr-defined]
-                pending.append(fut)
+        for batch in self._confirmed:
+            ids = [t for _, part in batch for t in part]
+            n += len(ids)
+            chunks = [c for c, _ in batch]
+            pending.append(pipe.submit(torch.tensor(ids), chunks, {}, {}))  # type: ignore[attr-defined]
         for fut in pending:
             try:
                 fut.result(timeout=max(60.0, 10 * self.timeout_s))
@@ -342,7 +346,7 @@ class FailoverPipeline:
                 h = health.get(c.address)
                 if h is None or h.gone:
                     continue
-                if now - h.last_ok > self.timeout_s:
+                if now - h.last_ok > self.timeout_s - interval:  # declared within the timeout
                     h.gone = True
                     h.reason = f"node {c.address} did not answer for {now - h.last_ok:.1f} s"
                     with contextlib.suppress(PotluckError):
