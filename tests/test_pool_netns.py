@@ -151,3 +151,37 @@ def test_link_cut_mid_generation(smollm2_path: Path, alone: str) -> None:
         assert run.returncode == 0, log
         assert (first + rest).decode() == alone
         assert f"{workers[1]} went away" in log
+
+
+def test_survey_measures_every_link(tmp_path: Path) -> None:
+    """The planner's inputs are measured: head→worker and worker↔worker latency and bandwidth,
+    here through 100 Mbit/s caps (the one worker-to-worker path crosses two capped links)."""
+    env = {**os.environ, "POTLUCK_SECRET": SECRET, "POTLUCK_MDNS": "0"}
+    with netns_lan(3, rates=[None, "100mbit", "100mbit"]) as (head, w1, w2):
+        workers = []
+        for host in (w1, w2):
+            p = host.popen(
+                _cmd("worker", "-H", host.ip, "-p", "50052", "-t", "1", "--no-mdns"),
+                env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+            _wait_line(p, "listening on", f"worker on {host.ip}")
+            workers.append(f"{host.ip}:50052")
+        code = (
+            "import json, os, sys; from potluck.engine.survey import survey; "
+            "from potluck.transport.auth import PoolAuth; "
+            "_, links = survey(sys.argv[1:], auth=PoolAuth.from_secret(os.environ['POTLUCK_SECRET'])); "
+            "print(json.dumps([[a, b, l.latency_s, l.bytes_per_s] for (a, b), l in links.items()]))"
+        )
+        done = head.run([sys.executable, "-c", code, *workers], env=env, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+    import json
+
+    links = {(a, b): (lat, bw) for a, b, lat, bw in json.loads(done.stdout)}
+    assert set(links) == {
+        ("this machine", workers[0]), ("this machine", workers[1]),
+        (workers[0], workers[1]), (workers[1], workers[0]),
+    }  # fmt: skip
+    cap = 100e6 / 8
+    for (a, b), (lat, bw) in links.items():
+        assert 0 < lat < 0.05, (a, b, lat)
+        assert 0.3 * cap < bw < 2.0 * cap, (a, b, bw / cap)

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 
+import grpc
+
 from potluck.engine.pipeline import LOCAL, Assignment
+from potluck.errors import PotluckError
 from potluck.node.probe import decode_bytes_per_s, physical_cores, usable_memory_bytes
 from potluck.planner import DEFAULT_LINK, Link, NodeInfo, Plan
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient
 from potluck.transport.codec import PROTOCOL_VERSION
+from potluck.transport.linkprobe import quick_link
 
 THIS_MACHINE = "this machine"
 
@@ -25,14 +30,16 @@ def this_machine() -> NodeInfo:
 def survey(
     peers: Sequence[str], pings: int = 5, auth: PoolAuth | None = None
 ) -> tuple[list[NodeInfo], dict[tuple[str, str], Link]]:
-    """This machine plus every peer (Hello), and head→peer links with the measured one-way latency
-    (half the median Hello round trip). Peer↔peer links are not measured yet: the planner's
-    conservative default stands for them, and for every link's bandwidth."""
+    """This machine plus every peer (Hello: memory, cores, measured speed), and every link the
+    planner may use, measured: head→peer (latency from the Hello round trips, bandwidth from one
+    1 MiB Echo) and peer↔peer (each pair measured once by one of its nodes, ProbeLink; links are
+    taken as symmetric). A pair that cannot be measured keeps the planner's conservative default."""
     nodes = [this_machine()]
     links: dict[tuple[str, str], Link] = {}
-    for address in peers:
-        client = NodeClient(address, auth)  # proves pool membership before the first Hello
-        try:
+    clients = {}
+    try:
+        for address in peers:
+            client = clients[address] = NodeClient(address, auth)  # proves membership first
             rtts, reply = [], None
             for _ in range(pings):
                 t0 = time.perf_counter()
@@ -40,16 +47,28 @@ def survey(
                     pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name=THIS_MACHINE)
                 )
                 rtts.append(time.perf_counter() - t0)
-        finally:
+            assert reply is not None
+            dev = reply.devices[0] if reply.devices else pb.Device(kind="cpu", memory_bytes=0)
+            speed = reply.decode_bytes_per_s or nodes[0].cpu_bytes_per_s
+            nodes.append(
+                NodeInfo(address, "cpu", dev.memory_bytes, max(1, reply.physical_cores), speed)
+            )
+            rtts.sort()
+            bw = DEFAULT_LINK.bytes_per_s
+            with contextlib.suppress(PotluckError, grpc.RpcError):  # an older node: no Echo
+                bw = quick_link(client).bytes_per_s
+            links[(THIS_MACHINE, address)] = Link(rtts[len(rtts) // 2] / 2, bw)
+        for i, a in enumerate(peers):
+            for b in peers[i + 1 :]:
+                try:
+                    r = clients[a].probe_link(pb.ProbeLinkRequest(address=b))
+                except PotluckError:
+                    continue  # the default stands for this pair
+                link = Link(r.latency_s, max(r.bytes_per_s, 1.0))
+                links[(a, b)] = links[(b, a)] = link
+    finally:
+        for client in clients.values():
             client.close()
-        assert reply is not None
-        dev = reply.devices[0] if reply.devices else pb.Device(kind="cpu", memory_bytes=0)
-        speed = reply.decode_bytes_per_s or nodes[0].cpu_bytes_per_s
-        nodes.append(
-            NodeInfo(address, "cpu", dev.memory_bytes, max(1, reply.physical_cores), speed)
-        )
-        rtts.sort()
-        links[(THIS_MACHINE, address)] = Link(rtts[len(rtts) // 2] / 2, DEFAULT_LINK.bytes_per_s)
     return nodes, links
 
 

@@ -45,6 +45,7 @@ from potluck.transport.codec import (
     tensor_to_proto,
 )
 from potluck.transport.guard import Guard
+from potluck.transport.linkprobe import quick_link
 from potluck.transport.tls import server_credentials
 
 ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
@@ -492,6 +493,25 @@ class NodeService(pb_grpc.NodeServicer):
                 f"echo of {request.reply_bytes} bytes asked, at most {ECHO_MAX_BYTES}",
             )
         return pb.EchoReply(payload=bytes(request.reply_bytes))
+
+    def ProbeLink(
+        self, request: pb.ProbeLinkRequest, context: grpc.ServicerContext
+    ) -> pb.ProbeLinkReply:
+        host, _, port = request.address.rpartition(":")
+        if not host or not port.isdigit() or len(request.address) > 300:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{request.address[:80]!r} is not host:port"
+            )
+        client = NodeClient(request.address, self.auth)
+        try:
+            m = quick_link(client, timeout=min(10.0, context.time_remaining() or 10.0))
+        except PotluckError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except grpc.RpcError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.address}: {exc.details()}")
+        finally:
+            client.close()
+        return pb.ProbeLinkReply(latency_s=m.latency_s, bytes_per_s=m.bytes_per_s)
 
     def Describe(
         self, request: pb.DescribeRequest, context: grpc.ServicerContext

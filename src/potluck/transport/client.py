@@ -321,6 +321,12 @@ class NodeClient:
                 raise _explain(self.address, exc) from None
         return self._call("Hello", request, timeout)  # type: ignore[return-value]
 
+    def probe_link(
+        self, request: pb.ProbeLinkRequest, timeout: float = 15.0
+    ) -> pb.ProbeLinkReply:
+        """Ask this node to measure its link to another node (transport/linkprobe.py)."""
+        return self._call("ProbeLink", request, timeout)  # type: ignore[return-value]
+
     def load(self, request: pb.LoadRequest, timeout: float = 300.0) -> pb.LoadReply:
         return self._call("Load", request, timeout)  # type: ignore[return-value]
 

@@ -255,6 +255,20 @@ class ProveReply(_message.Message):
     idle_seconds: int
     def __init__(self, server_proof: _Optional[bytes] = ..., session: _Optional[str] = ..., idle_seconds: _Optional[int] = ...) -> None: ...
 
+class ProbeLinkRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class ProbeLinkReply(_message.Message):
+    __slots__ = ("latency_s", "bytes_per_s")
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    latency_s: float
+    bytes_per_s: float
+    def __init__(self, latency_s: _Optional[float] = ..., bytes_per_s: _Optional[float] = ...) -> None: ...
+
 class EchoRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]

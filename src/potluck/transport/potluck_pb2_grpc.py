@@ -69,6 +69,11 @@ class NodeStub:
                 request_serializer=potluck_dot_transport_dot_potluck__pb2.EchoRequest.SerializeToString,
                 response_deserializer=potluck_dot_transport_dot_potluck__pb2.EchoReply.FromString,
                 _registered_method=True)
+        self.ProbeLink = channel.unary_unary(
+                '/potluck.v1.Node/ProbeLink',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.ProbeLinkRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.ProbeLinkReply.FromString,
+                _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/potluck.v1.Node/Describe',
                 request_serializer=potluck_dot_transport_dot_potluck__pb2.DescribeRequest.SerializeToString,
@@ -130,6 +135,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeLink(self, request, context):
+        """this node measures its link to another node of the pool (for the planner's peer↔peer links)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Describe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -179,6 +191,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Echo,
                     request_deserializer=potluck_dot_transport_dot_potluck__pb2.EchoRequest.FromString,
                     response_serializer=potluck_dot_transport_dot_potluck__pb2.EchoReply.SerializeToString,
+            ),
+            'ProbeLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeLink,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.ProbeLinkRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.ProbeLinkReply.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
@@ -380,6 +397,33 @@ class Node:
             '/potluck.v1.Node/Echo',
             potluck_dot_transport_dot_potluck__pb2.EchoRequest.SerializeToString,
             potluck_dot_transport_dot_potluck__pb2.EchoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/potluck.v1.Node/ProbeLink',
+            potluck_dot_transport_dot_potluck__pb2.ProbeLinkRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.ProbeLinkReply.FromString,
             options,
             channel_credentials,
             insecure,
