@@ -470,6 +470,216 @@ void potluck_gated(const float *gu, float *out, int T, int F, int act) {
         }
     }
 }
+
+/* ---- Batched products (prompt micro-batches): activations as 8-bit integers ------------------
+ * Each group of activations (the weight's group: 16 or 32 values) becomes int8 X with the scale
+ * sx = amax / 127, as llama.cpp's q8_0 / q8_K do for its quantized dot products: |dx| <= amax /
+ * 254. Weights are taken centred, u - 8 (u4) or u - 128 (u8), so that the error scales with the
+ * centred value; a u4 weight stored with offset 0 (Q4_1) adds 8 scales to its min instead.
+ * A weight tile (ROWS rows) is loaded and unpacked once per chunk for MB activation rows; per
+ * chunk and activation row, the ROWS rows' VNNI dot products (exact int32, one per 64 weight
+ * bytes) are summed per group into one vector (an integer transpose-and-add), lane
+ * 4 * segment + r, and then converted, scaled and accumulated once: 2 fp32 operations per 64
+ * weights x 4 rows instead of 2-3 per 64 weights. Every output is computed in the same order
+ * whatever M, the block a row falls in and the thread count: a row's result does not depend on
+ * the rows batched with it. */
+#define MB 8              /* activation rows per block (a last one of <= 4 rows: MB / 2) */
+#define TB_BYTES 16384    /* weight bytes of the tiles a block of rows runs over (L1-resident) */
+#define SLICE_BYTES 196608 /* prepared activations a pass over the weight takes (L2-resident) */
+
+/* A row's activations, chunk by chunk, as records of rec_bytes: [X: 128 (u4) or 64 int8, in the
+ * weight chunk's byte order][sx: 16 fp32][xs: 16 fp32][corr: 16 int32]; lane j = 4 * segment + r
+ * of the last three holds, for the chunk's group g of 128-bit segment j / 4 (u4 or G = 16: g =
+ * j / 4, else j / 8): its scale; the exact sum of its x, halved for u8 with G = 32 (its 8 lanes
+ * span two segments, both counted); centre * sum(X), halved likewise. */
+static inline int rec_bytes(int u4) { return (u4 ? 128 : 64) + 192; }
+
+static void prepare8(const float *x, int K, int G, int u4, int centre, uint8_t *rec) {
+    const int ng = K / G, nc = n_chunks(K, u4), cb = u4 ? 128 : 64, rb = rec_bytes(u4);
+    const int lpg = lanes_per_group(G, u4), gpc = 16 / lpg;
+    memset(rec, 0, (size_t)nc * rb);
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    float gsx[4], gxs[4]; /* per group of the current chunk */
+    int32_t gcs[4];
+    for (int g = 0; g < ng; g++) {
+        const __m512 v0 = _mm512_loadu_ps(x + (size_t)g * G);
+        const __m512 v1 = G == 32 ? _mm512_loadu_ps(x + (size_t)g * G + 16) : _mm512_setzero_ps();
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
+        const float xsum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i X0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)); /* round to nearest even */
+        const __m512i X1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        const int c = g / gpc, gi = g % gpc;
+        uint8_t *r = rec + (size_t)c * rb;
+        const int p0 = u4 ? gi * 16 : gi * G, p1 = u4 ? p0 + 64 : p0 + 16;
+        _mm_storeu_si128((__m128i *)(r + p0), _mm512_cvtepi32_epi8(X0));
+        if (G == 32) _mm_storeu_si128((__m128i *)(r + p1), _mm512_cvtepi32_epi8(X1));
+        gsx[gi] = amax / 127.0f;
+        gxs[gi] = xsum * (4.0f / lpg);
+        /* u8, G = 32: centre = 128 is even, so is the halved sum */
+        gcs[gi] = centre * _mm512_reduce_add_epi32(_mm512_add_epi32(X0, X1)) / (lpg / 4);
+        if (gi == gpc - 1 || g == ng - 1) { /* the chunk's groups to their lanes */
+            const __m512i gl = _mm512_srli_epi32(lane, lpg == 4 ? 2 : 3);
+            const __mmask16 k = (__mmask16)((1u << (gi + 1)) - 1);
+            _mm512_store_ps(r + cb, _mm512_permutexvar_ps(gl, _mm512_maskz_loadu_ps(k, gsx)));
+            _mm512_store_ps(r + cb + 64, _mm512_permutexvar_ps(gl, _mm512_maskz_loadu_ps(k, gxs)));
+            _mm512_store_si512(r + cb + 128, _mm512_permutexvar_epi32(gl, _mm512_maskz_loadu_epi32(k, gcs)));
+        }
+    }
+}
+
+/* One tile (ROWS weight rows) against MB rows of prepared activations (records rstride bytes
+ * apart); writes y[m * ldy + n0 + r] for m < nm, r < nv. */
+static inline __attribute__((always_inline)) void tile8(
+    const uint8_t *qt, const void *st, const void *mn, const uint8_t *acts, size_t rstride,
+    float *y, size_t ldy, int nm, int n0, int nv, int K, int G, int u4, int half, int shift,
+    int has_min, const int MB_) {
+    const int nc = n_chunks(K, u4), ng = K / G, cb = u4 ? 128 : 64, rb = rec_bytes(u4);
+    const int lpg = lanes_per_group(G, u4), gpc = 16 / lpg;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    /* lane 4 * seg + r takes the tile's scale [r][g] (at r * gpc + g), g = the segment's group */
+    const __m512i tidx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(3)), _mm512_set1_epi32(gpc)),
+                                          _mm512_srli_epi32(lane, lpg == 4 ? 2 : 3));
+    const __mmask16 ks = gpc * ROWS == 16 ? 0xFFFF : 0xFF;
+    __m512 acc[MB];
+    for (int m = 0; m < MB_; m++) acc[m] = _mm512_setzero_ps();
+    const int tail = row_bytes(K, u4) % 64, n_full = row_bytes(K, u4) / 64;
+    for (int c = 0; c < nc; c++) {
+        const int step = c < n_full ? 64 : tail;
+        const __mmask64 kb = c < n_full ? ~0ULL : (1ULL << tail) - 1;
+        const uint8_t *q = qt + (size_t)c * ROWS * 64;
+        const __m512 s = _mm512_permutexvar_ps(tidx, load16(st, (size_t)c * ROWS * gpc, ks, half));
+        __m512 mc = _mm512_setzero_ps();
+        if (has_min) { /* the tile's mins of this chunk, [ROWS][gpc], then in lane order */
+            const int gl = ng - c * gpc < gpc ? ng - c * gpc : gpc;
+            for (int r = 0; r < nv; r++) {
+                const __mmask16 k = (__mmask16)(((1u << gl) - 1) << (r * gpc));
+                const size_t i = (size_t)(n0 + r) * ng + (size_t)c * gpc - (size_t)r * gpc;
+                mc = half ? _mm512_mask_cvtph_ps(mc, k, _mm256_maskz_loadu_epi16(k, (const uint16_t *)mn + i))
+                          : _mm512_mask_loadu_ps(mc, k, (const float *)mn + i);
+            }
+            mc = _mm512_permutexvar_ps(tidx, mc);
+        }
+        if (shift) mc = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), s, mc); /* s (u - 8) + min + 8 s */
+        __m512i lo[ROWS], hi[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            const __m512i v = c < n_full ? _mm512_loadu_si512(q + 64 * r) : _mm512_maskz_loadu_epi8(kb, q + step * r);
+            lo[r] = u4 ? _mm512_and_si512(v, m4) : v;
+            hi[r] = u4 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), m4) : v;
+        }
+        for (int m = 0; m < MB_; m++) {
+            const uint8_t *a = acts + m * rstride + (size_t)c * rb;
+            const __m512i xl = _mm512_load_si512(a), xh = _mm512_load_si512(a + 64);
+            __m512i t[ROWS];
+            for (int r = 0; r < ROWS; r++) {
+                t[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xl);
+                if (u4) t[r] = _mm512_dpbusd_epi32(t[r], hi[r], xh);
+            }
+            /* per 128-bit segment: [sum t0, sum t1, sum t2, sum t3] (see sum16) */
+            const __m512i p = _mm512_add_epi32(_mm512_unpacklo_epi32(t[0], t[1]), _mm512_unpackhi_epi32(t[0], t[1]));
+            const __m512i p2 = _mm512_add_epi32(_mm512_unpacklo_epi32(t[2], t[3]), _mm512_unpackhi_epi32(t[2], t[3]));
+            __m512i d = _mm512_add_epi32(_mm512_unpacklo_epi64(p, p2), _mm512_unpackhi_epi64(p, p2));
+            d = _mm512_sub_epi32(d, _mm512_load_si512(a + cb + 128));
+            const __m512 sx = _mm512_mul_ps(s, _mm512_load_ps((const float *)(a + cb)));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sx, acc[m]);
+            if (has_min || shift)
+                acc[m] = _mm512_fmadd_ps(mc, _mm512_load_ps((const float *)(a + cb + 64)), acc[m]);
+        }
+    }
+    for (int m = 0; m < nm; m++) { /* row r: lanes r, 4 + r, 8 + r, 12 + r */
+        const __m512 e = _mm512_add_ps(acc[m], _mm512_shuffle_f32x4(acc[m], acc[m], 0x4E));
+        const __m128 o = _mm512_castps512_ps128(_mm512_add_ps(e, _mm512_shuffle_f32x4(e, e, 0xB1)));
+        if (nv == ROWS) _mm_storeu_ps(y + m * ldy + n0, o);
+        else {
+            float f[4];
+            _mm_storeu_ps(f, o);
+            for (int r = 0; r < nv; r++) y[m * ldy + n0 + r] = f[r];
+        }
+    }
+}
+
+/* Blocks of a slice: tiles [t0, t1) against activation rows [m_lo, m_hi) (multiples of MB). */
+typedef struct {
+    const Weight *w;
+    const uint8_t *acts;
+    size_t rstride;
+    float *y;
+    int M;
+} Job8;
+
+static inline __attribute__((always_inline)) void run8(
+    const Job8 *j, int m_lo, int m_hi, int t0, int t1, int G, int u4, int half, int shift,
+    int has_min) {
+    const Weight *w = j->w;
+    const int N = w->N, K = w->K, nc = n_chunks(K, u4), gpc = 16 / lanes_per_group(G, u4);
+    const size_t tile_bytes = (size_t)ROWS * row_bytes(K, u4);
+    const size_t st_bytes = (size_t)nc * ROWS * gpc * (half ? 2 : 4);
+    for (int m0 = m_lo; m0 < m_hi; m0 += MB) {
+        const uint8_t *a = j->acts + m0 * j->rstride;
+        float *ym = j->y + (size_t)m0 * N;
+        const int nm = j->M - m0 < MB ? j->M - m0 : MB;
+        for (int t = t0; t < t1; t++) {
+            const int n0 = t * ROWS, nv = N - n0 < ROWS ? N - n0 : ROWS;
+            const uint8_t *qtile = w->qt + t * tile_bytes;
+            const char *stile = (const char *)w->st + t * st_bytes;
+            if (nm > MB / 2)
+                tile8(qtile, stile, w->mn, a, j->rstride, ym, N, nm, n0, nv, K, G, u4, half, shift, has_min, MB);
+            else /* the same arithmetic per row, fewer rows */
+                tile8(qtile, stile, w->mn, a, j->rstride, ym, N, nm, n0, nv, K, G, u4, half, shift, has_min, MB / 2);
+        }
+    }
+}
+
+/* One function per (G, u4, half, shift, mins): each compiled with its constants. */
+typedef void (*Run8)(const Job8 *, int, int, int, int);
+#define R8(G_, U4_, H_, S_, MN_) \
+    static void run8_##G_##_##U4_##_##H_##_##S_##_##MN_(const Job8 *j, int a, int b, int c, int d) { \
+        run8(j, a, b, c, d, G_, U4_, H_, S_, MN_); }
+#define R8S(G_, U4_) R8(G_, U4_, 0, 0, 0) R8(G_, U4_, 0, 0, 1) R8(G_, U4_, 0, 1, 0) R8(G_, U4_, 0, 1, 1) \
+    R8(G_, U4_, 1, 0, 0) R8(G_, U4_, 1, 0, 1) R8(G_, U4_, 1, 1, 0) R8(G_, U4_, 1, 1, 1)
+R8S(32, 1) R8S(16, 0) R8S(32, 0)
+#define R8N(G_, U4_) run8_##G_##_##U4_##_0_0_0, run8_##G_##_##U4_##_0_0_1, run8_##G_##_##U4_##_0_1_0, \
+    run8_##G_##_##U4_##_0_1_1, run8_##G_##_##U4_##_1_0_0, run8_##G_##_##U4_##_1_0_1, \
+    run8_##G_##_##U4_##_1_1_0, run8_##G_##_##U4_##_1_1_1
+static const Run8 RUN8[24] = {R8N(32, 1), R8N(16, 0), R8N(32, 0)};
+#undef R8N
+#undef R8S
+#undef R8
+
+/* y[M, N] = x[M, K] @ W.T with 8-bit activations (see above). Returns 0, or -1 when out of
+ * memory. */
+int potluck_gemm8_w(const Weight *w, const float *x, float *y, int M, int n_threads) {
+    const int N = w->N, K = w->K, G = w->G, u4 = w->u4;
+    const int nc = n_chunks(K, u4), mp = (M + MB - 1) / MB * MB;
+    const int centre = u4 ? 8 : 128, shift = centre != w->off;
+    const size_t rstride = (size_t)nc * rec_bytes(u4);
+    uint8_t *acts = aligned_alloc(64, (size_t)mp * rstride);
+    if (!acts) return -1;
+    #pragma omp parallel for num_threads(n_threads) schedule(static) if ((size_t)M * K >= PAR_MIN / 4)
+    for (int m = 0; m < mp; m++) {
+        if (m < M) prepare8(x + (size_t)m * K, K, G, u4, centre, acts + m * rstride);
+        else memset(acts + m * rstride, 0, rstride);
+    }
+    const int n_tiles = (N + ROWS - 1) / ROWS, tile_bytes = ROWS * row_bytes(K, u4);
+    const int tb = TB_BYTES / tile_bytes > 1 ? TB_BYTES / tile_bytes : 1;
+    const int n_blocks = (n_tiles + tb - 1) / tb;
+    const Run8 run = RUN8[(u4 ? 0 : G == 16 ? 1 : 2) * 8 + w->half * 4 + shift * 2 + (w->mn != NULL)];
+    const Job8 job = {w, acts, rstride, y, M};
+    /* rows in slices whose records stay in L2 while the weight passes; a thread takes the same
+     * blocks in every slice (static schedule) */
+    const int slice = SLICE_BYTES / rstride / MB * MB > MB ? SLICE_BYTES / rstride / MB * MB : MB;
+    #pragma omp parallel num_threads(n_threads) if ((size_t)M * N * K >= PAR_MIN)
+    for (int ms = 0; ms < mp; ms += slice)
+    #pragma omp for schedule(static) nowait
+    for (int b = 0; b < n_blocks; b++) {
+        const int t1 = (b + 1) * tb < n_tiles ? (b + 1) * tb : n_tiles;
+        run(&job, ms, ms + slice < mp ? ms + slice : mp, b * tb, t1);
+    }
+    free(acts);
+    return 0;
+}
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -512,6 +722,8 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     lib.potluck_gemv_w.argtypes = [_P, _P, _P, _I, _I]
     lib.potluck_gemv_w.restype = _I
+    lib.potluck_gemm8_w.argtypes = [_P, _P, _P, _I, _I]
+    lib.potluck_gemm8_w.restype = _I
     lib.potluck_dequant_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I]
     lib.potluck_dequant_bf16.restype = None
     lib.potluck_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_float]
@@ -631,6 +843,7 @@ class Gemv:
                           fmt.u4, fmt.offset, fmt.half)  # fmt: skip
         self._ref = ctypes.byref(self._w)
         self._fn = lib.potluck_gemv_w
+        self._fn8 = lib.potluck_gemm8_w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [M, K] contiguous -> fp32 [M, n_out]."""
@@ -638,6 +851,15 @@ class Gemv:
         y = torch.empty(m, self.n_out)
         if self._fn(self._ref, x.data_ptr(), y.data_ptr(), m, torch.get_num_threads()):
             raise MemoryError(f"native gemv: no memory for {m} prepared activation rows")
+        return y
+
+    def batched(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [M, K] contiguous -> fp32 [M, n_out], activations as 8-bit integers per group
+        (potluck_gemm8_w): for prompt micro-batches."""
+        m = x.shape[0]
+        y = torch.empty(m, self.n_out)
+        if self._fn8(self._ref, x.data_ptr(), y.data_ptr(), m, torch.get_num_threads()):
+            raise MemoryError(f"native gemm: no memory for {m} prepared activation rows")
         return y
 
 

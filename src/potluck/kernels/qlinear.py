@@ -56,6 +56,9 @@ _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 # plus a matmul that barely grows with the batch. One core, µs, kernel / dense, at batch 8 and 16:
 # Q4_1 3072 x 576: 395 / 593 and 957 / 743; Q5_0 4096 x 640: 693 / 866 and 1394 / 1066.
 GEMV_MAX_ROWS = 8
+# Smallest batch for the dense path (bf16 weights + oneDNN); from GEMV_MAX_ROWS + 1 up to it, the
+# native batched kernel (8-bit activations, native.Gemv.batched).
+DENSE_MIN_ROWS = 1 << 30
 # Weights dequantized at once on the dense path: bounds the bf16 scratch of a large head (2 MiB);
 # 256 Ki to whole-matrix measured alike at batch 512.
 DENSE_CHUNK_WEIGHTS = 1 << 20
@@ -198,8 +201,11 @@ class QLinear(torch.nn.Module):
         # (≈ 2.5 µs of a ≈ 25 µs batch-1 call at SmolLM2 shapes).
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self._gemv is not None:
-            if x2.shape[0] <= GEMV_MAX_ROWS:
+            m = x2.shape[0]
+            if m <= GEMV_MAX_ROWS:
                 y = self._gemv(x2.float().contiguous())
+            elif m < DENSE_MIN_ROWS:
+                y = self._gemv.batched(x2.float().contiguous())
             else:
                 y = self._dense_native(x2)
         elif self.kind == "int4":
