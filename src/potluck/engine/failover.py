@@ -14,10 +14,12 @@ the new last stage restarts its random stream (noted in docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -34,6 +36,18 @@ from potluck.transport.codec import PROTOCOL_VERSION
 
 DEFAULT_TIMEOUT_S = 5.0
 MAX_RECOVERIES_IN_A_ROW = 4  # another node failing during a recovery starts it over, this often
+
+
+_LIVE: weakref.WeakSet[FailoverPipeline] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live() -> None:
+    """Stop every heartbeat and recovery at exit: gRPC calls still starting in background threads
+    while the interpreter tears down make gRPC's C++ core abort."""
+    for pipe in list(_LIVE):
+        with contextlib.suppress(Exception):  # best effort at exit
+            pipe.close()
 
 
 class PoolLostError(PotluckError):
@@ -106,6 +120,7 @@ class FailoverPipeline:
         self._closed = threading.Event()
         self._pings = ThreadPoolExecutor(8, thread_name_prefix="potluck-heartbeat")
         self._watch(first)
+        _LIVE.add(self)
         threading.Thread(target=self._recoverer, name="potluck-failover", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="potluck-heartbeat", daemon=True).start()
 
@@ -223,7 +238,7 @@ class FailoverPipeline:
             b = self._redo.get()
             if self._closed.is_set():
                 if b is not None:
-                    b.out.set_exception(PotluckError("the pool was closed"))
+                    b.out.set_exception(self._failed or PotluckError("the pool was closed"))
                 continue
             with self._lock:
                 if b is None or b.epoch == self.epoch:  # the first failure of this plan
@@ -256,6 +271,7 @@ class FailoverPipeline:
                 self._failed = PoolLostError(
                     f"{who} went away and the machines left cannot run the model: {exc}"
                 )
+                self._closed.set()  # nothing left to watch
                 return
             self.inner = new
             self._watch(new)
@@ -334,6 +350,8 @@ class FailoverPipeline:
     def _heartbeat(self) -> None:
         interval = min(0.5, self.timeout_s / 5)
         while not self._closed.wait(interval):
+            if self._failed is not None:
+                return
             with self._lock:
                 clients = list(getattr(self.inner, "clients", []))
                 health = self._health

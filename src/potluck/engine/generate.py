@@ -144,6 +144,12 @@ class Model:
     n_ctx: int
     _next_seq: int = field(default=0, repr=False)
 
+    def close(self) -> None:
+        """Let go of the pool: stop the heartbeat, close the links (no-op for a local model)."""
+        close = getattr(self.pipeline, "close", None)
+        if close is not None:
+            close()
+
     def new_seq_id(self) -> int:
         self._next_seq += 1
         return self._next_seq

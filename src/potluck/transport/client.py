@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -188,6 +191,19 @@ class ForwardLink:
             fut.set_exception(exc)
 
 
+_OPEN_CLIENTS: weakref.WeakSet[NodeClient] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_clients() -> None:
+    """Close every channel still open when the process exits: a stream's reader thread blocked
+    in gRPC at interpreter teardown makes gRPC's C++ core abort ("terminate called without an
+    active exception", exit code 134)."""
+    for client in list(_OPEN_CLIENTS):
+        with contextlib.suppress(Exception):  # best effort at exit: nothing left to report to
+            client.close()
+
+
 class NodeClient:
     """One channel to one node. Every call has a deadline (seconds).
 
@@ -206,6 +222,7 @@ class NodeClient:
         self._metadata: tuple[tuple[str, str], ...] | None = None  # None: no handshake yet
         self._session_made = self._session_used = 0.0  # time.monotonic()
         self.link = ForwardLink(self)
+        _OPEN_CLIENTS.add(self)
 
     # -- connection and session ----------------------------------------------------------------
     def _connect(self) -> pb_grpc.NodeStub:
