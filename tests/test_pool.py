@@ -362,3 +362,25 @@ def test_worker_device_flags() -> None:
     assert done.returncode == 1 and "--device cuda: Potluck computes on the CPU only" in done.stderr
     proc, _ = start_worker(args=("-ngl", "99"))
     _stop(proc)
+
+
+def test_weights_transfer_reports_progress_on_both_sides(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """A worker without the model file gets its layers' tensors: the head reports bytes sent
+    (the CLI's progress bar), the worker logs what it received."""
+    bare = {"POTLUCK_CACHE": str(tmp_path), "HOME": str(tmp_path)}
+    proc, addr = start_worker(bare)
+    seen: list[tuple[str, int, int]] = []
+    try:
+        m = load_model(smollm2_path, n_ctx=128, peers=[addr], on_transfer=lambda *a: seen.append(a))
+        m.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert proc.stderr is not None
+    log = proc.stderr.read()
+    assert seen and all(node == addr for node, _, _ in seen)
+    sent = [s for _, s, _ in seen]
+    assert sent == sorted(sent) and sent[-1] == seen[-1][2] > 30 * 2**20
+    assert "received" in log and "MiB (checked, cached)" in log

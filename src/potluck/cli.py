@@ -281,9 +281,17 @@ def _load(
             for line in ev.assignments:
                 err.print(f"[dim]  {line}[/]")
 
+        def on_transfer(node: str, sent: int, total: int) -> None:
+            bar.update(
+                task,
+                description=f"{path.name} (sending {node} its layers: "
+                f"{sent / 2**20:.0f}/{total / 2**20:.0f} MiB)",
+            )
+
         m = load_model(
             path, ctx, splits or (), on_layer, assignments=assignments, auth=auth,
             failover_s=failover_s, replan=replan, on_failover=on_failover,
+            on_transfer=on_transfer,
         )  # fmt: skip
     err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
     for a in getattr(m.pipeline, "assignments", []):
@@ -754,7 +762,13 @@ def worker(
     ] = 120.0,
 ) -> None:
     """Serve layers to a pool: wait for a head (`potluck run --peer THIS_HOST:PORT`)."""
+    import logging
+
     from potluck.node.worker import serve
+
+    # the worker's own events (weights received, plans freed) as plain lines on stderr
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("grpc").setLevel(logging.WARNING)
 
     if device != "cpu":
         raise PotluckError(

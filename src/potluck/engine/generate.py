@@ -176,6 +176,7 @@ def load_model(
     failover_s: float | None = DEFAULT_FAILOVER_S,
     replan: Callable[[list[str]], Sequence[Assignment]] | None = None,
     on_failover: Callable[[FailoverEvent], None] | None = None,
+    on_transfer: Callable[[str, int, int], None] | None = None,
 ) -> Model:
     """Open `path`, check it, and build its pipeline: one local stage by default; in-process stages
     split at `splits`; or with `peers` (host:port) a pool where this machine takes the first share
@@ -202,8 +203,9 @@ def load_model(
             pipe: Pipeline = LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx, on_layer)])
         else:
             pipe = _pool(
-                gguf, hp, assignments, n_ctx, wire_dtype, auth, replan, failover_s, on_failover
-            )
+                gguf, hp, assignments, n_ctx, wire_dtype, auth, replan, failover_s, on_failover,
+                on_transfer,
+            )  # fmt: skip
     elif peers:
         nodes = [LOCAL, *peers]
         bounds = split_points(hp.n_layer, tensor_split or [1.0] * len(nodes))
@@ -213,7 +215,9 @@ def load_model(
             )
         ranges = layer_ranges(hp.n_layer, bounds)
         plan = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True) if b > a]
-        pipe = _pool(gguf, hp, plan, n_ctx, wire_dtype, auth, replan, failover_s, on_failover)
+        pipe = _pool(
+            gguf, hp, plan, n_ctx, wire_dtype, auth, replan, failover_s, on_failover, on_transfer
+        )
     else:
         pipe = LocalPipeline(
             [Stage(hp, gguf, a, b, n_ctx, on_layer) for a, b in layer_ranges(hp.n_layer, splits)]
@@ -231,12 +235,13 @@ def _pool(
     replan: Callable[[list[str]], Sequence[Assignment]] | None,
     failover_s: float | None,
     on_failover: Callable[[FailoverEvent], None] | None = None,
+    on_transfer: Callable[[str, int, int], None] | None = None,
 ) -> Pipeline:
     """The pool's pipeline for `plan`, wrapped to fail over to the nodes left when one goes away."""
     from potluck.engine.failover import FailoverPipeline
     from potluck.engine.pipeline import RemotePipeline
 
-    first = RemotePipeline(gguf, hp, plan, n_ctx, wire_dtype, auth)
+    first = RemotePipeline(gguf, hp, plan, n_ctx, wire_dtype, auth, on_transfer=on_transfer)
     if failover_s is None:
         return first
     remotes = [a.node for a in plan if a.node != LOCAL]
@@ -251,7 +256,7 @@ def _pool(
             new = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True)]
         if all(a.node == LOCAL for a in new):
             return LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx)])
-        return RemotePipeline(gguf, hp, new, n_ctx, wire_dtype, auth, epoch)
+        return RemotePipeline(gguf, hp, new, n_ctx, wire_dtype, auth, epoch, on_transfer)
 
     return FailoverPipeline(first, connect, failover_s, on_failover)
 

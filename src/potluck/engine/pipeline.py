@@ -10,7 +10,7 @@ import contextlib
 import hashlib
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -79,7 +79,11 @@ class RemotePipeline:
         wire_dtype: str = "float32",
         auth: PoolAuth | None = None,
         epoch: int = 0,
+        on_transfer: Callable[[str, int, int], None] | None = None,
     ) -> None:
+        """on_transfer(node, bytes sent, bytes to send) reports weights shipped to a node that
+        lacks the model file."""
+        self.on_transfer = on_transfer
         if any(a.node == LOCAL for a in assignments[1:]):
             raise ValueError("only the first stage can run on this machine")
         if assignments[0].node == LOCAL and len(assignments) == 1:
@@ -119,7 +123,7 @@ class RemotePipeline:
             )  # fmt: skip
             reply = client.load(req)
             if reply.need_tensors:
-                client.put_tensors(self._tensor_chunks(list(reply.missing), digests))
+                client.put_tensors(self._tensor_chunks(a.node, list(reply.missing), digests))
                 reply = client.load(req)
                 if reply.need_tensors:
                     raise NodeError(
@@ -133,12 +137,16 @@ class RemotePipeline:
         self._local_thread = ThreadPoolExecutor(1, thread_name_prefix="potluck-local-stage")
 
     def _tensor_chunks(
-        self, names: list[str], digests: Mapping[str, str]
+        self, node: str, names: list[str], digests: Mapping[str, str]
     ) -> Iterator[pb.TensorChunk]:
+        total, sent = sum(self.file.tensors[n].nbytes for n in names), 0
         for name in names:
             data = memoryview(self.file.raw(name).reshape(-1))
             for off in range(0, len(data), TENSOR_CHUNK_BYTES):
                 piece = bytes(data[off : off + TENSOR_CHUNK_BYTES])
+                sent += len(piece)
+                if self.on_transfer is not None:
+                    self.on_transfer(node, sent, total)
                 if off == 0:
                     yield pb.TensorChunk(
                         name=name, sha256=digests[name], total_bytes=len(data), data=piece

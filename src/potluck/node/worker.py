@@ -50,6 +50,7 @@ from potluck.transport.tls import server_credentials
 
 ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
 log = logging.getLogger("potluck.worker")
+REPORT_EVERY_BYTES = 32 * 2**20  # the worker logs weights received in steps of this size
 DEFAULT_IDLE_S = 120.0  # a plan no head used or named for this long is freed (seconds)
 ORDER_WAIT_S = 30.0  # longest a batch waits for an earlier batch of its sequence (seconds)
 MAX_PLANS = 2  # a node keeps the stage of the previous plan while the new one takes over
@@ -233,7 +234,7 @@ class NodeService(pb_grpc.NodeServicer):
     def PutTensors(
         self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext
     ) -> pb.PutReply:
-        received = 0
+        received, got, next_report = 0, 0, REPORT_EVERY_BYTES
         it = iter(request_iterator)
         pending = next(it, None)
         try:
@@ -257,6 +258,10 @@ class NodeService(pb_grpc.NodeServicer):
                 pending = None
                 self.store.put(first.sha256, first.total_bytes, pieces())
                 received += 1
+                got += first.total_bytes
+                if got >= next_report:
+                    log.info("received %d tensors, %.1f MiB (checked, cached)", received, got / 2**20)
+                    next_report = got + REPORT_EVERY_BYTES
         except (IntegrityError, WireError) as exc:
             context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         return pb.PutReply(received=received)
