@@ -110,7 +110,8 @@ def test_pool_through_delayed_links(smollm2_path: Path, alone: str) -> None:
         )  # fmt: skip
         assert probe.returncode == 0, probe.stderr
         one_way_ms = [float(x) for x in probe.stdout.split()]
-        assert len(one_way_ms) == 2 and all(14 <= ms < 200 for ms in one_way_ms), one_way_ms
+        # head→each worker and worker↔worker (both directions): each path crosses one proxy
+        assert len(one_way_ms) == 4 and all(14 <= ms < 200 for ms in one_way_ms), one_way_ms
         done = head.run(
             _cmd(*_run_args(smollm2_path), "--peer", workers[0], "--peer", workers[1],
                  "--tensor-split", "1,1,1", *_no_mdns()),
