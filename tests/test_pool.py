@@ -163,6 +163,11 @@ def test_malformed_calls_rejected_worker_stays_up(workers: list[str], smollm2_pa
             timeout=5,
         )
     assert "dtype 'complex128' is not one of" in dtype.value.details()
+    ok = pb.Tensor(data=b"\x00" * 4 * 576, shape=[1, 576], dtype="float32")
+    big = pb.SeqChunk(seq_id=1, n=1, sample=True, recent=[10**6])  # past the 49152-token vocab
+    with pytest.raises(grpc.RpcError) as vocab:
+        stub.Forward(pb.ForwardRequest(plan_id=plan_id, chunks=[big], input=ok), timeout=5)
+    assert "recent token ids (for penalties) must be in [0, 49152)" in vocab.value.details()
     # still serving the real head
     ids = pool.tokenizer.encode("Hello")
     assert len(list(generate(pool, ids, 3, Sampler(GREEDY)))) == 3

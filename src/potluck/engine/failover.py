@@ -146,6 +146,15 @@ class FailoverPipeline:
         return list(getattr(self.inner, "last_hop_ms", []))
 
     @property
+    def auth(self) -> object:
+        """How this head proves pool membership (the current plan's)."""
+        return getattr(self.inner, "auth", None)
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(getattr(self.inner, "nodes", []))
+
+    @property
     def plan_id(self) -> str:
         return str(getattr(self.inner, "plan_id", ""))
 

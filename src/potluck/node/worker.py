@@ -198,6 +198,15 @@ class NodeService(pb_grpc.NodeServicer):
         except (PotluckError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         nxt = NodeClient(request.next_hop, self.auth) if request.next_hop else None
+        if nxt is not None:
+            try:  # a next hop of another pool (or gone) is said now, not at the first token
+                nxt.authenticate()
+            except PotluckError as exc:
+                nxt.close()
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"this node cannot reach its next stage {request.next_hop}: {exc}",
+                )
         self.plans[request.plan_id] = LoadedStage(
             request.plan_id, stage, nxt, wire, reserved_bytes=need
         )
@@ -289,6 +298,9 @@ class NodeService(pb_grpc.NodeServicer):
                 )
             if len({c.seq_id for c in chunks}) != len(chunks):
                 raise WireError("a sequence appears twice in one batch")
+            n_vocab = stage.hp.n_vocab
+            if any(t >= n_vocab for c in request.chunks for t in c.recent):
+                raise WireError(f"recent token ids (for penalties) must be in [0, {n_vocab})")
             x = tensor_from_proto(request.input)
             if stage.is_first:
                 if x.dtype != torch.int64 or x.shape != (total,):
