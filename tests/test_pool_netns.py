@@ -48,6 +48,22 @@ def _no_mdns() -> list[str]:
     return ["--no-mdns"] if "--no-mdns" in done.stdout else []
 
 
+def _worker_behind_proxy(host, env: dict[str, str], delay_ms: float) -> str:
+    """A worker on the host's own loopback, reached through a TCP proxy on the host's address that
+    delays every byte by delay_ms each way (0: plain forwarding); returns the proxy's address."""
+    p = host.popen(
+        _cmd("worker", "-H", "127.0.0.1", "-p", "50052", "-t", "1", "--no-mdns"),
+        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    _wait_line(p, "listening on", f"worker in {host.ip}")
+    proxy = host.popen(
+        [sys.executable, str(PROXY), f"{host.ip}:6000", "127.0.0.1:50052", str(delay_ms)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _wait_line(proxy, "ready", "proxy", "stdout")
+    return f"{host.ip}:6000"
+
+
 @pytest.fixture(scope="module")
 def alone(smollm2_path: Path) -> str:
     done = subprocess.run(
@@ -88,19 +104,7 @@ def test_pool_through_delayed_links(smollm2_path: Path, alone: str) -> None:
     The head measures the latency (survey) and the output still equals one process."""
     env = {**os.environ, "POTLUCK_MDNS": "0"}
     with netns_lan(3) as (head, w1, w2):
-        workers = []
-        for host in (w1, w2):
-            p = host.popen(
-                _cmd("worker", "-H", "127.0.0.1", "-p", "50052", "-t", "1", "--no-mdns"),
-                env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-            )  # fmt: skip
-            _wait_line(p, "listening on", f"worker in {host.ip}")
-            proxy = host.popen(
-                [sys.executable, str(PROXY), f"{host.ip}:6000", "127.0.0.1:50052", "15"],
-                stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            _wait_line(proxy, "ready", "delay proxy", "stdout")
-            workers.append(f"{host.ip}:6000")
+        workers = [_worker_behind_proxy(h, env, delay_ms=15) for h in (w1, w2)]
         probe = head.run(
             [sys.executable, "-c",
              "import sys; from potluck.engine.survey import survey; "
@@ -126,19 +130,7 @@ def test_link_cut_mid_generation(smollm2_path: Path, alone: str) -> None:
     gone after the failover timeout, re-plans on the rest, and the text is the same."""
     env = {**os.environ, "POTLUCK_MDNS": "0"}
     with netns_lan(3) as (head, w1, w2):
-        workers = []
-        for host in (w1, w2):
-            p = host.popen(
-                _cmd("worker", "-H", "127.0.0.1", "-p", "50052", "-t", "1", "--no-mdns"),
-                env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-            )  # fmt: skip
-            _wait_line(p, "listening on", f"worker in {host.ip}")
-            proxy = host.popen(
-                [sys.executable, str(PROXY), f"{host.ip}:6000", "127.0.0.1:50052", "0"],
-                stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            _wait_line(proxy, "ready", "proxy", "stdout")
-            workers.append(f"{host.ip}:6000")
+        workers = [_worker_behind_proxy(h, env, delay_ms=0) for h in (w1, w2)]
         run = head.popen(
             _cmd(*_run_args(smollm2_path), "--peer", workers[0], "--peer", workers[1],
                  "--tensor-split", "1,1,1", "--failover-timeout", "2", *_no_mdns()),
