@@ -56,6 +56,7 @@ FP16_FIELDS = {
 }
 # bf16 unit roundoff: every rounding to bf16 is off by at most U relative.
 U = 2.0**-9
+U_CENTRE = {"u4": 8, "u8": 128}  # where the batched kernel centres the native kinds' values
 
 
 def _cols(qtype: GGMLQuantizationType, n_blocks: int) -> int:
@@ -233,10 +234,9 @@ def error_bound(
     f32: only float32 accumulation: 1e-5 relative is generous at these sizes.
     u4 / u8, up to GEMV_MAX_ROWS rows: x in 15-bit fixed point per group g, |dx| <= max|x_g| /
     32766, times sum over the group of |s (u - offset)| (the part the fixed-point x multiplies);
-    fp32 scaling and accumulation as for f32. More rows, below DENSE_MIN_ROWS: x as int8 per
-    group, |dx| <= max|x_g| / 254 (127 levels, round to nearest), times sum |s (u - centre)|
-    (centre 8 or 128: the kernel centres the values, whatever the stored offset). From
-    DENSE_MIN_ROWS: dense bf16, as for bf16.
+    fp32 scaling and accumulation as for f32. More rows, below DENSE_MIN_ROWS: the batched
+    kernel, the same bound with u - centre (8 or 128: it centres the values, whatever the stored
+    offset). From DENSE_MIN_ROWS: dense bf16, as for bf16.
     """
     n_out, n_in = layer.out_features, layer.in_features
     w_abs = reference(raw, qtype).double().abs()
@@ -247,14 +247,11 @@ def error_bound(
         if layer.kind == "u4":
             pairs = u.view(n_out, -1, 1, 16)
             u = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).view(n_out, n_in)
-        if x.shape[0] <= GEMV_MAX_ROWS:
-            offset, levels = layer.format.offset, 32766
-        else:  # 1.0001: the fp32 rounding of x * 127 / max|x_g|
-            offset, levels = (8 if layer.kind == "u4" else 128), 254 / 1.0001
+        offset = layer.format.offset if x.shape[0] <= GEMV_MAX_ROWS else U_CENTRE[layer.kind]
         g = layer.group
         scaled = (u.double().view(n_out, -1, g) - offset).abs() * scale.double().abs()[..., None]
         x_max = x.double().abs().view(x.shape[0], -1, g).amax(-1)  # (M, n_in / g)
-        return x_max / levels @ scaled.sum(-1).T + 1e-5 * x.double().abs() @ w_abs.T
+        return x_max / 32766 @ scaled.sum(-1).T + 1e-5 * x.double().abs() @ w_abs.T
     if layer.kind == "int4":
         _, scale, zero = int4_groups(as_bytes(raw), qtype, (n_out, n_in))
         dw = U * (8 * scale.abs() + zero.abs()).double().repeat_interleave(INT4_GROUP, 1)
@@ -272,7 +269,8 @@ def expected_kind(qtype: GGMLQuantizationType, use_native: bool) -> str:
 
 @pytest.mark.parametrize("use_native", KERNELS)
 @pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 7, 40])  # 40 > GEMV_MAX_ROWS: the native kinds' batched path
+# 9 and 40: the native kinds' batched and dense paths
+@pytest.mark.parametrize("m", [1, 7, GEMV_MAX_ROWS + 1, max(40, DENSE_MIN_ROWS)])
 def test_qlinear_matches_float64_reference(
     qtype: GGMLQuantizationType, m: int, use_native: bool
 ) -> None:

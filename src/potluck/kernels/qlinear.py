@@ -5,8 +5,8 @@ QLinear picks, at construction, the fastest representation this machine has for 
         values with a scale and min per group (levels.py), fp16 where that is exact (the legacy
         types' d and m), else fp32: Q4_0/Q4_1/Q4_K -> u4; Q5_0/Q5_1/Q5_K/Q6_K/Q8_0/Q2_K -> u8
         (a 5- or 6-bit value takes a byte). Batch <= GEMV_MAX_ROWS: the native matrix-vector
-        kernel (fp32 in and out, 15-bit fixed-point activations); larger batches: the weight
-        dequantized to bf16 chunk by chunk and torch's bf16 matmul (oneDNN).
+        kernel (fp32 in and out, 15-bit fixed-point activations); larger batches: the native
+        batched kernel (8-bit activations per group, as llama.cpp's quantized dot products).
   int4  without native kernels, Q4_0/Q4_1/Q4_K with n_out % 16 == 0: torch's packed int4, group
         32, bf16 activations (its fp32-activation path is a scalar loop, ≈ 40x slower).
   bf16  every other type: dequantized once into a dense bf16 [n_out, n_in] weight.
@@ -17,7 +17,11 @@ Accuracy, relative to float64 x @ W.T with W the exact dequantized weight:
   u4 / u8 batch <= GEMV_MAX_ROWS: |dy| <= sum over groups g of max|x_g| / 32766 *
         sum|scale (u - offset)| (fixed-point activations) plus fp32 rounding; on random data
         max|dy| / max|y| 3-10e-5 against 2-4e-3 for the bf16 paths.
-  u4 / u8 larger batches, bf16: w, x and y each rounded to bf16 (2^-9 relative).
+  u4 / u8 larger batches: |dy| <= sum over groups g of max|x_g| / 254 * sum|scale (u - centre)|
+        (8-bit activations; centre 8 or 128) plus fp32 rounding; on random data max|dy| / max|y|
+        2.5-8e-3, the same order as the bf16 paths (2-4e-3). A row's result does not depend on
+        the rows batched with it (nor on the thread count).
+  bf16: w, x and y each rounded to bf16 (2^-9 relative).
   int4: measured on real weights and activations (48 tokens of SmolLM2 Q4_1 blk.5, Gemma-3 Q4_K_M
         blk.3-5), worst row max|dy| / max|y| 3.3-6.4e-3, rms 2.5-3.3e-3, the same floor as dense
         bf16 (rms 2.2-2.9e-3): rounding activations and output to bf16 dominates, not the bf16
@@ -51,17 +55,22 @@ INT4_N_TILE = 16
 _INT4_PACK = torch.ops.aten._convert_weight_to_int4pack_for_cpu.default
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
-# Largest batch for the native matrix-vector kernel; above it, dequantize to bf16 + oneDNN matmul.
-# The kernel costs ≈ batch x one pass over the (cached) weight, the dense path one dequantization
-# plus a matmul that barely grows with the batch. One core, µs, kernel / dense, at batch 8 and 16:
-# Q4_1 3072 x 576: 395 / 593 and 957 / 743; Q5_0 4096 x 640: 693 / 866 and 1394 / 1066.
+# Largest batch for the native matrix-vector kernel (exact to 15 bits, ≈ batch x one pass over the
+# weight); above it, the batched kernel (8-bit activations, the weight tile shared by 8 rows). One
+# core, µs, Q4_1 3072 x 576 at batch 16: 957 matrix-vector, 323 batched (the bf16 dequantization
+# + oneDNN matmul it replaced: 743-800). Changing it changes which decode batches the scheduler
+# keeps bit-identical to single rows (engine/scheduler.py).
 GEMV_MAX_ROWS = 8
-# Smallest batch for the dense path (bf16 weights + oneDNN); from GEMV_MAX_ROWS + 1 up to it, the
-# native batched kernel (8-bit activations, native.Gemv.batched).
-DENSE_MIN_ROWS = 1 << 30
+# Smallest batch for the dense path (the weight dequantized to bf16 chunk by chunk, oneDNN's bf16
+# matmul); from GEMV_MAX_ROWS + 1 up to it, the native batched kernel (Gemv.batched).
+DENSE_MIN_ROWS = 40
 # Weights dequantized at once on the dense path: bounds the bf16 scratch of a large head (2 MiB);
 # 256 Ki to whole-matrix measured alike at batch 512.
 DENSE_CHUNK_WEIGHTS = 1 << 20
+
+# Weights converted and tiled at once while a native layer is built (see _pack_native): 1 Mi
+# weights keeps the scratch at a few MiB.
+PACK_CHUNK_WEIGHTS = 1 << 20
 
 NATIVE_KINDS = frozenset({"u4", "u8"})
 
@@ -184,23 +193,18 @@ class QLinear(torch.nn.Module):
             packed = _INT4_PACK(q.to(torch.int32), 1)  # innerKTiles = 1
             sz = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
             return cls("int4", n_out, n_in, INT4_GROUP, packed=packed, scales_and_zeros=sz)
-        forms = [native_groups(raw, q, s) for raw, q, s in parts]
-        u, scale, mins = forms[0]  # one part: no copy (a large head's u is 168 MB)
-        if len(forms) > 1:
-            u, scale = torch.cat([f[0] for f in forms]), torch.cat([f[1] for f in forms])
-            if any(f[2] is not None for f in forms):
-                zero = torch.zeros_like
-                mins = torch.cat([f[2] if f[2] is not None else zero(f[1]) for f in forms])
         half = all(native_form(q).half for _, q, _ in parts)
         fmt = native.Format(kind == "u4", group, offset, half)
-        qt, st, mins = native.pack(u, scale, mins, fmt)
+        qt, st, mins = _pack_native(parts, fmt, n_out, n_in)
         return cls(kind, n_out, n_in, group, packed=qt, scales_and_zeros=st, mins=mins, fmt=fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (..., n_in) -> (M, n_in) -> (M, n_out) -> (..., n_out); 2-D input skips the reshapes
         # (≈ 2.5 µs of a ≈ 25 µs batch-1 call at SmolLM2 shapes).
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self._gemv is not None:
+        if x2.shape[0] == 0:
+            y = x2.new_empty(0, self.out_features, dtype=torch.float32)
+        elif self._gemv is not None:
             m = x2.shape[0]
             if m <= GEMV_MAX_ROWS:
                 y = self._gemv(x2.float().contiguous())
@@ -235,6 +239,55 @@ class QLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kind={self.kind}"
+
+
+def _pack_native(
+    parts: Sequence[RawWeight], fmt: native.Format, n_out: int, n_in: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The parts' rows one after the other as native.pack's (qt, st, mins), converted and tiled
+    PACK_CHUNK_WEIGHTS-sized runs of rows at a time into the final tensors: the build's scratch stays
+    a few MiB instead of two more copies of the weight (a 262144 x 640 Q8_0 head: 170 MiB held,
+    +368 MiB peak when converted whole)."""
+    tile = native.TILE_ROWS
+    row_bytes = n_in // 2 if fmt.u4 else n_in
+    n_tiles = -(-n_out // tile)
+    gpc = 4 if fmt.u4 or fmt.group == 16 else 2
+    qt = torch.empty(n_tiles, tile * row_bytes, dtype=torch.uint8)
+    st = torch.empty(n_tiles, native.n_chunks(n_in, fmt.u4), tile, gpc, dtype=fmt.scale_dtype)
+    with_mins = any(q in _HAS_MINS for _, q, _ in parts)
+    mins = torch.empty(n_out, n_in // fmt.group, dtype=fmt.scale_dtype) if with_mins else None
+    step = max(tile, PACK_CHUNK_WEIGHTS // n_in // tile * tile)  # rows per run, whole tiles
+    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    done = 0  # rows tiled so far
+
+    def flush(last: bool) -> None:
+        nonlocal pending, done
+        u = torch.cat([p[0] for p in pending])
+        scale = torch.cat([p[1] for p in pending])
+        m = None
+        if with_mins:  # a part without mins (stacked with one that has them): zeros
+            m = torch.cat([p[2] if p[2] is not None else torch.zeros_like(p[1]) for p in pending])
+        rows = u.shape[0] if last else u.shape[0] // tile * tile
+        q_t, s_t, m_t = native.pack(u[:rows], scale[:rows], None if m is None else m[:rows], fmt)
+        t0 = done // tile
+        qt[t0 : t0 + q_t.shape[0]] = q_t
+        st[t0 : t0 + s_t.shape[0]] = s_t
+        if mins is not None and m_t is not None:
+            mins[done : done + rows] = m_t
+        done += rows
+        rest = (u[rows:], scale[rows:], None if m is None else m[rows:])
+        pending = [rest] if rows < u.shape[0] else []
+
+    for raw, qtype, (n, k) in parts:
+        rows_raw = as_blocks(raw, qtype, (n, k)).view(n, -1)  # [n, bytes per row]
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            pending.append(native_groups(rows_raw[a:b], qtype, (b - a, k)))
+            if sum(p[0].shape[0] for p in pending) >= step:
+                flush(last=False)
+    if pending:
+        flush(last=True)
+    return qt, st, mins
 
 
 class QEmbedding(torch.nn.Module):
