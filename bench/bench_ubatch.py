@@ -6,7 +6,10 @@ and thread count, warms up, then runs the same prompt (`--prompt` tokens, fixed 
 one local stage `--rounds` times per size, in micro-batches of each size (one `pipeline.forward` per
 micro-batch on one sequence, the KV cache growing as in a real prefill), the sizes in a rotated
 order each round so drift hits all alike. Reported: prompt tokens/s per size (median over rounds
-and children, min–max) and its ratio to the 512-row figure.
+and children, min–max) and its ratio to the largest size's figure, per CPU second of the child (user + system: on a
+shared machine a time slice lost to another process does not count) and per wall second. Only the
+prompt's last token gets logits, as prefill needs (`--head-every`: every micro-batch's last row,
+what the engine computes today).
 
 With `--baseline REF` (a git ref, e.g. HEAD) the children alternate between that tree
 (`git archive REF src/potluck`) and the current one (frozen copy), A B, B A, ...: before / after in
@@ -48,26 +51,36 @@ def child_main(spec: dict) -> dict:
     m = load_model(spec["path"], n_ctx=N_CTX)
     pipe, toks = m.pipeline, torch.tensor(spec["tokens"])
 
-    def prompt(size: int) -> float:
+    none = torch.empty(0, dtype=torch.long)
+
+    def prompt(size: int) -> tuple[float, float]:
+        """(tokens per wall second, tokens per CPU second of this process)"""
         seq = m.new_seq_id()
         try:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for start in range(0, len(toks), size):
                 part = toks[start : start + size]
-                pipe.forward(part, [SeqChunk(seq, len(part))])
-            return len(toks) / (time.perf_counter() - t0)
+                last = start + size >= len(toks)
+                # logits of the prompt's last token only, as prefill needs (--head-every: of
+                # every micro-batch's last row, what the engine computes today)
+                rows = None if last or spec["head_every"] else none
+                pipe.forward(part, [SeqChunk(seq, len(part))], rows)
+            return len(toks) / (time.perf_counter() - t0), len(toks) / (time.process_time() - c0)
         finally:
             pipe.drop(seq)
 
-    out: dict = {"potluck_from": potluck.__file__, "tok_s": {str(s): [] for s in spec["sizes"]}}
+    sizes = [str(s) for s in spec["sizes"]]
+    out: dict = {"potluck_from": potluck.__file__, "tok_s": {s: [] for s in sizes},
+                 "tok_cpu_s": {s: [] for s in sizes}}  # fmt: skip
     with torch.inference_mode():
         prompt(64)  # warm-up: kernels compiled, first-call allocations, page faults
         c0, w0 = os.times(), time.perf_counter()
-        sizes = list(spec["sizes"])
         for r in range(spec["rounds"]):
             k = r % len(sizes)
             for size in sizes[k:] + sizes[:k]:
-                out["tok_s"][str(size)].append(prompt(size))
+                wall, cpu = prompt(int(size))
+                out["tok_s"][size].append(wall)
+                out["tok_cpu_s"][size].append(cpu)
         c1, w1 = os.times(), time.perf_counter()
     cpu = (c1.user - c0.user) + (c1.system - c0.system)
     out["cpu_share"] = cpu / ((w1 - w0) * spec["threads"])
@@ -115,6 +128,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed passes over the sizes per child")
     ap.add_argument("--baseline", metavar="REF", help="also measure src/potluck at this git ref")
     ap.add_argument("--pin", action="store_true", help="pin a t-thread child to CPUs 0..t-1")
+    ap.add_argument("--head-every", action="store_true",
+                    help="logits of every micro-batch's last row (the engine today), not only the "
+                         "prompt's last token")  # fmt: skip
     ap.add_argument("--out", default="bench/out/ubatch.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -142,7 +158,8 @@ def main() -> None:
             for rep in range(args.reps):
                 for label in labels if rep % 2 == 0 else labels[::-1]:
                     spec = {"path": path, "threads": t, "tokens": tokens, "sizes": sizes,
-                            "rounds": args.rounds, "pin": args.pin}  # fmt: skip
+                            "rounds": args.rounds, "pin": args.pin,
+                            "head_every": args.head_every}  # fmt: skip
                     load = os.getloadavg()[0]
                     t0 = time.perf_counter()
                     res = run_child(spec, trees[label])
@@ -153,32 +170,35 @@ def main() -> None:
                         print(f"  {name} t={t} {label} rep {rep}: FAILED {res['error']}")
                         print("    " + "\n    ".join(res["stderr_tail"]))
                         continue
-                    brief = " ".join(f"{s}:{median(res['tok_s'][str(s)]):.0f}" for s in sizes)
+                    brief = " ".join(f"{s}:{median(res['tok_cpu_s'][str(s)]):.0f}" for s in sizes)
                     print(f"  {name} t={t} {label:8s} rep {rep} {brief} "
                           f"cpu={res['cpu_share']:.2f} load={load:.1f}", flush=True)  # fmt: skip
 
-    rows, summary = [], []
-    for name in args.models.split(","):
-        for t in (int(x) for x in args.threads.split(",")):
-            for label in labels:
-                mine = [s for s in samples if (s["model"], s["threads"], s["tree"]) == (name, t, label)
-                        and "error" not in s]  # fmt: skip
-                if not mine:
-                    continue
-                vals = {s: [v for x in mine for v in x["tok_s"][str(s)]] for s in sizes}
-                meds = {s: median(v) for s, v in vals.items()}
-                top = meds.get(max(sizes))
-                cells = [f"{meds[s]:.0f} ({min(vals[s]):.0f}–{max(vals[s]):.0f})"
-                         + (f" {meds[s] / top:.2f}×" if top else "") for s in sizes]  # fmt: skip
-                rows.append([name, str(t), label, *cells])
-                summary.append({"model": name, "threads": t, "tree": label,
-                                "median_tok_s": {str(s): meds[s] for s in sizes},
-                                "vs_largest": {str(s): meds[s] / top if top else None for s in sizes}})  # fmt: skip
     info["loadavg_end"] = list(os.getloadavg())
     header = ["model", "threads", "tree", *(f"n_batch {s}" for s in sizes)]
-    print_table(f"prompt of {args.prompt} tokens: tok/s median (min–max), ratio to n_batch "
-                f"{max(sizes)}; load avg {info['loadavg_start'][0]:.1f} → "
-                f"{info['loadavg_end'][0]:.1f}", header, rows)  # fmt: skip
+    summary = []
+    for key, what in (("tok_cpu_s", "tokens per CPU second of the child"),
+                      ("tok_s", "tokens per wall second")):  # fmt: skip
+        rows = []
+        for name in args.models.split(","):
+            for t in (int(x) for x in args.threads.split(",")):
+                for label in labels:
+                    mine = [s for s in samples if "error" not in s
+                            and (s["model"], s["threads"], s["tree"]) == (name, t, label)]  # fmt: skip
+                    if not mine:
+                        continue
+                    vals = {s: [v for x in mine for v in x[key][str(s)]] for s in sizes}
+                    meds = {s: median(v) for s, v in vals.items()}
+                    top = meds[max(sizes)]
+                    cells = [f"{meds[s]:.0f} ({min(vals[s]):.0f}–{max(vals[s]):.0f}) "
+                             f"{meds[s] / top:.2f}×" for s in sizes]  # fmt: skip
+                    rows.append([name, str(t), label, *cells])
+                    summary.append({"metric": key, "model": name, "threads": t, "tree": label,
+                                    "median": {str(s): meds[s] for s in sizes},
+                                    "vs_largest": {str(s): meds[s] / top for s in sizes}})  # fmt: skip
+        print_table(f"prompt of {args.prompt} tokens, {what}: median (min–max), ratio to "
+                    f"n_batch {max(sizes)}; load avg {info['loadavg_start'][0]:.1f} → "
+                    f"{info['loadavg_end'][0]:.1f}", header, rows)  # fmt: skip
     write_json(out, {"info": info, "args": vars(args), "summary": summary, "samples": samples})
     print(f"wrote {out}")
 

@@ -285,6 +285,20 @@ void potluck_dequant_bf16(const uint8_t *qt, const void *st, const void *mn, uin
     const int t0 = n0 / ROWS, t1 = (n1 + ROWS - 1) / ROWS;
     const __mmask16 ks = gpc * ROWS == 16 ? 0xFFFF : 0xFF;
     const __m512i vo = _mm512_set1_epi32(off);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+    /* u4 tables: byte j of [lo | hi] for output byte p of groups 0-1 (2-3: + 32) */
+    uint8_t p01[64], p23[64], g01[64], g23[64];
+    for (int p = 0; p < 64; p++) {
+        const int grp = p / 32, j = p % 16, high = (p % 32) >= 16;
+        p01[p] = (uint8_t)(high * 64 + grp * 16 + j);
+        p23[p] = (uint8_t)(p01[p] + 32);
+        g01[p] = (uint8_t)(grp * 16);
+        g23[p] = (uint8_t)(32 + grp * 16);
+    }
+    const __m512i pick01 = _mm512_loadu_si512(p01), pick23 = _mm512_loadu_si512(p23);
+    const __m512i gofs01 = _mm512_loadu_si512(g01), gofs23 = _mm512_loadu_si512(g23);
+#endif
     #pragma omp parallel for num_threads(n_threads) schedule(dynamic, 16) if ((size_t)(n1 - n0) * K >= PAR_MIN)
     for (int t = t0; t < t1; t++) {
         const uint8_t *qtile = qt + (size_t)t * ROWS * rbytes;
@@ -309,6 +323,31 @@ void potluck_dequant_bf16(const uint8_t *qt, const void *st, const void *mn, uin
                                              : _mm512_maskz_loadu_epi8((1ULL << tail) - 1, qtile + (size_t)c * ROWS * 64 + step * r);
                 uint16_t *o = out + (size_t)(n - n0) * K;
                 const int gl = ng - c * gpc < gpc ? ng - c * gpc : gpc;
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+                if (u4) { /* a 16-entry bf16 table per group, the chunk's 4 in two registers */
+                    const __m512 lv = _mm512_sub_ps(_mm512_cvtepi32_ps(lane), _mm512_set1_ps((float)off));
+                    __m512 tf[4]; /* fma(scale, u - off, min) for u = 0..15: the same rounding */
+                    for (int gi = 0; gi < 4; gi++) {
+                        const __m512i bi = _mm512_set1_epi32(r * gpc + gi);
+                        tf[gi] = _mm512_fmadd_ps(lv, _mm512_permutexvar_ps(bi, s), _mm512_permutexvar_ps(bi, mc));
+                    }
+                    const __m512i t01 = (__m512i)_mm512_cvtne2ps_pbh(tf[1], tf[0]);
+                    const __m512i t23 = (__m512i)_mm512_cvtne2ps_pbh(tf[3], tf[2]);
+                    const __m512i m4 = _mm512_set1_epi8(0x0F);
+                    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    /* per group, its low nibbles then its high ones (values j, j + 16), plus
+                     * 16 * group: the entry of the value in [t01 | t23] */
+                    const __m512i b01 = _mm512_add_epi8(_mm512_permutex2var_epi8(lo, pick01, hi), gofs01);
+                    const __m512i b23 = _mm512_add_epi8(_mm512_permutex2var_epi8(lo, pick23, hi), gofs23);
+                    const __m512i w[4] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(b01)),
+                                          _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(b01, 1)),
+                                          _mm512_cvtepu8_epi16(_mm512_castsi512_si256(b23)),
+                                          _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(b23, 1))};
+                    for (int gi = 0; gi < gl; gi++)
+                        _mm512_storeu_si512(o + 32 * (c * gpc + gi), _mm512_permutex2var_epi16(t01, w[gi], t23));
+                    continue;
+                }
+#endif
                 for (int gi = 0; gi < gl; gi++) {
                     const __m512i bi = _mm512_set1_epi32(r * gpc + gi);
                     const __m512 sg = _mm512_permutexvar_ps(bi, s), mg = _mm512_permutexvar_ps(bi, mc);
