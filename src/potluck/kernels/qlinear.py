@@ -5,8 +5,9 @@ QLinear picks, at construction, the fastest representation this machine has for 
         values with a scale and min per group (levels.py), fp16 where that is exact (the legacy
         types' d and m), else fp32: Q4_0/Q4_1/Q4_K -> u4; Q5_0/Q5_1/Q5_K/Q6_K/Q8_0/Q2_K -> u8
         (a 5- or 6-bit value takes a byte). Batch <= GEMV_MAX_ROWS: the native matrix-vector
-        kernel (fp32 in and out, 15-bit fixed-point activations); larger batches: the native
-        batched kernel (8-bit activations per group, as llama.cpp's quantized dot products).
+        kernel (fp32 in and out, 15-bit fixed-point activations); up to DENSE_MIN_ROWS: the
+        native batched kernel (the same activations, a weight tile shared by 8 rows); larger
+        batches: the weight dequantized to bf16 chunk by chunk and torch's bf16 matmul (oneDNN).
   int4  without native kernels, Q4_0/Q4_1/Q4_K with n_out % 16 == 0: torch's packed int4, group
         32, bf16 activations (its fp32-activation path is a scalar loop, ≈ 40x slower).
   bf16  every other type: dequantized once into a dense bf16 [n_out, n_in] weight.
@@ -17,11 +18,12 @@ Accuracy, relative to float64 x @ W.T with W the exact dequantized weight:
   u4 / u8 batch <= GEMV_MAX_ROWS: |dy| <= sum over groups g of max|x_g| / 32766 *
         sum|scale (u - offset)| (fixed-point activations) plus fp32 rounding; on random data
         max|dy| / max|y| 3-10e-5 against 2-4e-3 for the bf16 paths.
-  u4 / u8 larger batches: |dy| <= sum over groups g of max|x_g| / 254 * sum|scale (u - centre)|
-        (8-bit activations; centre 8 or 128) plus fp32 rounding; on random data max|dy| / max|y|
-        2.5-8e-3, the same order as the bf16 paths (2-4e-3). A row's result does not depend on
-        the rows batched with it (nor on the thread count).
-  bf16: w, x and y each rounded to bf16 (2^-9 relative).
+  u4 / u8 batch < DENSE_MIN_ROWS: the same with sum|scale (u - centre)|, centre 8 or 128 (the
+        batched kernel centres the values); a row's result does not depend on the rows batched
+        with it nor on the thread count. (8-bit activations, as llama.cpp's quantized dot
+        products, were 35 % faster but 2.5-8e-3 on random data and, through the real models,
+        twice the bf16 path's distance to the fp32 reference.)
+  u4 / u8 larger batches, bf16: w, x and y each rounded to bf16 (2^-9 relative).
   int4: measured on real weights and activations (48 tokens of SmolLM2 Q4_1 blk.5, Gemma-3 Q4_K_M
         blk.3-5), worst row max|dy| / max|y| 3.3-6.4e-3, rms 2.5-3.3e-3, the same floor as dense
         bf16 (rms 2.2-2.9e-3): rounding activations and output to bf16 dominates, not the bf16
@@ -55,14 +57,15 @@ INT4_N_TILE = 16
 _INT4_PACK = torch.ops.aten._convert_weight_to_int4pack_for_cpu.default
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
-# Largest batch for the native matrix-vector kernel (exact to 15 bits, ≈ batch x one pass over the
-# weight); above it, the batched kernel (8-bit activations, the weight tile shared by 8 rows). One
-# core, µs, Q4_1 3072 x 576 at batch 16: 957 matrix-vector, 323 batched (the bf16 dequantization
-# + oneDNN matmul it replaced: 743-800). Changing it changes which decode batches the scheduler
-# keeps bit-identical to single rows (engine/scheduler.py).
+# Largest batch for the native matrix-vector kernel (≈ batch x one pass over the weight); above
+# it, the batched kernel (the weight tile shared by 8 rows). Changing it changes which decode
+# batches the scheduler keeps bit-identical to single rows (engine/scheduler.py).
 GEMV_MAX_ROWS = 8
 # Smallest batch for the dense path (the weight dequantized to bf16 chunk by chunk, oneDNN's bf16
-# matmul); from GEMV_MAX_ROWS + 1 up to it, the native batched kernel (Gemv.batched).
+# matmul, ≈ 200 GFLOP/s on one Zen 4 core plus ≈ 0.1 ns per weight per call to dequantize); below
+# it, the batched kernel (100-135 GFLOP/s at any batch). One core, GFLOP/s batched / dense, at
+# batch 16, 32 and 64: Q4_1 960 x 576 119/76, 120/106, 119/144; Q5_0 1536 x 640 101/78, 104/104,
+# 98/148; Q6_K 640 x 2048 93/50, 94/74, 90/109.
 DENSE_MIN_ROWS = 40
 # Weights dequantized at once on the dense path: bounds the bf16 scratch of a large head (2 MiB);
 # 256 Ki to whole-matrix measured alike at batch 512.
