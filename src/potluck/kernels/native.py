@@ -580,7 +580,7 @@ void potluck_gated(const float *gu, float *out, int T, int F, int act) {
  * span two segments, both counted); centre * sum(X), halved likewise. */
 static inline int rec_bytes(int u4) { return 2 * (u4 ? 128 : 64) + 192; }
 
-static void prepare8(const float *x, int K, int G, int u4, int centre, uint8_t *rec) {
+static void prepare_rows(const float *x, int K, int G, int u4, int centre, uint8_t *rec) {
     const int ng = K / G, nc = n_chunks(K, u4), cb = u4 ? 128 : 64, rb = rec_bytes(u4);
     const int lpg = lanes_per_group(G, u4), gpc = 16 / lpg;
     memset(rec, 0, (size_t)nc * rb);
@@ -622,7 +622,7 @@ static void prepare8(const float *x, int K, int G, int u4, int centre, uint8_t *
 
 /* One tile (ROWS weight rows) against MB rows of prepared activations (records rstride bytes
  * apart); writes y[m * ldy + n0 + r] for m < nm, r < nv. */
-static inline __attribute__((always_inline)) void tile8(
+static inline __attribute__((always_inline)) void tile_rows(
     const uint8_t *qt, const void *st, const void *mn, const uint8_t *acts, size_t rstride,
     float *y, size_t ldy, int nm, int n0, int nv, int K, int G, int u4, int half, int shift,
     int has_min, const int MB_) {
@@ -705,10 +705,10 @@ typedef struct {
     size_t rstride;
     float *y;
     int M;
-} Job8;
+} JobB;
 
-static inline __attribute__((always_inline)) void run8(
-    const Job8 *j, int m_lo, int m_hi, int t0, int t1, int G, int u4, int half, int shift,
+static inline __attribute__((always_inline)) void run_rows(
+    const JobB *j, int m_lo, int m_hi, int t0, int t1, int G, int u4, int half, int shift,
     int has_min) {
     const Weight *w = j->w;
     const int N = w->N, K = w->K, nc = n_chunks(K, u4), gpc = 16 / lanes_per_group(G, u4);
@@ -723,32 +723,32 @@ static inline __attribute__((always_inline)) void run8(
             const uint8_t *qtile = w->qt + t * tile_bytes;
             const char *stile = (const char *)w->st + t * st_bytes;
             if (nm > MB / 2)
-                tile8(qtile, stile, w->mn, a, j->rstride, ym, N, nm, n0, nv, K, G, u4, half, shift, has_min, MB);
+                tile_rows(qtile, stile, w->mn, a, j->rstride, ym, N, nm, n0, nv, K, G, u4, half, shift, has_min, MB);
             else /* the same arithmetic per row, fewer rows */
-                tile8(qtile, stile, w->mn, a, j->rstride, ym, N, nm, n0, nv, K, G, u4, half, shift, has_min, MB / 2);
+                tile_rows(qtile, stile, w->mn, a, j->rstride, ym, N, nm, n0, nv, K, G, u4, half, shift, has_min, MB / 2);
         }
     }
 }
 
 /* One function per (G, u4, half, shift, mins): each compiled with its constants. */
-typedef void (*Run8)(const Job8 *, int, int, int, int);
-#define R8(G_, U4_, H_, S_, MN_) \
-    static void run8_##G_##_##U4_##_##H_##_##S_##_##MN_(const Job8 *j, int a, int b, int c, int d) { \
-        run8(j, a, b, c, d, G_, U4_, H_, S_, MN_); }
-#define R8S(G_, U4_) R8(G_, U4_, 0, 0, 0) R8(G_, U4_, 0, 0, 1) R8(G_, U4_, 0, 1, 0) R8(G_, U4_, 0, 1, 1) \
-    R8(G_, U4_, 1, 0, 0) R8(G_, U4_, 1, 0, 1) R8(G_, U4_, 1, 1, 0) R8(G_, U4_, 1, 1, 1)
-R8S(32, 1) R8S(16, 0) R8S(32, 0)
-#define R8N(G_, U4_) run8_##G_##_##U4_##_0_0_0, run8_##G_##_##U4_##_0_0_1, run8_##G_##_##U4_##_0_1_0, \
-    run8_##G_##_##U4_##_0_1_1, run8_##G_##_##U4_##_1_0_0, run8_##G_##_##U4_##_1_0_1, \
-    run8_##G_##_##U4_##_1_1_0, run8_##G_##_##U4_##_1_1_1
-static const Run8 RUN8[24] = {R8N(32, 1), R8N(16, 0), R8N(32, 0)};
-#undef R8N
-#undef R8S
-#undef R8
+typedef void (*RunRows)(const JobB *, int, int, int, int);
+#define RB(G_, U4_, H_, S_, MN_) \
+    static void runb_##G_##_##U4_##_##H_##_##S_##_##MN_(const JobB *j, int a, int b, int c, int d) { \
+        run_rows(j, a, b, c, d, G_, U4_, H_, S_, MN_); }
+#define RBS(G_, U4_) RB(G_, U4_, 0, 0, 0) RB(G_, U4_, 0, 0, 1) RB(G_, U4_, 0, 1, 0) RB(G_, U4_, 0, 1, 1) \
+    RB(G_, U4_, 1, 0, 0) RB(G_, U4_, 1, 0, 1) RB(G_, U4_, 1, 1, 0) RB(G_, U4_, 1, 1, 1)
+RBS(32, 1) RBS(16, 0) RBS(32, 0)
+#define RBN(G_, U4_) runb_##G_##_##U4_##_0_0_0, runb_##G_##_##U4_##_0_0_1, runb_##G_##_##U4_##_0_1_0, \
+    runb_##G_##_##U4_##_0_1_1, runb_##G_##_##U4_##_1_0_0, runb_##G_##_##U4_##_1_0_1, \
+    runb_##G_##_##U4_##_1_1_0, runb_##G_##_##U4_##_1_1_1
+static const RunRows RUN_ROWS[24] = {RBN(32, 1), RBN(16, 0), RBN(32, 0)};
+#undef RBN
+#undef RBS
+#undef RB
 
 /* y[M, N] = x[M, K] @ W.T with 8-bit activations (see above). Returns 0, or -1 when out of
  * memory. */
-int potluck_gemm8_w(const Weight *w, const float *x, float *y, int M, int n_threads) {
+int potluck_gemm_w(const Weight *w, const float *x, float *y, int M, int n_threads) {
     const int N = w->N, K = w->K, G = w->G, u4 = w->u4;
     const int nc = n_chunks(K, u4), mp = (M + MB - 1) / MB * MB;
     const int centre = u4 ? 8 : 128, shift = centre != w->off;
@@ -757,14 +757,14 @@ int potluck_gemm8_w(const Weight *w, const float *x, float *y, int M, int n_thre
     if (!acts) return -1;
     #pragma omp parallel for num_threads(n_threads) schedule(dynamic, 8) if ((size_t)M * K >= PAR_MIN / 4)
     for (int m = 0; m < mp; m++) {
-        if (m < M) prepare8(x + (size_t)m * K, K, G, u4, centre, acts + m * rstride);
+        if (m < M) prepare_rows(x + (size_t)m * K, K, G, u4, centre, acts + m * rstride);
         else memset(acts + m * rstride, 0, rstride);
     }
     const int n_tiles = (N + ROWS - 1) / ROWS, tile_bytes = ROWS * row_bytes(K, u4);
     const int tb = TB_BYTES / tile_bytes > 1 ? TB_BYTES / tile_bytes : 1;
     const int n_blocks = (n_tiles + tb - 1) / tb;
-    const Run8 run = RUN8[(u4 ? 0 : G == 16 ? 1 : 2) * 8 + w->half * 4 + shift * 2 + (w->mn != NULL)];
-    const Job8 job = {w, acts, rstride, y, M};
+    const RunRows run = RUN_ROWS[(u4 ? 0 : G == 16 ? 1 : 2) * 8 + w->half * 4 + shift * 2 + (w->mn != NULL)];
+    const JobB job = {w, acts, rstride, y, M};
     /* rows in slices whose records stay in L2 while the weight passes. Blocks are handed out
      * one by one (dynamic): on a shared machine a thread may wait for its core for a time slice
      * (ms), and with a static split half the work would wait with it. */
@@ -821,8 +821,8 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     lib.potluck_gemv_w.argtypes = [_P, _P, _P, _I, _I]
     lib.potluck_gemv_w.restype = _I
-    lib.potluck_gemm8_w.argtypes = [_P, _P, _P, _I, _I]
-    lib.potluck_gemm8_w.restype = _I
+    lib.potluck_gemm_w.argtypes = [_P, _P, _P, _I, _I]
+    lib.potluck_gemm_w.restype = _I
     lib.potluck_dequant_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I]
     lib.potluck_dequant_bf16.restype = None
     lib.potluck_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_float]
@@ -942,7 +942,7 @@ class Gemv:
                           fmt.u4, fmt.offset, fmt.half)  # fmt: skip
         self._ref = ctypes.byref(self._w)
         self._fn = lib.potluck_gemv_w
-        self._fn8 = lib.potluck_gemm8_w
+        self._fn_batched = lib.potluck_gemm_w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [M, K] contiguous -> fp32 [M, n_out]."""
@@ -954,10 +954,10 @@ class Gemv:
 
     def batched(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [M, K] contiguous -> fp32 [M, n_out], activations as 8-bit integers per group
-        (potluck_gemm8_w): for prompt micro-batches."""
+        (potluck_gemm_w): for prompt micro-batches."""
         m = x.shape[0]
         y = torch.empty(m, self.n_out)
-        if self._fn8(self._ref, x.data_ptr(), y.data_ptr(), m, torch.get_num_threads()):
+        if self._fn_batched(self._ref, x.data_ptr(), y.data_ptr(), m, torch.get_num_threads()):
             raise MemoryError(f"native gemm: no memory for {m} prepared activation rows")
         return y
 
