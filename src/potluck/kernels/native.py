@@ -833,7 +833,33 @@ def library() -> ctypes.CDLL | None:
     lib.potluck_decode_attend.restype = _I
     lib.potluck_gated.argtypes = [_P, _P, _I, _I, _I]
     lib.potluck_gated.restype = None
+    _keep_large_blocks()
     return lib
+
+
+# glibc malloc: blocks from this size up are mmapped (and page-faulted, zeroed) on every allocation;
+# freed memory past the trim size at the heap's top goes back to the OS.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own ceiling for its dynamic threshold
+
+
+def _keep_large_blocks() -> None:
+    """Keep prefill's large activations (MBs each) on the heap, reused from call to call.
+
+    glibc raises its mmap threshold (up to 32 MiB) when a large mmapped block is freed, and loading
+    a model used to free several (whole-matrix conversions of the weights); native layers are now
+    packed in small runs, nothing large is freed, the threshold stays low and every large tensor
+    of a 512-token micro-batch was mmapped and faulted in anew: 24 k page faults per SmolLM2
+    prompt, ≈ 8 % of its prefill time. Setting the thresholds to what that load left (mmap 32 MiB,
+    trim twice that, as glibc's dynamic rule does) restores it. No-op without glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return  # not glibc
+    mallopt.argtypes, mallopt.restype = [_I, _I], _I
+    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+    mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_BYTES)
 
 
 def _compile(cc: str, path: Path) -> bool:
