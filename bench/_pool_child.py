@@ -53,7 +53,11 @@ def main() -> None:
     if mode == "single":
         m = load_model(path, n_ctx=n_ctx)
     else:
-        cut = balanced_cuts(path, len(peers))
+        if os.environ.get("POOL_SPLIT") == "layers":  # equal layer counts: balanced for prompts
+            n_layer = hparams_from_metadata(GGUFFile(path).metadata).n_layer
+            cut = [round(n_layer * i / len(peers)) for i in range(len(peers) + 1)]
+        else:
+            cut = balanced_cuts(path, len(peers))
         m = load_model(
             path,
             n_ctx=n_ctx,

@@ -95,10 +95,21 @@ def start_rpc_server(bin_dir: Path, core: int) -> tuple[subprocess.Popen, str]:
     raise SystemExit("ggml-rpc-server did not start")
 
 
-def llama_rpc(bin_dir: Path, path: Path, task: str, n: int, servers: list[str]) -> float | None:
-    """llama.cpp's RPC mode: all layers (-ngl 99) on the two pinned rpc servers; tokens/s."""
+def llama_rpc(bin_dir: Path, path: Path, task: str, n: int) -> float | None:
+    """llama.cpp's RPC mode: all layers (-ngl 99) on two rpc servers pinned to one core each,
+    started for this run only (so that nothing of llama.cpp runs beside the other runs); tok/s."""
     if task == "streams":
         return None  # llama-bench has no concurrent-stream mode
+    rpc = [start_rpc_server(bin_dir, c) for c in (0, 1)]
+    try:
+        return _llama_bench(bin_dir, path, task, n, [a for _, a in rpc])
+    finally:
+        for p, _ in rpc:
+            p.terminate()
+            p.wait()
+
+
+def _llama_bench(bin_dir: Path, path: Path, task: str, n: int, servers: list[str]) -> float:
     work = (
         ["-p", "0", "-n", str(n)]
         if task == "decode"
@@ -139,8 +150,11 @@ def main() -> None:
         path = model_path(name)
         (w0, a0, t0), (w1, a1, t1) = start_worker(0), start_worker(1)
         entry: dict = {"worker_ready_s": [t0, t1]}
-        rpc = [start_rpc_server(args.llamacpp_bin, c) for c in (0, 1)] if args.llamacpp_bin else []
         try:
+            # memory of a worker holding one plan: fresh workers, one decode run, peak RSS
+            entry["worker_idle_rss_mib"] = [rss_mib(w0.pid), rss_mib(w1.pid)]
+            child(path, "pool", "decode", 16, [a0, a1])
+            entry["worker_one_plan_peak_rss_mib"] = [rss_mib(w0.pid), rss_mib(w1.pid)]
             for task in args.tasks.split(","):
                 n = TASKS[task]
                 samples: dict[str, list[float]] = {"single": [], "pool": [], "llama_rpc": []}
@@ -149,9 +163,7 @@ def main() -> None:
                     samples["single"].append(child(path, "single", task, n, [])["tok_s"])
                     last = child(path, "pool", task, n, [a0, a1])
                     samples["pool"].append(last["tok_s"])
-                    if rpc and (
-                        r := llama_rpc(args.llamacpp_bin, path, task, n, [a for _, a in rpc])
-                    ):
+                    if args.llamacpp_bin and (r := llama_rpc(args.llamacpp_bin, path, task, n)):
                         samples["llama_rpc"].append(r)
                 single, pool = median(samples["single"]), median(samples["pool"])
                 lrpc = median(samples["llama_rpc"]) if samples["llama_rpc"] else None
@@ -168,7 +180,7 @@ def main() -> None:
                              stage, hop])  # fmt: skip
             entry["worker_peak_rss_mib"] = [rss_mib(w0.pid), rss_mib(w1.pid)]
         finally:
-            for w in (w0, w1, *(p for p, _ in rpc)):
+            for w in (w0, w1):
                 w.terminate()
                 w.wait()
         from potluck.modelfile.gguf_file import GGUFFile
@@ -197,11 +209,21 @@ def main() -> None:
     )
     print_table(
         "workers",
-        ["model", "ready s", "peak RSS MiB (w0 / w1)", "file MiB", "wire B/token"],
+        [
+            "model",
+            "ready s",
+            "idle peak RSS MiB",
+            "one plan: peak RSS",
+            "after every run",
+            "file MiB",
+            "wire B/token",
+        ],  # fmt: skip
         [
             [
                 name,
                 "/".join(f"{t:.1f}" for t in e["worker_ready_s"]),
+                "/".join(f"{r:.0f}" for r in e["worker_idle_rss_mib"]),
+                "/".join(f"{r:.0f}" for r in e["worker_one_plan_peak_rss_mib"]),
                 "/".join(f"{r:.0f}" for r in e["worker_peak_rss_mib"]),
                 f"{e['weights_mib']:.0f}",
                 str(e["wire_bytes_per_token"]),
