@@ -25,7 +25,7 @@ app = typer.Typer(
     help="Potluck: pool the computers you already own to run one local LLM.",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # one-line messages stay one line
 
 ModelOpt = Annotated[
     str | None,
