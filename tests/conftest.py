@@ -36,3 +36,23 @@ def _threads() -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("POTLUCK_TEST_THREADS", "2")))
+
+
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Workaround (as in potluck.cli.main): once every result is reported, end the process without
+    interpreter teardown, where gRPC's C++ core can abort ("terminate called without an active
+    exception") while background threads of the tests' pools still exist."""
+    if _exit_status and os.environ.get("POTLUCK_TEST_TEARDOWN") != "1":
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[-1])

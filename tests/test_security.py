@@ -769,15 +769,27 @@ def _tls_relay(target: str, cert_dir: Path) -> Iterator[str]:
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.2)
     stop = threading.Event()
+    lock = threading.Lock()
     host, port = target.rsplit(":", 1)
 
-    def pipe(a: ssl.SSLSocket, b: ssl.SSLSocket) -> None:
+    def pipe(a: ssl.SSLSocket, b: ssl.SSLSocket, done: list[int]) -> None:
         with contextlib.suppress(OSError):
             while data := a.recv(65536):
                 b.sendall(data)
+        # Wake the other direction with shutdown() (the file descriptors stay ours); only the
+        # last direction to finish closes them. Closing while the other thread still sits in
+        # recv() frees the fd numbers for reuse, and that thread's TLS layer then wrote an alert
+        # into whatever took them (once: a later test's subprocess pipe).
         for s in (a, b):
             with contextlib.suppress(OSError):
-                s.close()
+                s.shutdown(socket.SHUT_RDWR)
+        with lock:
+            done.append(1)
+            last = len(done) == 2
+        if last:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.close()
 
     def serve() -> None:
         while not stop.is_set():
@@ -793,8 +805,9 @@ def _tls_relay(target: str, cert_dir: Path) -> Iterator[str]:
                 up.settimeout(None)
             except OSError:
                 continue
-            threading.Thread(target=pipe, args=(down, up), daemon=True).start()
-            threading.Thread(target=pipe, args=(up, down), daemon=True).start()
+            done: list[int] = []
+            threading.Thread(target=pipe, args=(down, up, done), daemon=True).start()
+            threading.Thread(target=pipe, args=(up, down, done), daemon=True).start()
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()

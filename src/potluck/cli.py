@@ -5,6 +5,7 @@ Flags keep llama.cpp's meaning: -m model, -n tokens to generate, -c context, -t 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -1063,11 +1064,24 @@ def version() -> None:
 
 
 def main() -> None:
+    code: int = 0
     try:
         app()
     except PotluckError as exc:
         err.print(f"[bold red]error:[/] {exc}")
-        sys.exit(1)
+        code = 1
+    except SystemExit as exc:  # typer ends every command this way
+        if isinstance(exc.code, str):
+            err.print(exc.code)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    # Workaround: end the process without interpreter teardown. gRPC's C++ core aborts
+    # ("terminate called without an active exception", SIGABRT) when Python finalizes while its
+    # background threads (stream readers, heartbeats of a pool that failed over) still exist;
+    # a command that has finished has nothing left to clean up but its output.
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
