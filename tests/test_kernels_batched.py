@@ -149,3 +149,29 @@ def test_micro_batched_prefill_matches_one_batch(tmp_path) -> None:
             parts.append(stage(part, [SeqChunk(seq, len(part))], torch.arange(len(part))))
         err = float((torch.cat(parts) - whole).abs().max()) / scale
         assert err < 2e-2, f"micro-batches of {size}: {err:.2e} of the logit range"
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize(("n_head", "n_kv"), [(6, 2), (4, 4), (4, 1)])
+def test_chunked_attention_matches_float64(n_head: int, n_kv: int, window: int) -> None:
+    # ops.attention for micro-batches after the first (start > 0: the explicit-mask path, GQA
+    # query heads grouped per kv head) against softmax(q k^T) v in float64 with the causal (and
+    # sliding-window) rule; a wrong head grouping or mask row order moves it by O(1).
+    from potluck.kernels.ops import attention
+
+    hd, total, scale = 16, 23, 0.25
+    g = torch.Generator().manual_seed(n_head * 10 + n_kv + window)
+    q = torch.randn(total, n_head, hd, generator=g)
+    k = torch.randn(total, n_kv, hd, generator=g)
+    v = torch.randn(total, n_kv, hd, generator=g)
+    for start, t in [(0, 9), (9, 7), (16, 7)]:
+        got = attention(q[start : start + t], k[: start + t], v[: start + t], start, scale, window)
+        want = torch.empty(t, n_head, hd, dtype=torch.float64)
+        for i in range(t):
+            p = start + i
+            keys = [j for j in range(p + 1) if not window or p - j < window]
+            for h in range(n_head):
+                kv = h // (n_head // n_kv)
+                s = (k[keys, kv].double() @ q[p, h].double()) * scale
+                want[i, h] = torch.softmax(s, 0) @ v[keys, kv].double()
+        assert torch.allclose(got.double(), want.reshape(t, -1), rtol=0, atol=1e-5), (start, t)

@@ -120,17 +120,25 @@ def attention(
         o = F.scaled_dot_product_attention(qg, kh[None], vh[None], scale=scale)
         return o.reshape(1, H * hdv)
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, dim]
-    if n_kv != H:  # the fused kernel has no GQA: repeat each kv head G times
-        kh = kh[:, None].expand(n_kv, H // n_kv, L, hd).reshape(H, L, hd)
-        vh = vh[:, None].expand(n_kv, H // n_kv, L, hdv).reshape(H, L, hdv)
-    qh = q.transpose(0, 1)[None]  # [1, H, T, hd]
     if start == 0 and (not window or T <= window):
+        if n_kv != H:  # the fused causal kernel has no GQA: repeat each kv head G times
+            kh = kh[:, None].expand(n_kv, H // n_kv, L, hd).reshape(H, L, hd)
+            vh = vh[:, None].expand(n_kv, H // n_kv, L, hdv).reshape(H, L, hdv)
+        qh = q.transpose(0, 1)[None]  # [1, H, T, hd]
         o = F.scaled_dot_product_attention(qh, kh[None], vh[None], is_causal=True, scale=scale)
-    else:
-        qpos = torch.arange(start, start + T)[:, None]
-        kpos = torch.arange(L)[None, :]
-        mask = kpos <= qpos
-        if window:
-            mask &= (qpos - kpos) < window
-        o = F.scaled_dot_product_attention(qh, kh[None], vh[None], attn_mask=mask, scale=scale)
-    return o[0].transpose(0, 1).reshape(T, H * hdv)
+        return o[0].transpose(0, 1).reshape(T, H * hdv)
+    # A micro-batch after the first (or past the window): an explicit mask. The G = H / Hkv query
+    # heads of a kv head go in as G * T queries of that head, the mask repeated G times, so K and
+    # V are not copied G times (SmolLM2, G = 3, 64-row micro-batches of a 512-token prompt:
+    # 5.5 instead of 6.9 ms per layer, one core).
+    G = H // n_kv
+    qpos = torch.arange(start, start + T)[:, None]
+    kpos = torch.arange(L)[None, :]
+    mask = kpos <= qpos  # [T, L]
+    if window:
+        mask &= (qpos - kpos) < window
+    qg = q.view(T, n_kv, G, hd).permute(1, 2, 0, 3).reshape(1, n_kv, G * T, hd)  # rows g * T + t
+    o = F.scaled_dot_product_attention(
+        qg, kh[None], vh[None], attn_mask=mask.repeat(G, 1), scale=scale
+    )  # [1, Hkv, G * T, hdv]
+    return o[0].view(n_kv, G, T, hdv).permute(2, 0, 1, 3).reshape(T, H * hdv)
