@@ -66,6 +66,9 @@ class LocalPipeline:
     ) -> list[int]:
         """One forward of the chunks; one sampled token per chunk (from its last row), -1 for a
         chunk whose sequence has no sampler here (an earlier prompt micro-batch)."""
+        if not any(c.seq_id in samplers for c in chunks):  # an early prompt micro-batch
+            self.forward(tokens, chunks, torch.empty(0, dtype=torch.long))  # no output head
+            return [-1] * len(chunks)
         logits = self.forward(tokens, chunks)
         return [
             samplers[c.seq_id].sample(row, histories.get(c.seq_id, ()))

@@ -314,6 +314,8 @@ class NodeService(pb_grpc.NodeServicer):
                     f"expected hidden states [{total}, {stage.hp.n_embd}], got {x.dtype} {tuple(x.shape)}"
                 )
             rows = torch.arange(total) if request.want_logits else None
+            if stage.is_last and rows is None and not any(c.sample for c in request.chunks):
+                rows = torch.empty(0, dtype=torch.long)  # an early prompt micro-batch: no head
             with self.turn:
                 self._wait_turn(stage, request.chunks, wait_s)
                 t0 = time.perf_counter()
@@ -358,6 +360,8 @@ class NodeService(pb_grpc.NodeServicer):
         """The last stage's answer: logits of every row, or one sampled token per chunk."""
         if request.want_logits:
             return pb.ForwardReply(logits=tensor_to_proto(y), stage_ms=[stage_ms])
+        if y.shape[0] == 0:  # nothing to sample in this batch (the output head was skipped)
+            return pb.ForwardReply(tokens=[-1] * len(request.chunks), stage_ms=[stage_ms])
         tokens = []
         for row, chunk in zip(y, request.chunks, strict=True):
             if not chunk.sample:
