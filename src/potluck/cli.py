@@ -749,17 +749,25 @@ def worker(
     tls: TlsOpt = False,
     mem: Annotated[
         str | None,
-        typer.Option("--mem", help="Most memory this worker offers the pool, e.g. 4G or 512M (default: what is free, less 1 GiB)."),
+        typer.Option(
+            "--mem",
+            help="Most memory this worker offers the pool, e.g. 4G or 512M (default: what is free, less 1 GiB).",
+        ),
     ] = None,
     n_gpu_layers: Annotated[
         int, typer.Option("-ngl", "--n-gpu-layers", help="Layers on the GPU (llama.cpp's -ngl).")
     ] = 0,
     device: Annotated[
-        str, typer.Option("--device", help="Where layers compute: cpu (GPU backends are not built yet).")
+        str,
+        typer.Option(
+            "--device", help="Where layers compute: cpu (GPU backends are not built yet)."
+        ),
     ] = "cpu",
     idle_timeout: Annotated[
         float,
-        typer.Option("--idle-timeout", help="Free a plan's layers after this many seconds without its head."),
+        typer.Option(
+            "--idle-timeout", help="Free a plan's layers after this many seconds without its head."
+        ),
     ] = 120.0,
 ) -> None:
     """Serve layers to a pool: wait for a head (`potluck run --peer THIS_HOST:PORT`)."""
@@ -777,7 +785,9 @@ def worker(
             "yet); use --device cpu"
         )
     if n_gpu_layers:
-        err.print(f"[yellow]note:[/] -ngl {n_gpu_layers} ignored: this worker computes on the CPU only")
+        err.print(
+            f"[yellow]note:[/] -ngl {n_gpu_layers} ignored: this worker computes on the CPU only"
+        )
     if idle_timeout <= 0:
         raise typer.BadParameter(f"--idle-timeout must be positive, got {idle_timeout}")
     mem_limit = _size(mem, "--mem") if mem else None
@@ -802,7 +812,9 @@ def worker(
     if auth.identity is not None:
         guard += f" · TLS, certificate sha256 {auth.identity.sha256.hex()[:16]}…"
     if value is None and not _loopback_only(host):
-        err.print(f"[bold yellow]warning:[/] no pool secret: anyone who can reach {host}:{bound} can use this machine")
+        err.print(
+            f"[bold yellow]warning:[/] no pool secret: anyone who can reach {host}:{bound} can use this machine"
+        )
     err.print(
         f"potluck worker {__version__} listening on {host}:{bound} · {_physical_cores()} cores · "
         f"{guard} · Ctrl-C to stop"
@@ -876,7 +888,9 @@ def serve(
     rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free one).")] = 8080,
+    port: Annotated[
+        int, typer.Option("--port", help="Port to listen on (0: any free one).")
+    ] = 8080,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -990,7 +1004,9 @@ def bench(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to decode.")] = 32,
-    n_prompt: Annotated[int, typer.Option("-p", "--n-prompt", help="Prompt tokens to process.")] = 128,
+    n_prompt: Annotated[
+        int, typer.Option("-p", "--n-prompt", help="Prompt tokens to process.")
+    ] = 128,
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
@@ -1032,7 +1048,9 @@ def bench(
     runs.append(("pool", pool_plan))
     results = []
     for label, assignments in runs:
-        err.print(f"[dim]measuring {label}: " + "; ".join(a.describe() for a in assignments) + "[/]")
+        err.print(
+            f"[dim]measuring {label}: " + "; ".join(a.describe() for a in assignments) + "[/]"
+        )
         m = load_model(path, ctx, assignments=assignments, auth=auth, failover_s=None)
         try:
             results.append(measure(m, label, n_predict, n_prompt))
@@ -1042,7 +1060,13 @@ def bench(
             if hasattr(m.pipeline, "close"):
                 m.pipeline.close()
     table = Table(title=f"potluck bench · {path.name} · -p {n_prompt} -n {n_predict}")
-    for col in ("run", "decode tok/s", "prompt tok/s", "compute ms/token per stage", "link ms/token per hop"):
+    for col in (
+        "run",
+        "decode tok/s",
+        "prompt tok/s",
+        "compute ms/token per stage",
+        "link ms/token per hop",
+    ):
         table.add_column(col, justify="left" if col == "run" else "right")
     for r in results:
         table.add_row(

@@ -101,7 +101,9 @@ class Pipeline(Protocol):
     """What generation needs from a pipeline, local or spread over nodes (engine/pipeline.py)."""
 
     stages: list[Stage]
-    depth: int  # how many batches may usefully be in flight at once (the number of pipelined stages)
+    depth: (
+        int  # how many batches may usefully be in flight at once (the number of pipelined stages)
+    )
 
     def step(
         self,

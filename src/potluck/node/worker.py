@@ -269,7 +269,9 @@ class NodeService(pb_grpc.NodeServicer):
                 received += 1
                 got += first.total_bytes
                 if got >= next_report:
-                    log.info("received %d tensors, %.1f MiB (checked, cached)", received, got / 2**20)
+                    log.info(
+                        "received %d tensors, %.1f MiB (checked, cached)", received, got / 2**20
+                    )
                     next_report = got + REPORT_EVERY_BYTES
         except (IntegrityError, WireError) as exc:
             context.abort(grpc.StatusCode.DATA_LOSS, str(exc))

@@ -338,9 +338,7 @@ class NodeClient:
                 raise _explain(self.address, exc) from None
         return self._call("Hello", request, timeout)  # type: ignore[return-value]
 
-    def probe_link(
-        self, request: pb.ProbeLinkRequest, timeout: float = 15.0
-    ) -> pb.ProbeLinkReply:
+    def probe_link(self, request: pb.ProbeLinkRequest, timeout: float = 15.0) -> pb.ProbeLinkReply:
         """Ask this node to measure its link to another node (transport/linkprobe.py)."""
         return self._call("ProbeLink", request, timeout)  # type: ignore[return-value]
 
