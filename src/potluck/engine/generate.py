@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from potluck.engine.failover import DEFAULT_TIMEOUT_S
 from potluck.engine.pipeline import LOCAL, Assignment
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk, Stage
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from potluck.transport.auth import PoolAuth
 
 DEFAULT_CTX = 4096
-DEFAULT_FAILOVER_S = 5.0  # a node silent this long is declared gone (engine/failover.py)
 
 
 def layer_ranges(n_layer: int, splits: Sequence[int]) -> list[tuple[int, int]]:
@@ -178,7 +178,7 @@ def load_model(
     wire_dtype: str = "float32",
     assignments: Sequence[Assignment] = (),
     auth: PoolAuth | None = None,
-    failover_s: float | None = DEFAULT_FAILOVER_S,
+    failover_s: float | None = DEFAULT_TIMEOUT_S,
     replan: Callable[[list[str]], Sequence[Assignment]] | None = None,
     on_failover: Callable[[FailoverEvent], None] | None = None,
     on_transfer: Callable[[str, int, int], None] | None = None,

@@ -351,24 +351,6 @@ class NodeClient:
     def forward(self, request: pb.ForwardRequest, timeout: float = 120.0) -> pb.ForwardReply:
         return self._call("Forward", request, timeout)  # type: ignore[return-value]
 
-    def forward_async(
-        self, request: pb.ForwardRequest, timeout: float = 120.0
-    ) -> Future[pb.ForwardReply]:
-        """Forward without waiting: the reply (or a NodeError) arrives in the returned future."""
-        out: Future[pb.ForwardReply] = Future()
-        call = self.stub.Forward.future(request, timeout=timeout, metadata=self.metadata())
-
-        def done(c: grpc.Future) -> None:
-            try:
-                out.set_result(c.result())
-            except grpc.RpcError as exc:
-                out.set_exception(_explain(self.address, exc))
-            except grpc.FutureCancelledError:
-                out.set_exception(NodeError(f"node {self.address}: the call was cancelled"))
-
-        call.add_done_callback(done)
-        return out
-
     def drop(self, request: pb.DropRequest, timeout: float = 10.0) -> pb.DropReply:
         return self._call("Drop", request, timeout)  # type: ignore[return-value]
 
