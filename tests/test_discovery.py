@@ -277,7 +277,7 @@ def test_doctor_checks_a_healthy_and_an_odd_pool(lan: Lan, smollm2_path: Path) -
     assert code == 1, out  # the protocol-99 worker fails its check
     by = {(c[0], c[1]): c for c in table}
     home = lan.home.address
-    for check in ("reach", "version", "secret"):
+    for check in ("reach", "version", "data port", "secret"):
         assert by[(check, home)][2] == OK, by[(check, home)]
     # the capped link (200 Mbit/s) is slower than a wired gigabit LAN
     assert by[("link", home)][2] == WARN and "under 320 Mbit/s" in by[("link", home)][3]

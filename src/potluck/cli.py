@@ -769,6 +769,21 @@ def worker(
             "--idle-timeout", help="Free a plan's layers after this many seconds without its head."
         ),
     ] = 120.0,
+    data_port: Annotated[
+        int | None,
+        typer.Option(
+            "--data-port",
+            help="TCP port for hidden states (the fast lane next to gRPC; default: port + 1, or "
+            "any free port if that is taken). Open it in the firewall too.",
+        ),
+    ] = None,
+    no_data_port: Annotated[
+        bool,
+        typer.Option(
+            "--no-data-port",
+            help="Send hidden states over the gRPC port only (slower; always so with --tls).",
+        ),
+    ] = False,
 ) -> None:
     """Serve layers to a pool: wait for a head (`potluck run --peer THIS_HOST:PORT`)."""
     import logging
@@ -806,6 +821,7 @@ def worker(
     server, bound = serve(
         host, port, threads=threads or _physical_cores(), model_dirs=tuple(model_dir or ()),
         auth=auth, mem_limit=mem_limit, idle_s=idle_timeout,
+        data_port=None if no_data_port else (-1 if data_port is None else data_port),
     )  # fmt: skip
     advertiser = _announce(host, bound, pool, no_mdns)
     guard = f"pool secret from {source}" if value else "no pool secret"
@@ -815,9 +831,10 @@ def worker(
         err.print(
             f"[bold yellow]warning:[/] no pool secret: anyone who can reach {host}:{bound} can use this machine"
         )
+    lanes = f"data port {server.data_port}" if server.data_port else "no data port"
     err.print(
-        f"potluck worker {__version__} listening on {host}:{bound} · {_physical_cores()} cores · "
-        f"{guard} · Ctrl-C to stop"
+        f"potluck worker {__version__} listening on {host}:{bound} · {lanes} · "
+        f"{_physical_cores()} cores · {guard} · Ctrl-C to stop"
     )
     try:
         server.wait_for_termination()

@@ -111,6 +111,7 @@ class RemotePipeline:
                 raise NodeError(
                     f"node {client.address} speaks protocol {reply.protocol_version}, this head {PROTOCOL_VERSION}"
                 )
+            client.use_data_port()  # the forward path's fast lane, if the node's port is reachable
         header = file.header_bytes()
         for i, (a, client) in enumerate(zip(remotes, self.clients, strict=True)):
             nxt = remotes[i + 1].node if i + 1 < len(remotes) else ""

@@ -8,13 +8,12 @@ stage's node and passes the reply (token ids) back up the chain.
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from potluck.transport.codec import (
     tensor_from_proto,
     tensor_to_proto,
 )
+from potluck.transport.dataplane import DataServer
 from potluck.transport.guard import Guard
 from potluck.transport.linkprobe import quick_link
 from potluck.transport.tls import server_credentials
@@ -102,6 +102,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.name, self.threads, self.model_dirs = name, threads, model_dirs
         self.mem_limit, self.idle_s = mem_limit, idle_s
         self.auth = auth  # this node proves pool membership to the next hop with it
+        self.data_port = 0  # the data port (transport/dataplane.py) once serve() opened it
         self.store = BlobStore()
         self.plans: dict[str, LoadedStage] = {}
         self.compute = threading.Lock()
@@ -153,6 +154,7 @@ class NodeService(pb_grpc.NodeServicer):
             devices=[pb.Device(kind="cpu", name="cpu", memory_bytes=self._memory_bytes())],
             physical_cores=physical_cores(),
             decode_bytes_per_s=self.speed,
+            data_port=self.data_port,
         )
 
     # -- loading -----------------------------------------------------------------------------------
@@ -200,7 +202,8 @@ class NodeService(pb_grpc.NodeServicer):
         nxt = NodeClient(request.next_hop, self.auth) if request.next_hop else None
         if nxt is not None:
             try:  # a next hop of another pool (or gone) is said now, not at the first token
-                nxt.authenticate()
+                nxt.hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name=self.name))
+                nxt.use_data_port()
             except PotluckError as exc:
                 nxt.close()
                 context.abort(
@@ -405,11 +408,42 @@ class NodeService(pb_grpc.NodeServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return self._relay(reply, stage_ms, (time.perf_counter() - t1) * 1e3)
 
+    def serve_forward(
+        self, request: pb.ForwardRequest, answer: Callable[[pb.ForwardReply], None]
+    ) -> None:
+        """Compute one request (in the calling thread) and answer it: the last stage answers at
+        once; any other sends its output on to the next node and answers when that node does
+        (from the thread that reads the next node's replies). Used by ForwardStream and by the
+        data port (transport/dataplane.py)."""
+        rid = request.request_id
+        try:
+            loaded, y, stage_ms = self._compute(request, ORDER_WAIT_S)
+            if loaded.next_hop is None:
+                reply = self._finish(loaded, request, y, stage_ms)
+                reply.request_id = rid
+                answer(reply)
+                return
+        except Refused as exc:
+            answer(pb.ForwardReply(request_id=rid, error=exc.message, error_code=exc.code.name))
+            return
+        t1 = time.perf_counter()
+
+        def relay(f: Future[pb.ForwardReply]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                answer(pb.ForwardReply(request_id=rid, error=str(exc), error_code="UNAVAILABLE"))
+                return
+            reply = self._relay(f.result(), stage_ms, (time.perf_counter() - t1) * 1e3)
+            reply.request_id = rid
+            answer(reply)
+
+        loaded.next_hop.link.send(self._downstream(loaded, request, y)).add_done_callback(relay)
+
     def ForwardStream(
         self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.ForwardReply]:
         """Forward for a stream of requests: each is computed as it arrives (in order) and sent on
-        down this node's own stream to the next node; replies go back as they complete."""
+        down this node's own link to the next node; replies go back as they complete."""
         out: queue.SimpleQueue[pb.ForwardReply | None] = queue.SimpleQueue()
         lock = threading.Lock()
         state = {"pending": 0, "ended": False}
@@ -422,40 +456,12 @@ class NodeService(pb_grpc.NodeServicer):
             if last:
                 out.put(None)
 
-        def relay(f: Future[pb.ForwardReply], rid: int, stage_ms: float, t1: float) -> None:
-            exc = f.exception()
-            if exc is not None:
-                emit(pb.ForwardReply(request_id=rid, error=str(exc), error_code="UNAVAILABLE"))
-                return
-            reply = self._relay(f.result(), stage_ms, (time.perf_counter() - t1) * 1e3)
-            reply.request_id = rid
-            emit(reply)
-
         def pump() -> None:
             try:
                 for request in request_iterator:
                     with lock:
                         state["pending"] += 1
-                    rid = request.request_id
-                    try:
-                        loaded, y, stage_ms = self._compute(request, ORDER_WAIT_S)
-                        if loaded.next_hop is None:
-                            reply = self._finish(loaded, request, y, stage_ms)
-                            reply.request_id = rid
-                            emit(reply)
-                            continue
-                    except Refused as exc:
-                        emit(
-                            pb.ForwardReply(
-                                request_id=rid, error=exc.message, error_code=exc.code.name
-                            )
-                        )
-                        continue
-                    t1 = time.perf_counter()
-                    fut = loaded.next_hop.link.send(self._downstream(loaded, request, y))
-                    fut.add_done_callback(
-                        functools.partial(relay, rid=rid, stage_ms=stage_ms, t1=t1)
-                    )
+                    self.serve_forward(request, emit)
             except grpc.RpcError:
                 pass  # the upstream went away; its in-flight answers have no one to go to
             finally:
@@ -567,11 +573,31 @@ class NodeService(pb_grpc.NodeServicer):
             yield pb.StressSample(t=t, bytes_per_s=speed)
 
 
+class NodeServer:
+    """A node's gRPC server and its data port (transport/dataplane.py), started and stopped
+    together."""
+
+    def __init__(self, grpc_server: grpc.Server, data: DataServer | None, data_port: int) -> None:
+        self.grpc, self.data, self.data_port = grpc_server, data, data_port
+
+    def stop(self, grace: float | None) -> threading.Event:
+        if self.data is not None:
+            self.data.stop()
+        return self.grpc.stop(grace)
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self.grpc.wait_for_termination(timeout)
+
+
 def serve(host: str, port: int, name: str | None = None, threads: int | None = None,
           model_dirs: tuple[Path, ...] = (), auth: PoolAuth | None = None,
           mem_limit: int | None = None, idle_s: float = DEFAULT_IDLE_S,
-          ) -> tuple[grpc.Server, int]:  # fmt: skip
-    """Start the node's gRPC server; returns it and the bound port (port 0 picks a free one).
+          data_port: int | None = -1,
+          ) -> tuple[NodeServer, int]:  # fmt: skip
+    """Start the node's gRPC server and its data port; returns them and the bound gRPC port
+    (port 0 picks a free one). data_port: -1 = the gRPC port + 1, or any free port if that one is
+    taken; 0 = any free port; None = no data port (forward requests then come on gRPC streams,
+    as always with TLS).
 
     With a pool secret in `auth`, every call but Hello and the handshake needs a session
     (transport/guard.py); with `auth.tls` the node serves TLS with its own certificate."""
@@ -582,9 +608,8 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
         options=NODE_SERVER_OPTIONS,
         interceptors=[Guard(auth, sessions)],
     )
-    pb_grpc.add_NodeServicer_to_server(
-        NodeService(name or f"{host}:{port}", threads, model_dirs, auth, mem_limit, idle_s), server
-    )
+    service = NodeService(name or f"{host}:{port}", threads, model_dirs, auth, mem_limit, idle_s)
+    pb_grpc.add_NodeServicer_to_server(service, server)
     pb_grpc.add_NodeAuthServicer_to_server(AuthService(Handshakes(auth, sessions)), server)
     if auth.tls:
         if auth.identity is None:
@@ -597,4 +622,14 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
             f"cannot listen on {host}:{port}: the port is taken or the address is not on this machine"
         )
     server.start()
-    return server, bound
+    data = None
+    if data_port is not None and not auth.tls:
+        data = DataServer(auth, service.serve_forward)
+        try:
+            service.data_port = data.listen(host, bound + 1 if data_port == -1 else data_port)
+        except OSError as exc:
+            if data_port != -1:
+                server.stop(0)
+                raise PotluckError(f"cannot listen on data port {data_port} ({exc})") from None
+            service.data_port = data.listen(host, 0)  # port + 1 is taken: any free one
+    return NodeServer(server, data, service.data_port), bound

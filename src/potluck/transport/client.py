@@ -26,6 +26,7 @@ from potluck.transport.auth import (
     explain_refusal,
     handshake,
 )
+from potluck.transport.dataplane import DataLink, open_data_link
 from potluck.transport.limits import CLIENT_SIZE_OPTIONS, MAX_REQUEST_BYTES, SERVER_OPTIONS
 from potluck.transport.tls import (
     CHANNEL_TLS_OPTIONS,
@@ -221,8 +222,26 @@ class NodeClient:
         self._cert_sha256 = b""
         self._metadata: tuple[tuple[str, str], ...] | None = None  # None: no handshake yet
         self._session_made = self._session_used = 0.0  # time.monotonic()
-        self.link = ForwardLink(self)
+        self.data_port = 0  # the node's data port (transport/dataplane.py), told by Hello
+        self._stream_link = ForwardLink(self)
+        self._data_link: DataLink | None = None
         _OPEN_CLIENTS.add(self)
+
+    @property
+    def link(self) -> ForwardLink | DataLink:
+        """Where forward requests go: the data connection once `use_data_port` opened it, else
+        the gRPC ForwardStream."""
+        return self._data_link or self._stream_link
+
+    def use_data_port(self) -> bool:
+        """Send forward requests over the node's data port from now on, if it has one (Hello
+        says) and it can be reached; else they stay on the gRPC stream (with --tls always)."""
+        if self._data_link is not None:
+            return True
+        if self.auth.tls or not self.data_port:
+            return False
+        self._data_link = open_data_link(self.address, self.data_port, self.auth)
+        return self._data_link is not None
 
     # -- connection and session ----------------------------------------------------------------
     def _connect(self) -> pb_grpc.NodeStub:
@@ -333,10 +352,13 @@ class NodeClient:
         so that a secret mismatch shows up here (authenticate=False: ask a node of another pool)."""
         if not authenticate:
             try:
-                return self._connect().Hello(request, timeout=timeout)
+                reply = self._connect().Hello(request, timeout=timeout)
             except grpc.RpcError as exc:
                 raise _explain(self.address, exc) from None
-        return self._call("Hello", request, timeout)  # type: ignore[return-value]
+        else:
+            reply = self._call("Hello", request, timeout)
+        self.data_port = reply.data_port  # type: ignore[attr-defined]
+        return reply  # type: ignore[return-value]
 
     def probe_link(self, request: pb.ProbeLinkRequest, timeout: float = 15.0) -> pb.ProbeLinkReply:
         """Ask this node to measure its link to another node (transport/linkprobe.py)."""
@@ -355,7 +377,9 @@ class NodeClient:
         return self._call("Drop", request, timeout)  # type: ignore[return-value]
 
     def close(self) -> None:
-        self.link.close()
+        self._stream_link.close()
+        if self._data_link is not None:
+            self._data_link.close()
         with self._lock:
             channel, self._channel, self._stub, self._metadata = self._channel, None, None, None
         if channel is not None:

@@ -37,7 +37,7 @@ class Device(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("protocol_version", "node_name", "potluck_version", "devices", "physical_cores", "decode_bytes_per_s", "model_sha256")
+    __slots__ = ("protocol_version", "node_name", "potluck_version", "devices", "physical_cores", "decode_bytes_per_s", "model_sha256", "data_port")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     POTLUCK_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class HelloReply(_message.Message):
     PHYSICAL_CORES_FIELD_NUMBER: _ClassVar[int]
     DECODE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     node_name: str
     potluck_version: str
@@ -52,7 +53,8 @@ class HelloReply(_message.Message):
     physical_cores: int
     decode_bytes_per_s: float
     model_sha256: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[int] = ..., node_name: _Optional[str] = ..., potluck_version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., physical_cores: _Optional[int] = ..., decode_bytes_per_s: _Optional[float] = ..., model_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
+    data_port: int
+    def __init__(self, protocol_version: _Optional[int] = ..., node_name: _Optional[str] = ..., potluck_version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., physical_cores: _Optional[int] = ..., decode_bytes_per_s: _Optional[float] = ..., model_sha256: _Optional[_Iterable[str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes")
@@ -316,3 +318,29 @@ class StressSample(_message.Message):
     t: float
     bytes_per_s: float
     def __init__(self, t: _Optional[float] = ..., bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class DataHello(_message.Message):
+    __slots__ = ("protocol_version", "nonce")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    nonce: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class DataAuth(_message.Message):
+    __slots__ = ("protocol_version", "nonce", "proof")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    nonce: bytes
+    proof: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class DataAuthReply(_message.Message):
+    __slots__ = ("proof", "error")
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    error: str
+    def __init__(self, proof: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,300 @@
+"""The forward path's data port (transport/dataplane.py): real sockets on loopback, a real node
+server, and real worker processes. Nothing is faked."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from potluck.engine.generate import generate, load_model
+from potluck.engine.pipeline import LOCAL, Assignment
+from potluck.engine.sampling import GREEDY, Sampler
+from potluck.errors import NodeError
+from potluck.transport import potluck_pb2 as pb
+from potluck.transport.auth import AuthError, PoolAuth
+from potluck.transport.client import ForwardLink, NodeClient
+from potluck.transport.codec import PROTOCOL_VERSION
+from potluck.transport.dataplane import DataLink, DataServer, recv_frame, send_frame
+
+A = PoolAuth.from_secret("correct horse battery staple")
+B = PoolAuth.from_secret("another pool's secret")
+NONE = PoolAuth()
+
+
+def _echo(request: pb.ForwardRequest, answer) -> None:
+    """Answers with the number of chunks; plan "later" answers from another thread after 50 ms."""
+    reply = pb.ForwardReply(request_id=request.request_id, tokens=[len(request.chunks)])
+    if request.plan_id == "later":
+        threading.Timer(0.05, answer, args=(reply,)).start()
+    elif request.plan_id == "never":
+        return
+    else:
+        answer(reply)
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[DataServer, int]]:
+    srv = DataServer(A, _echo)
+    port = srv.listen("127.0.0.1", 0)
+    yield srv, port
+    srv.stop()
+
+
+def _req(plan: str, n_chunks: int = 1) -> pb.ForwardRequest:
+    return pb.ForwardRequest(
+        plan_id=plan, chunks=[pb.SeqChunk(seq_id=i, n=1) for i in range(n_chunks)]
+    )
+
+
+def test_replies_match_their_requests_in_any_order(server: tuple[DataServer, int]) -> None:
+    _, port = server
+    link = DataLink(f"127.0.0.1:{port - 1}", port, A)
+    try:
+        slow = link.send(_req("later", 3))  # answered after the ones sent behind it
+        fast = [link.send(_req("now", k)) for k in range(1, 40)]
+        assert [list(f.result(timeout=5).tokens) for f in fast] == [[k] for k in range(1, 40)]
+        assert not slow.done() or list(slow.result().tokens) == [3]
+        assert list(slow.result(timeout=5).tokens) == [3]
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize(
+    ("node", "head", "says"),
+    [
+        (A, B, "pool secret mismatch"),
+        (A, NONE, "pool secret mismatch"),
+        (NONE, A, "did not prove on its data port that it knows the pool secret"),
+    ],
+)
+def test_a_stranger_is_refused(node: PoolAuth, head: PoolAuth, says: str) -> None:
+    srv = DataServer(node, _echo)
+    port = srv.listen("127.0.0.1", 0)
+    try:
+        link = DataLink(f"127.0.0.1:{port}", port, head)
+        with pytest.raises(AuthError, match=says):
+            link.open()
+        fut = link.send(_req("now"))  # send never raises: the future says it
+        assert isinstance(fut.exception(timeout=5), AuthError)
+    finally:
+        srv.stop()
+
+
+def _raw(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    hello = pb.DataHello()
+    hello.ParseFromString(recv_frame(s, 1024) or b"")
+    assert hello.protocol_version == PROTOCOL_VERSION and len(hello.nonce) == 32
+    return s
+
+
+def test_bad_frames_end_only_their_connection(server: tuple[DataServer, int]) -> None:
+    """Oversized lengths, garbage, wrong proofs, a wrong protocol version and random bytes each
+    close their own connection; the node keeps serving a proper client exactly."""
+    _, port = server
+    s = _raw(port)
+    s.sendall(struct.pack(">I", 2**31))  # a frame far over the handshake's limit
+    assert s.recv(1) == b""
+    s.close()
+    s = _raw(port)
+    send_frame(
+        s, pb.DataAuth(protocol_version=PROTOCOL_VERSION, nonce=b"x" * 32).SerializeToString()
+    )
+    reply = pb.DataAuthReply()
+    reply.ParseFromString(recv_frame(s, 1024) or b"")
+    assert reply.error == "pool secret mismatch"
+    s.close()
+    s = _raw(port)
+    send_frame(s, pb.DataAuth(protocol_version=PROTOCOL_VERSION + 7).SerializeToString())
+    reply.ParseFromString(recv_frame(s, 1024) or b"")
+    assert f"protocol version {PROTOCOL_VERSION + 7}" in reply.error
+    s.close()
+    rng = random.Random(7)
+    for _ in range(40):  # bounded fuzz of the handshake
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(rng.randbytes(rng.randrange(1, 300)))
+        s.close()
+    link = DataLink(f"127.0.0.1:{port}", port, A)
+    try:
+        assert list(link.send(_req("now", 5)).result(timeout=5).tokens) == [5]
+        # an authenticated peer sending a malformed frame loses its connection, nothing else
+        conn = link._conn
+        assert conn is not None
+        conn.sock.sendall(struct.pack(">I", 5) + b"\xff" * 5)
+        assert isinstance(link.send(_req("never")).exception(timeout=5), NodeError)
+        assert list(link.send(_req("now", 2)).result(timeout=5).tokens) == [2]  # reconnected
+    finally:
+        link.close()
+
+
+def test_bounds_are_checked_before_the_handler(server: tuple[DataServer, int]) -> None:
+    from potluck.transport.limits import MAX_CHUNKS
+
+    _, port = server
+    link = DataLink(f"127.0.0.1:{port}", port, A)
+    try:
+        err = link.send(_req("now", MAX_CHUNKS + 1)).exception(timeout=5)
+        assert isinstance(err, NodeError) and "exceeds the limit" in str(err)
+        assert "INVALID_ARGUMENT" in str(err)
+    finally:
+        link.close()
+
+
+def test_a_broken_connection_fails_what_waits_and_the_next_send_reconnects() -> None:
+    srv = DataServer(A, _echo)
+    port = srv.listen("127.0.0.1", 0)
+    link = DataLink(f"127.0.0.1:{port}", port, A)
+    waiting = link.send(_req("never"))
+    srv.stop()  # the node goes away with a request unanswered
+    assert isinstance(waiting.exception(timeout=5), NodeError)
+    assert "connection" in str(waiting.exception())
+    refused = link.send(_req("now"))
+    assert "cannot open its data port" in str(refused.exception(timeout=5))
+    srv = DataServer(A, _echo)
+    srv.listen("127.0.0.1", port)  # back on the same port
+    try:
+        assert list(link.send(_req("now", 4)).result(timeout=5).tokens) == [4]
+        given_up: Future[pb.ForwardReply] = link.send(_req("never"))
+        link.fail_all(NodeError("declared gone"))
+        assert str(given_up.exception(timeout=5)) == "declared gone"
+    finally:
+        link.close()
+        srv.stop()
+
+
+def test_connections_are_bounded() -> None:
+    srv = DataServer(A, _echo, max_connections=2)
+    port = srv.listen("127.0.0.1", 0)
+    held = [_raw(port), _raw(port)]
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        assert s.recv(4) == b""  # closed at once: no DataHello
+        s.close()
+    finally:
+        for s in held:
+            s.close()
+        time.sleep(0.2)
+    try:
+        link = DataLink(f"127.0.0.1:{port}", port, A)
+        assert list(link.send(_req("now")).result(timeout=5).tokens) == [1]
+        link.close()
+    finally:
+        srv.stop()
+
+
+def test_client_keeps_the_grpc_stream_when_the_data_port_is_closed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    client = NodeClient(f"127.0.0.1:{closed}", NONE)
+    client.data_port = closed
+    with caplog.at_level(logging.WARNING, "potluck.transport"):
+        assert client.use_data_port() is False
+    assert isinstance(client.link, ForwardLink)
+    assert "using the slower gRPC stream instead" in caplog.text
+    tls = NodeClient("127.0.0.1:1", PoolAuth(key=b"k" * 32, tls=True))
+    tls.data_port = 2
+    assert tls.use_data_port() is False  # the data port is plain TCP: with --tls, gRPC only
+    client.close()
+    tls.close()
+
+
+# -- real workers ---------------------------------------------------------------------------------
+
+
+def _start_worker(*args: str, secret: str | None = None) -> tuple[subprocess.Popen, str, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "POTLUCK_MDNS": "0"}
+    env.pop("POTLUCK_SECRET", None)
+    if secret:
+        env["POTLUCK_SECRET"] = secret
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1", *args],
+        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 60
+    while "listening on" not in (line := proc.stderr.readline()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"worker did not start: {line}")
+    found = re.search(r"data port (\d+)", line)
+    data = int(found.group(1)) if found else 0
+    return proc, f"127.0.0.1:{port}", data
+
+
+def test_pool_over_data_ports_and_grpc_streams_equals_one_process(smollm2_path: Path) -> None:
+    """A head with a local first stage, a worker on its data port and one with --no-data-port
+    (hidden states then travel on gRPC streams): the same greedy tokens as one process, and each
+    link is the one it should be."""
+    fast, fast_addr, fast_data = _start_worker("--data-port", "0")
+    slow, slow_addr, slow_data = _start_worker("--no-data-port")
+    try:
+        assert fast_data > 0 and slow_data == 0
+        single = load_model(smollm2_path, n_ctx=256)
+        ids = single.tokenizer.encode("The three primary colours are")
+        want = list(generate(single, ids, 12, Sampler(GREEDY)))
+        n = single.hp.n_layer
+        pool = load_model(
+            smollm2_path,
+            n_ctx=256,
+            assignments=[
+                Assignment(LOCAL, 0, 10),
+                Assignment(fast_addr, 10, 20),
+                Assignment(slow_addr, 20, n),
+            ],
+        )
+        clients = pool.pipeline.inner.clients  # type: ignore[attr-defined]
+        assert isinstance(clients[0].link, DataLink)
+        assert clients[0].data_port == fast_data
+        assert isinstance(clients[1].link, ForwardLink)
+        assert list(generate(pool, ids, 12, Sampler(GREEDY))) == want
+        pool.close()
+    finally:
+        for p in (fast, slow):
+            p.terminate()
+            p.wait(timeout=10)
+
+
+def test_worker_data_port_needs_the_pool_secret(smollm2_path: Path) -> None:
+    """A worker with a secret: a head with the secret computes over the data port (first stage
+    and last stage on the worker, token ids in and out); a stranger's data connection is refused."""
+    secret = "data port test secret"
+    proc, addr, data = _start_worker(secret=secret)
+    try:
+        auth = PoolAuth.from_secret(secret)
+        n = load_model(smollm2_path, n_ctx=64).hp.n_layer
+        pool = load_model(smollm2_path, n_ctx=256, assignments=[Assignment(addr, 0, n)], auth=auth)
+        assert isinstance(pool.pipeline.inner.clients[0].link, DataLink)  # type: ignore[attr-defined]
+        single = load_model(smollm2_path, n_ctx=256)
+        ids = single.tokenizer.encode("Water boils at")
+        assert list(generate(pool, ids, 6, Sampler(GREEDY))) == list(
+            generate(single, ids, 6, Sampler(GREEDY))
+        )
+        pool.close()
+        with pytest.raises(AuthError, match="pool secret mismatch"):
+            DataLink(addr, data, B).open()
+        with pytest.raises(AuthError, match="pool secret mismatch"):
+            DataLink(addr, data, NONE).open()
+        stranger = DataLink(addr, data, B)
+        assert isinstance(stranger.send(_req("x")).exception(timeout=10), AuthError)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
