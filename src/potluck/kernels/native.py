@@ -862,6 +862,21 @@ def _keep_large_blocks() -> None:
     mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_BYTES)
 
 
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc's malloc_trim; no-op without glibc).
+
+    With the mmap threshold at 32 MiB (above), blocks of a few MiB live on the heap and stay in the
+    process after they are freed: the node's speed probe alone left ≈ 85 MiB, and a replaced or
+    idle-freed plan its whole stage. A node calls this after such frees (not on the token path:
+    it walks the heap)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], _I
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return  # not glibc
+
+
 def _compile(cc: str, path: Path) -> bool:
     """Build the library into `path` (atomically: workers may start together). False on failure."""
     path.parent.mkdir(parents=True, exist_ok=True)

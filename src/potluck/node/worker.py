@@ -8,6 +8,7 @@ stage's node and passes the reply (token ids) back up the chain.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import queue
@@ -25,6 +26,7 @@ import torch
 from potluck import __version__
 from potluck.engine.sampling import Sampler, Token
 from potluck.errors import ContextError, PotluckError
+from potluck.kernels.native import trim_heap
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage, WeightSource
 from potluck.modelfile.gguf_file import GGUFFile, read_header
@@ -111,6 +113,8 @@ class NodeService(pb_grpc.NodeServicer):
             if threads:
                 torch.set_num_threads(threads)
             self.speed = decode_bytes_per_s()  # measured once, before any stage is loaded
+            gc.collect()
+            trim_heap()  # the probe's buffers go back to the OS
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
 
     def _memory_bytes(self) -> int:
@@ -134,6 +138,9 @@ class NodeService(pb_grpc.NodeServicer):
                         )
                         if gone.next_hop is not None:
                             gone.next_hop.close()
+                        del gone
+                        gc.collect()
+                        trim_heap()
 
     # -- handshake ---------------------------------------------------------------------------------
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
@@ -217,6 +224,9 @@ class NodeService(pb_grpc.NodeServicer):
             old = self.plans.pop(next(iter(self.plans)))
             if old.next_hop is not None:
                 old.next_hop.close()
+            del old
+        gc.collect()
+        trim_heap()  # the replaced plan's stage and the load's buffers go back to the OS
         return pb.LoadReply(
             weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0
         )
