@@ -2,7 +2,7 @@
 
     python bench/_pool_child.py MODEL_PATH MODE TASK N [PEER ...]
 
-MODE: single (whole model in this process) | pool (all layers on the PEERs, split evenly; this
+MODE: single (whole model in this process) | pool (all layers on the PEERs, split by the planner's cost model for equal nodes; this
 process only sends token ids). TASK: decode (one stream, N tokens) | pp (a prompt of N tokens;
 the pool runs it in micro-batches of 64 so that both stages work at once) | streams (4 streams,
 N tokens each; over the pool two groups of two are kept in flight). Prints one JSON line.
@@ -29,20 +29,35 @@ POOL_UBATCH = int(os.environ.get("POOL_UBATCH", "256"))
 
 
 def balanced_cuts(path: str, n_nodes: int) -> list[int]:
-    """Layer boundaries giving equal-speed nodes equal weight bytes to read per token (the last
-    stage also reads the output head): what the planner does for nodes of equal speed."""
+    """Layer boundaries that give equal-speed nodes equal predicted time per token, by the
+    planner's own cost model (bytes read per token at the probed speed, plus a fixed cost per
+    layer; the last stage also reads the output head): minimize the slowest stage."""
+    from functools import cache
+
+    from potluck.kernels.qlinear import held_bytes
+    from potluck.planner import footprint_from_gguf
+    from potluck.planner.cost import CostModel
+    from potluck.planner.nodes import NodeInfo
+
     f = GGUFFile(path)
-    n_layer = hparams_from_metadata(f.metadata).n_layer
-    per = f.layer_bytes()
-    head = f.tensors["output.weight" if "output.weight" in f.tensors else "token_embd.weight"]
-    cost = [per[i] for i in range(n_layer)]
-    cost[-1] += head.nbytes
-    total, acc, cuts = sum(cost), 0, [0]
-    for i, c in enumerate(cost):
-        if len(cuts) < n_nodes and acc + c / 2 > total * len(cuts) / n_nodes:
-            cuts.append(i)
-        acc += c
-    return [*cuts, n_layer]
+    hp = hparams_from_metadata(f.metadata)
+    fp = footprint_from_gguf(f.tensors, hp, 1024, held=held_bytes)
+    nodes = [NodeInfo(f"n{i}", "cpu", 1 << 40, 1, 29e9) for i in range(n_nodes)]
+    costs = CostModel(fp, nodes, {})
+    n_layer = hp.n_layer
+
+    @cache
+    def best(k: int, start: int) -> tuple[int, tuple[int, ...]]:
+        """(slowest stage ns, cuts) for nodes k.. over layers [start, n_layer)."""
+        if k == n_nodes - 1:
+            return costs.stage(k, start, n_layer).compute_ns, ()
+        options = []
+        for stop in range(start + 1, n_layer - (n_nodes - 1 - k) + 1):
+            rest, cuts = best(k + 1, stop)
+            options.append((max(costs.stage(k, start, stop).compute_ns, rest), (stop, *cuts)))
+        return min(options)
+
+    return [0, *best(0, 0)[1], n_layer]
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from potluck.planner import (
     plan_pool,
 )
 from potluck.planner import footprint as fpmod
-from potluck.planner.cost import CostModel
+from potluck.planner.cost import CPU_LAYER_NS, GPU_LAYER_NS, CostModel
 from potluck.planner.search import Route, route_cost, search
 
 from ggufgen import write_tiny_model
@@ -223,6 +223,29 @@ def test_memory_fit_splits_where_one_node_is_too_small() -> None:
     assert max(s.compute_ms for s in plan.stages) <= min(s.compute_ms for s in plan.stages) + 11
 
 
+def test_fixed_layer_cost_balances_stages_by_time_not_bytes() -> None:
+    """Small layers and a big output head (as SmolLM2: 30 layers of 2.2 MB, a 30 MB head): each
+    layer also costs CPU_LAYER_NS beyond its bytes, so the last stage (with the head) gets more
+    layers than a balance of bytes alone would give it (22 | 8 before the fixed cost)."""
+    fp = synth(n_layer=30, layer=2_200_000, head=30_000_000, embd=30_000_000)
+    nodes = [cpu("a", 4 * GiB, speed=29 * GB), cpu("b", 4 * GiB, speed=29 * GB)]
+    plan = plan_pool(fp, nodes, lan("a", "b"), tensor_split=None)
+    if len(plan.stages) == 1:  # one machine alone is faster by the hop: split by hand instead
+        costs = CostModel(fp, nodes, lan("a", "b"))
+        cut = min(
+            range(1, 30),
+            key=lambda c: max(costs.stage(0, 0, c).compute_ns, costs.stage(1, c, 30).compute_ns),
+        )
+    else:
+        cut = plan.stages[0].stop
+    by_bytes = next(c for c in range(30) if (c + 1) * 2_200_000 > (30 * 2_200_000 + 30e6) / 2)
+    assert by_bytes == 21 and cut < by_bytes - 2, (cut, by_bytes)
+    costs = CostModel(fp, nodes, lan("a", "b"))
+    first, last = costs.stage(0, 0, cut), costs.stage(1, cut, 30)
+    per_layer = 2_200_000 / (29 * GB) * 1e9 + CPU_LAYER_NS
+    assert abs(first.compute_ns - last.compute_ns) <= per_layer
+
+
 def test_slow_node_is_left_out() -> None:
     fp = synth()
     nodes = [cpu("a", 800 * MiB), cpu("b", 800 * MiB), cpu("slow", 64 * GiB, speed=1 * GB)]
@@ -281,6 +304,7 @@ def test_gpu_cpu_split() -> None:
     assert st.ram_bytes == 50 * MiB + 7 * 110 * MiB + 80 * MiB + 20 * MiB
     cpu_read = 7 * 100 * MiB + fp.embd_read_bytes + fp.head_bytes
     want = cpu_read / (10 * GB) + 3 * 100 * MiB / (200 * GB)
+    want += (7 * CPU_LAYER_NS + 3 * GPU_LAYER_NS) / 1e9  # the fixed cost of each layer
     assert st.compute_ms == pytest.approx(want * 1e3, rel=1e-6)
     # enough VRAM for every layer and the head: all of it goes there (llama.cpp's -ngl 99)
     (st,) = plan_pool(fp, [gpu("g", 8 * GiB, 2 * GiB)]).stages

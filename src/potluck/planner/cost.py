@@ -6,7 +6,9 @@ A stage [start, stop) on a node: its accelerator (when it streams faster than th
 trailing layers of the range, as many as fit in its memory with one set of activation buffers
 (llama.cpp's -ngl puts the last layers on the GPU too); the output head joins them when every
 layer of the stage is there and it still fits. The rest, the token embedding and the buffers stay
-in RAM. Time per token = bytes read / bytes per second of the device that holds them.
+in RAM. Time per token = bytes read / bytes per second of the device that holds them, plus a
+fixed cost per layer for the operations whose time does not grow with the weights (norms, RoPE,
+attention over a short context, the framework's dispatch of a dozen calls).
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ from potluck.planner.footprint import ModelFootprint
 from potluck.planner.nodes import Link, Links, NodeInfo, link_between
 
 NS = 1_000_000_000
+# Fixed time per layer and decoded token, beyond streaming its weights. Measured on this project's
+# CPU machines (eager PyTorch, one thread): a SmolLM2 layer (2.2 MB) takes ≈ 0.22 ms and a Gemma-3
+# one (6 MB) ≈ 0.45 ms where their bytes alone at the probed speed predict 0.08 and 0.21 ms. Without
+# it the planner gave a pipeline's first stage 22 of SmolLM2's 30 layers, so that stage took 5.1 ms
+# per token and the last 3.0 (bench/RESULTS.md). On an accelerator the same calls are kernel
+# launches: an estimate, not measured here (no GPU).
+CPU_LAYER_NS = 100_000
+GPU_LAYER_NS = 30_000
 
 
 def _ns(nbytes: int, bytes_per_s: float) -> int:
@@ -95,9 +105,9 @@ class CostModel:
                 gpu_read += m.head_read_bytes
             else:
                 cpu_read += m.head_read_bytes
-        compute = _ns(cpu_read, node.cpu_bytes_per_s)
+        compute = _ns(cpu_read, node.cpu_bytes_per_s) + (s - start) * CPU_LAYER_NS
         if gpu_read:
-            compute += _ns(gpu_read, node.gpu_bytes_per_s)
+            compute += _ns(gpu_read, node.gpu_bytes_per_s) + (stop - s) * GPU_LAYER_NS
         weights = self._weights[stop] - self._weights[start]
         weights += (m.embd_bytes if first else 0) + (m.head_bytes if last else 0)
         return StageCost(
