@@ -2,9 +2,10 @@
 
     python bench/_pool_child.py MODEL_PATH MODE TASK N [PEER ...]
 
-MODE: single (whole model in this process) | pool (all layers on the PEERs, split by the planner's cost model for equal nodes; this
-process only sends token ids). TASK: decode (one stream, N tokens) | pp (a prompt of N tokens;
-the pool runs it in micro-batches of 64 so that both stages work at once) | streams (4 streams,
+MODE: single (whole model in this process) | pool (all layers on the PEERs, split as the
+planner does for equal nodes: even prompt work for pp, even decode time otherwise; this process
+only sends token ids). TASK: decode (one stream, N tokens) | pp (a prompt of N tokens;
+the pool runs it in micro-batches of POOL_N_BATCH (128) so that both stages work at once) | streams (4 streams,
 N tokens each; over the pool two groups of two are kept in flight). Prints one JSON line.
 """
 
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from potluck.engine.generate import load_model, prefill
+from potluck.engine.generate import POOL_N_BATCH, load_model, prefill
 from potluck.engine.pipeline import Assignment
 from potluck.engine.sampling import GREEDY, Sampler
 from potluck.model.stage import SeqChunk
@@ -25,13 +26,14 @@ from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 
 N_STREAMS = 4
-POOL_UBATCH = int(os.environ.get("POOL_UBATCH", "256"))
+POOL_UBATCH = int(os.environ.get("POOL_UBATCH", str(POOL_N_BATCH)))
 
 
-def balanced_cuts(path: str, n_nodes: int) -> list[int]:
-    """Layer boundaries that give equal-speed nodes equal predicted time per token, by the
-    planner's own cost model (bytes read per token at the probed speed, plus a fixed cost per
-    layer; the last stage also reads the output head): minimize the slowest stage."""
+def balanced_cuts(path: str, n_nodes: int, balance: str) -> list[int]:
+    """Layer boundaries that even out equal-speed nodes by the planner's own cost model: for
+    "decode", time per decoded token (bytes read at the probed speed plus a fixed cost per layer;
+    the last stage also reads the output head); for "prompt", the layers' prompt work. Minimizes
+    the slowest stage, as the planner does between splits of equal one-stream time."""
     from functools import cache
 
     from potluck.kernels.qlinear import held_bytes
@@ -43,18 +45,18 @@ def balanced_cuts(path: str, n_nodes: int) -> list[int]:
     hp = hparams_from_metadata(f.metadata)
     fp = footprint_from_gguf(f.tensors, hp, 1024, held=held_bytes)
     nodes = [NodeInfo(f"n{i}", "cpu", 1 << 40, 1, 29e9) for i in range(n_nodes)]
-    costs = CostModel(fp, nodes, {})
+    costs = CostModel(fp, nodes, {}, balance)
     n_layer = hp.n_layer
 
     @cache
     def best(k: int, start: int) -> tuple[int, tuple[int, ...]]:
         """(slowest stage ns, cuts) for nodes k.. over layers [start, n_layer)."""
         if k == n_nodes - 1:
-            return costs.stage(k, start, n_layer).compute_ns, ()
+            return costs.stage(k, start, n_layer).balance_ns, ()
         options = []
         for stop in range(start + 1, n_layer - (n_nodes - 1 - k) + 1):
             rest, cuts = best(k + 1, stop)
-            options.append((max(costs.stage(k, start, stop).compute_ns, rest), (stop, *cuts)))
+            options.append((max(costs.stage(k, start, stop).balance_ns, rest), (stop, *cuts)))
         return min(options)
 
     return [0, *best(0, 0)[1], n_layer]
@@ -71,8 +73,8 @@ def main() -> None:
         if os.environ.get("POOL_SPLIT") == "layers":  # equal layer counts: balanced for prompts
             n_layer = hparams_from_metadata(GGUFFile(path).metadata).n_layer
             cut = [round(n_layer * i / len(peers)) for i in range(len(peers) + 1)]
-        else:
-            cut = balanced_cuts(path, len(peers))
+        else:  # prompts: even prompt work (what `potluck run` plans); else even decode time
+            cut = balanced_cuts(path, len(peers), "prompt" if task == "pp" else "decode")
         m = load_model(
             path,
             n_ctx=n_ctx,

@@ -35,7 +35,7 @@ from potluck.planner import (
     plan_pool,
 )
 from potluck.planner import footprint as fpmod
-from potluck.planner.cost import CPU_LAYER_NS, GPU_LAYER_NS, CostModel
+from potluck.planner.cost import CPU_LAYER_NS, DECODE, GPU_LAYER_NS, PROMPT, CostModel
 from potluck.planner.search import Route, route_cost, search
 
 from ggufgen import write_tiny_model
@@ -246,6 +246,24 @@ def test_fixed_layer_cost_balances_stages_by_time_not_bytes() -> None:
     assert abs(first.compute_ns - last.compute_ns) <= per_layer
 
 
+def test_prompt_balance_evens_layers_and_keeps_decode_time() -> None:
+    """Two equal nodes that must share the model: balanced for decode, the stage with the head
+    gets fewer layers; balanced for prompts (micro-batches overlap; the head runs once), the
+    layers split evenly. One stream's predicted time is the same either way, and the plans differ
+    in their id."""
+    fp = synth(n_layer=30, layer=2_200_000, head=30_000_000, embd=30_000_000, kv=0)
+    nodes = [cpu("a", 100 * MiB, speed=29 * GB), cpu("b", 100 * MiB, speed=29 * GB)]
+    decode = plan_pool(fp, nodes, lan("a", "b"))
+    prompt = plan_pool(fp, nodes, lan("a", "b"), balance=PROMPT)
+    first, last = (s.stop - s.start for s in decode.stages)
+    assert first > last + 2, (first, last)  # the head's stage takes fewer layers
+    assert [s.stop - s.start for s in prompt.stages] == [15, 15]
+    assert decode.ms_per_token == pytest.approx(prompt.ms_per_token)
+    assert decode.plan_id != prompt.plan_id
+    with pytest.raises(ValueError, match="balance must be"):
+        plan_pool(fp, nodes, balance="both")
+
+
 def test_slow_node_is_left_out() -> None:
     fp = synth()
     nodes = [cpu("a", 800 * MiB), cpu("b", 800 * MiB), cpu("slow", 64 * GiB, speed=1 * GB)]
@@ -446,7 +464,7 @@ def random_pool(rng: random.Random) -> CostModel:
         for b in nodes
         if a is not b and rng.random() < 0.7
     }
-    return CostModel(fp, nodes, links)
+    return CostModel(fp, nodes, links, rng.choice([DECODE, PROMPT]))
 
 
 @pytest.mark.parametrize("seed", range(150))

@@ -48,6 +48,21 @@ ThreadsOpt = Annotated[
 BatchOpt = Annotated[
     int, typer.Option("-b", "--batch-size", help="Prompt tokens per forward pass.")
 ]
+PromptBatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-b",
+        "--batch-size",
+        help="Prompt tokens per forward pass (default: 512 on one machine; 128 over a pool, so "
+        "that the machines work on a prompt at once).",
+    ),
+]
+
+
+def _prompt_batch(m, batch: int | None) -> int:
+    from potluck.engine.generate import DEFAULT_N_BATCH, POOL_N_BATCH
+
+    return batch or (POOL_N_BATCH if m.pipeline.depth > 1 else DEFAULT_N_BATCH)
 
 
 def _physical_cores() -> int:
@@ -232,10 +247,12 @@ def _load(
     shares: list[float] | None = None,
     auth_flags: tuple[str | None, bool] = (None, False),  # --secret, --tls (see _auth)
     failover_s: float | None = 5.0,
+    balance: str = "prompt",
 ):
     """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan).
     Over a pool, a node silent for failover_s seconds is dropped and the planner re-plans on the
-    nodes left (the generation pauses, then goes on)."""
+    nodes left (the generation pauses, then goes on). balance: what the planner evens out between
+    stages, "prompt" for one conversation (run, chat) or "decode" for many streams (serve)."""
     from potluck.engine.generate import load_model
     from potluck.modelfile.sources import resolve_model
 
@@ -264,7 +281,7 @@ def _load(
         if addresses:
             bar.update(task, description=f"{path.name} (asking {len(addresses)} peers, planning)")
             auth = _auth(*auth_flags)
-            plan = _plan(path, ctx, addresses, shares, auth)
+            plan = _plan(path, ctx, addresses, shares, auth, balance)
             from potluck.engine.survey import assignments_of
 
             assignments = assignments_of(plan)
@@ -272,7 +289,7 @@ def _load(
         from potluck.engine.survey import assignments_of
 
         def replan(alive: list[str]):
-            return assignments_of(_plan(path, ctx, alive, None, auth))
+            return assignments_of(_plan(path, ctx, alive, None, auth, balance))
 
         def on_failover(ev) -> None:
             err.print(
@@ -318,7 +335,14 @@ def _sampling(
         raise typer.BadParameter(str(exc)) from None
 
 
-def _plan(path: Path, ctx: int | None, peers: list[str], shares: list[float] | None, auth=None):
+def _plan(
+    path: Path,
+    ctx: int | None,
+    peers: list[str],
+    shares: list[float] | None,
+    auth=None,
+    balance: str = "prompt",
+):
     """Survey the peers, then run the planner for this model and context."""
     from potluck.engine.generate import DEFAULT_CTX
     from potluck.engine.survey import survey
@@ -333,7 +357,7 @@ def _plan(path: Path, ctx: int | None, peers: list[str], shares: list[float] | N
     from potluck.kernels.qlinear import held_bytes
 
     fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes)
-    return plan_pool(fp, nodes, links, shares or None)
+    return plan_pool(fp, nodes, links, shares or None, balance)
 
 
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")]
@@ -388,7 +412,7 @@ def run(
     ] = 128,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
-    batch: BatchOpt = 512,
+    batch: PromptBatchOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
     top_p: TopPOpt = 0.95,
@@ -436,7 +460,7 @@ def run(
             {"role": "user", "content": prompt}
         ]
         ids = m.tokenizer.encode(m.chat.render(msgs))
-    _stream(m, ids, n_predict, Sampler(params), batch)
+    _stream(m, ids, n_predict, Sampler(params), _prompt_batch(m, batch))
 
 
 @app.command()
@@ -447,7 +471,7 @@ def chat(
     ] = 512,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
-    batch: BatchOpt = 512,
+    batch: PromptBatchOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
     top_p: TopPOpt = 0.95,
@@ -492,7 +516,7 @@ def chat(
         msgs.append({"role": "user", "content": line})
         ids = m.tokenizer.encode(m.chat.render(msgs))
         try:
-            out = _stream(m, ids, n_predict, sampler, batch)
+            out = _stream(m, ids, n_predict, sampler, _prompt_batch(m, batch))
         except PotluckError as exc:  # e.g. the conversation outgrew the context: say so, keep going
             err.print(f"[red]error:[/] {exc}")
             msgs.pop()
@@ -900,7 +924,7 @@ def serve(
     model: ModelOpt = None,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
-    batch: BatchOpt = 512,
+    batch: PromptBatchOpt = None,
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
@@ -942,11 +966,19 @@ def serve(
             "the model; pass --api-key KEY (or set POTLUCK_API_KEY), or --no-api-key to accept that"
         )
     try:
-        sched_config = SchedulerConfig(n_batch=batch, max_queue=max_queue, max_active=parallel)
+        sched_config = SchedulerConfig(
+            n_batch=batch or 512, max_queue=max_queue, max_active=parallel
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     finder = _peers(peer, rpc, pool, no_mdns)
-    m = _load(model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls))
+    m = _load(
+        model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls), balance="decode"
+    )  # many streams at once: stages even in decode time
+    if batch is None:  # over a pool, prompt micro-batches small enough to overlap in the stages
+        import dataclasses
+
+        sched_config = dataclasses.replace(sched_config, n_batch=_prompt_batch(m, None))
     scheduler = Scheduler(m, sched_config)
     app_ = create_app(m, scheduler, ServerConfig(model_id=model_id_of(m), api_key=key))
 

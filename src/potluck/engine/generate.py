@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from potluck.transport.auth import PoolAuth
 
 DEFAULT_CTX = 4096
+DEFAULT_N_BATCH = 512  # prompt tokens per forward pass on one machine (llama.cpp's -b)
+# Over a pool: micro-batches small enough that the stages work on one prompt at once. Measured
+# (bench/RESULTS.md, SmolLM2 over two single-core workers, 512-token prompt): 64 → 1.38×, 96 and
+# 128 → 1.45× one core; 256 → 1.06×, 512 → no overlap at all.
+POOL_N_BATCH = 128
 
 
 def layer_ranges(n_layer: int, splits: Sequence[int]) -> list[tuple[int, int]]:
@@ -283,7 +288,11 @@ def split_points(n_layer: int, shares: Sequence[float]) -> list[int]:
 
 
 def prefill(
-    pipeline: Pipeline, seq_id: int, ids: Sequence[int], sampler: Sampler, n_batch: int = 512
+    pipeline: Pipeline,
+    seq_id: int,
+    ids: Sequence[int],
+    sampler: Sampler,
+    n_batch: int = DEFAULT_N_BATCH,
 ) -> int:
     """Run the prompt through in micro-batches of n_batch tokens; the first sampled token.
 
@@ -305,7 +314,7 @@ def generate(
     max_tokens: int,
     sampler: Sampler,
     stop_ids: frozenset[int] | None = None,
-    n_batch: int = 512,
+    n_batch: int = DEFAULT_N_BATCH,
 ) -> Iterator[int]:
     """Yield up to max_tokens sampled ids (a stop id is yielded, then generation ends).
 

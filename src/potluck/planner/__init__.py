@@ -6,6 +6,7 @@ whether pooling beats the best single machine. No I/O, no torch, no network.
     plan = plan_pool(fp, [NodeInfo(...), ...], {("a", "b"): Link(0.3e-3, 117e6)})
 """
 
+from potluck.planner.cost import DECODE, PROMPT
 from potluck.planner.errors import NotEnoughMemoryError, PlanError
 from potluck.planner.footprint import ModelFootprint, footprint_from_gguf, held_bytes
 from potluck.planner.nodes import DEFAULT_LINK, DEVICE_KINDS, Link, NodeInfo
@@ -13,9 +14,11 @@ from potluck.planner.plan import Plan, PlannedStage, SingleMachine, layers_label
 from potluck.planner.table import PLAN_COLUMNS, format_plan, format_summary
 
 __all__ = [
+    "DECODE",
     "DEFAULT_LINK",
     "DEVICE_KINDS",
     "PLAN_COLUMNS",
+    "PROMPT",
     "Link",
     "ModelFootprint",
     "NodeInfo",

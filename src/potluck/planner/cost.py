@@ -29,6 +29,7 @@ NS = 1_000_000_000
 # launches: an estimate, not measured here (no GPU).
 CPU_LAYER_NS = 100_000
 GPU_LAYER_NS = 30_000
+DECODE, PROMPT = "decode", "prompt"  # what a plan's stages are balanced for (CostModel)
 
 
 def _ns(nbytes: int, bytes_per_s: float) -> int:
@@ -49,7 +50,11 @@ class StageCost:
     buffer_bytes: int  # once in RAM, and once more on the accelerator when it holds layers
     ram_bytes: int  # all of the above that sits in RAM
     gpu_bytes: int  # ... and on the accelerator (always within its memory)
-    compute_ns: int
+    compute_ns: int  # per decoded token
+    prompt_ns: int  # per prompt token, in proportion: the layers' bytes (a prompt's work is its
+    # layers' matmuls; the head runs once per prompt and the fixed per-layer cost is shared by the
+    # micro-batch's rows)
+    balance_ns: int  # what the search evens out between stages: compute_ns or prompt_ns
 
     @property
     def fits(self) -> bool:
@@ -63,8 +68,15 @@ class StageCost:
 class CostModel:
     """Stage and hop costs of one model on a fixed list of nodes (indexed as given)."""
 
-    def __init__(self, model: ModelFootprint, nodes: list[NodeInfo], links: Links) -> None:
-        self.model, self.nodes = model, nodes
+    def __init__(
+        self, model: ModelFootprint, nodes: list[NodeInfo], links: Links, balance: str = DECODE
+    ) -> None:
+        """balance: which stages the search makes even where one stream's time ties — DECODE
+        (many streams decoding at once: `potluck serve`) or PROMPT (prompt micro-batches through
+        the stages: one conversation, where the split does not change its decode time)."""
+        if balance not in (DECODE, PROMPT):
+            raise ValueError(f"balance must be {DECODE!r} or {PROMPT!r}, got {balance!r}")
+        self.model, self.nodes, self.balance = model, nodes, balance
         n = model.n_layer
         held = [w + k for w, k in zip(model.layer_weight_bytes, model.layer_kv_bytes, strict=True)]
         self._held = [0, *accumulate(held)]  # prefix sums: bytes of layers [0, i)
@@ -108,6 +120,9 @@ class CostModel:
         compute = _ns(cpu_read, node.cpu_bytes_per_s) + (s - start) * CPU_LAYER_NS
         if gpu_read:
             compute += _ns(gpu_read, node.gpu_bytes_per_s) + (stop - s) * GPU_LAYER_NS
+        prompt = _ns(self._read[s] - self._read[start], node.cpu_bytes_per_s)
+        if s < stop:
+            prompt += _ns(self._read[stop] - self._read[s], node.gpu_bytes_per_s)
         weights = self._weights[stop] - self._weights[start]
         weights += (m.embd_bytes if first else 0) + (m.head_bytes if last else 0)
         return StageCost(
@@ -122,6 +137,8 @@ class CostModel:
             ram_bytes=ram,
             gpu_bytes=gpu,
             compute_ns=compute,
+            prompt_ns=prompt,
+            balance_ns=compute if self.balance == DECODE else prompt,
         )
 
     def hop_ns(self, i: int, j: int) -> int:

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from potluck.planner.cost import NS, CostModel, StageCost
+from potluck.planner.cost import DECODE, NS, CostModel, StageCost
 from potluck.planner.errors import NotEnoughMemoryError, PlanError, fmt_bytes
 from potluck.planner.footprint import ModelFootprint
 from potluck.planner.nodes import Links, NodeInfo
@@ -82,11 +82,13 @@ def plan_pool(
     nodes: Sequence[NodeInfo],
     links: Links | None = None,
     tensor_split: Sequence[float] | None = None,
+    balance: str = DECODE,
 ) -> Plan:
     """The fastest plan for one stream (ties: the most even stages) over any subset and order of
     `nodes`; with `tensor_split` (--tensor-split 6,4: shares per node, in the order given; 0 leaves
-    a node out) the ranges are fixed by hand and only checked. Raises NotEnoughMemoryError when
-    nothing fits, PlanError for inputs that make no sense."""
+    a node out) the ranges are fixed by hand and only checked. `balance` (DECODE or PROMPT, see
+    CostModel) breaks ties between splits of equal one-stream time. Raises NotEnoughMemoryError
+    when nothing fits, PlanError for inputs that make no sense."""
     links = links or {}
     if not nodes:
         raise PlanError("no nodes to plan for: start `potluck worker` on a machine or add --peer")
@@ -101,9 +103,11 @@ def plan_pool(
             candidates.sort(key=lambda n: n.name)
     else:
         candidates = list(nodes)
-    costs = CostModel(model, candidates, links)
+    costs = CostModel(model, candidates, links, balance)
     plan_id = _plan_id(model, costs, tensor_split)
-    everyone = costs if len(candidates) == len(nodes) else CostModel(model, list(nodes), links)
+    everyone = (
+        costs if len(candidates) == len(nodes) else CostModel(model, list(nodes), links, balance)
+    )
     singles = [everyone.stage(i, 0, model.n_layer) for i in range(len(nodes))]
     single = min((st for st in singles if st.fits), key=lambda st: st.compute_ns, default=None)
     if tensor_split is not None:
@@ -155,6 +159,7 @@ def _plan_id(model: ModelFootprint, costs: CostModel, split: Sequence[float] | N
         "nodes": [asdict(n) for n in nodes],
         "links": links,
         "tensor_split": None if split is None else [float(p) for p in split],
+        "balance": costs.balance,
     }
     blob = json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,9 +1,10 @@
 """The exact search: which nodes, in which order, with which contiguous layer ranges.
 
-Objective, compared as a pair: (time per token of one stream, slowest stage's compute). One
+Objective, compared as a pair: (time per token of one stream, slowest stage's balance cost). One
 stream's token passes every stage in turn, so its time is the sum of the stages' compute, the hops
 between them and the token id's way back from the last stage to the first. The second key
-spreads the layers evenly among equals (throughput with many streams, memory headroom).
+spreads the layers evenly among equals: by decode time (throughput with many streams) or by prompt
+work (prompt micro-batches overlap in the stages), as the CostModel's `balance` says.
 
 Dynamic programming over (set of nodes used, last node, layers covered so far), once per choice
 of first node (the way back ends there): a partial plan that reaches the same state more cheaply
@@ -46,7 +47,7 @@ def route_cost(costs: CostModel, stages: tuple[tuple[int, int, int], ...]) -> Ro
         if not st.fits:
             return None
         total += st.compute_ns
-        slowest = max(slowest, st.compute_ns)
+        slowest = max(slowest, st.balance_ns)
         if k + 1 < len(stages):
             total += costs.hop_ns(i, stages[k + 1][0])
     if len(stages) > 1:
@@ -54,17 +55,20 @@ def route_cost(costs: CostModel, stages: tuple[tuple[int, int, int], ...]) -> Ro
     return Route(stages, total, slowest)
 
 
-def stage_table(costs: CostModel, i: int) -> np.ndarray:
-    """(L+1, L+1) int64: compute ns of layers [a, b) on node i, INF where a >= b or it overflows."""
+def stage_table(costs: CostModel, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """(L+1, L+1) int64 each: compute ns and balance ns (StageCost) of layers [a, b) on node i,
+    INF where a >= b or it overflows."""
     n = costs.model.n_layer
     table = np.full((n + 1, n + 1), INF, dtype=np.int64)
+    balance = np.full((n + 1, n + 1), INF, dtype=np.int64)
     for a in range(n):
         for b in range(a + 1, n + 1):
             st = costs.stage(i, a, b)
             if not st.fits:  # a longer range keeps at least these layers in RAM
                 break
             table[a, b] = st.compute_ns
-    return table
+            balance[a, b] = st.balance_ns
+    return table, balance
 
 
 def _better(s1: np.ndarray, m1: np.ndarray, s2: np.ndarray, m2: np.ndarray) -> np.ndarray:
@@ -107,7 +111,10 @@ def search(costs: CostModel) -> tuple[Route | None, Route | None]:
 
 
 def _routes_from(
-    costs: CostModel, tables: list[np.ndarray], hop: list[list[int]], first: int
+    costs: CostModel,
+    tables: list[tuple[np.ndarray, np.ndarray]],
+    hop: list[list[int]],
+    first: int,
 ) -> list[Route]:
     """For each set of nodes and last node, the best complete route that starts on `first`."""
     n_nodes, n = len(costs.nodes), costs.model.n_layer
@@ -120,8 +127,8 @@ def _routes_from(
     prev_b = np.zeros((size, n_nodes, n + 1), dtype=np.int32)
     prev_u = np.full((size, n_nodes, n + 1), -1, dtype=np.int32)
     start = 1 << first
-    tot[start, first] = tables[first][0]
-    mx[start, first] = tables[first][0]
+    tot[start, first] = tables[first][0][0]
+    mx[start, first] = tables[first][1][0]
     routes = []
     for mask in range(start, size):  # every step goes to a larger mask: states here are final
         if not mask & start:
@@ -149,9 +156,9 @@ def _routes_from(
             if g_tot.min() >= INF:
                 continue
             # v's stage [b, e): rows b, columns e; per e the best b, ties to the smaller slowest
-            step = tables[v][:n]
+            step, step_mx = tables[v][0][:n], tables[v][1][:n]
             t = g_tot[:, None] + step
-            m = np.maximum(g_mx[:, None], step)
+            m = np.maximum(g_mx[:, None], step_mx)
             t_min = t.min(axis=0)
             b_sel = np.where(t == t_min, m, INF).argmin(axis=0)
             new_tot, new_mx = t_min, m[b_sel, cols]
