@@ -134,8 +134,13 @@ def main() -> None:
         out = {"tok_s": N_STREAMS * n / dt, "groups": depth}
     if mode == "pool":
         out |= {"stage_ms": list(pipe.last_stage_ms), "hop_ms": list(pipe.last_hop_ms)}
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
     main()
+    # Workaround (as cli.main): gRPC's C++ core sometimes aborts in its static destructors when
+    # the interpreter finalizes with its channels' threads alive ("terminate called without an
+    # active exception", exit 134) after the result is printed; skip finalization.
+    sys.stderr.flush()
+    os._exit(0)

@@ -8,6 +8,7 @@ import os
 import random
 import re
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -195,6 +196,32 @@ def test_connections_are_bounded() -> None:
         srv.stop()
 
 
+def test_tls_data_port_pins_the_certificate(tmp_path: Path) -> None:
+    """With --tls the data connection is TLS with the worker's certificate; the client accepts
+    only the certificate the gRPC handshake pinned, and a plain client gets nowhere."""
+    from potluck.transport.tls import load_or_create_identity, server_ssl_context
+
+    own = load_or_create_identity(tmp_path / "node")
+    node = PoolAuth(A.key, True, own)
+    head = PoolAuth(A.key, True)
+    srv = DataServer(node, _echo, tls=server_ssl_context(own))
+    port = srv.listen("127.0.0.1", 0)
+    try:
+        link = DataLink(f"127.0.0.1:{port}", port, head, own.sha256)
+        assert list(link.send(_req("now", 3)).result(timeout=5).tokens) == [3]
+        assert isinstance(link._conn.sock, ssl.SSLSocket)  # type: ignore[union-attr]
+        link.close()
+        other = load_or_create_identity(tmp_path / "other").sha256
+        with pytest.raises(AuthError, match="TLS certificate mismatch on its data port"):
+            DataLink(f"127.0.0.1:{port}", port, head, other).open()
+        with pytest.raises(NodeError, match="handshake on its data port"):
+            DataLink(f"127.0.0.1:{port}", port, A).open()  # plain TCP to a TLS port
+        with pytest.raises(ValueError, match="pinned certificate"):
+            DataLink(f"127.0.0.1:{port}", port, head)
+    finally:
+        srv.stop()
+
+
 def test_client_keeps_the_grpc_stream_when_the_data_port_is_closed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -209,7 +236,7 @@ def test_client_keeps_the_grpc_stream_when_the_data_port_is_closed(
     assert "using the slower gRPC stream instead" in caplog.text
     tls = NodeClient("127.0.0.1:1", PoolAuth(key=b"k" * 32, tls=True))
     tls.data_port = 2
-    assert tls.use_data_port() is False  # the data port is plain TCP: with --tls, gRPC only
+    assert tls.use_data_port() is False  # no certificate pinned yet: no TLS data link
     client.close()
     tls.close()
 
@@ -217,7 +244,9 @@ def test_client_keeps_the_grpc_stream_when_the_data_port_is_closed(
 # -- real workers ---------------------------------------------------------------------------------
 
 
-def _start_worker(*args: str, secret: str | None = None) -> tuple[subprocess.Popen, str, int]:
+def _start_worker(
+    *args: str, secret: str | None = None, config: str | None = None
+) -> tuple[subprocess.Popen, str, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -225,6 +254,8 @@ def _start_worker(*args: str, secret: str | None = None) -> tuple[subprocess.Pop
     env.pop("POTLUCK_SECRET", None)
     if secret:
         env["POTLUCK_SECRET"] = secret
+    if config:
+        env["POTLUCK_CONFIG"] = config
     proc = subprocess.Popen(
         [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1", *args],
         env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
@@ -270,6 +301,29 @@ def test_pool_over_data_ports_and_grpc_streams_equals_one_process(smollm2_path: 
         for p in (fast, slow):
             p.terminate()
             p.wait(timeout=10)
+
+
+def test_tls_worker_computes_over_its_tls_data_port(smollm2_path: Path, tmp_path: Path) -> None:
+    secret = "tls data port test secret"
+    env_config = str(tmp_path / "config")
+    proc, addr, data = _start_worker("--tls", secret=secret, config=env_config)
+    try:
+        assert data > 0
+        auth = PoolAuth.from_secret(secret, tls=True)
+        n = load_model(smollm2_path, n_ctx=64).hp.n_layer
+        pool = load_model(smollm2_path, n_ctx=256, assignments=[Assignment(addr, 0, n)], auth=auth)
+        link = pool.pipeline.inner.clients[0].link  # type: ignore[attr-defined]
+        assert isinstance(link, DataLink) and link.cert_sha256
+        single = load_model(smollm2_path, n_ctx=256)
+        ids = single.tokenizer.encode("The moon orbits")
+        assert list(generate(pool, ids, 6, Sampler(GREEDY))) == list(
+            generate(single, ids, 6, Sampler(GREEDY))
+        )
+        assert isinstance(link._conn.sock, ssl.SSLSocket)  # type: ignore[union-attr]
+        pool.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_worker_data_port_needs_the_pool_secret(smollm2_path: Path) -> None:

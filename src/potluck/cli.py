@@ -805,7 +805,7 @@ def worker(
         bool,
         typer.Option(
             "--no-data-port",
-            help="Send hidden states over the gRPC port only (slower; always so with --tls).",
+            help="Send hidden states over the gRPC port only (slower).",
         ),
     ] = False,
 ) -> None:

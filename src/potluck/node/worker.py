@@ -48,7 +48,7 @@ from potluck.transport.codec import (
 from potluck.transport.dataplane import DataServer
 from potluck.transport.guard import Guard
 from potluck.transport.linkprobe import quick_link
-from potluck.transport.tls import server_credentials
+from potluck.transport.tls import server_credentials, server_ssl_context
 
 ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
 log = logging.getLogger("potluck.worker")
@@ -606,8 +606,8 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
           ) -> tuple[NodeServer, int]:  # fmt: skip
     """Start the node's gRPC server and its data port; returns them and the bound gRPC port
     (port 0 picks a free one). data_port: -1 = the gRPC port + 1, or any free port if that one is
-    taken; 0 = any free port; None = no data port (forward requests then come on gRPC streams,
-    as always with TLS).
+    taken; 0 = any free port; None = no data port (forward requests then come on gRPC streams).
+    With TLS the data port speaks TLS with the node's certificate.
 
     With a pool secret in `auth`, every call but Hello and the handshake needs a session
     (transport/guard.py); with `auth.tls` the node serves TLS with its own certificate."""
@@ -633,8 +633,9 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
         )
     server.start()
     data = None
-    if data_port is not None and not auth.tls:
-        data = DataServer(auth, service.serve_forward)
+    if data_port is not None:
+        tls = server_ssl_context(auth.identity) if auth.tls and auth.identity else None
+        data = DataServer(auth, service.serve_forward, tls=tls)
         try:
             service.data_port = data.listen(host, bound + 1 if data_port == -1 else data_port)
         except OSError as exc:

@@ -126,13 +126,14 @@ def server_proof(
     return _mac(key, b"potluck-v1 server", cn, challenge, cert_sha256, session.encode())
 
 
-def data_client_proof(key: bytes, sn: bytes, cn: bytes) -> bytes:
-    """The client's proof on a data connection (transport/dataplane.py): both fresh nonces."""
-    return _mac(key, b"potluck-v1 data client", sn, cn)
+def data_client_proof(key: bytes, sn: bytes, cn: bytes, cert_sha256: bytes) -> bytes:
+    """The client's proof on a data connection (transport/dataplane.py): both fresh nonces and
+    the node's TLS certificate (b"" without TLS)."""
+    return _mac(key, b"potluck-v1 data client", sn, cn, cert_sha256)
 
 
-def data_server_proof(key: bytes, sn: bytes, cn: bytes) -> bytes:
-    return _mac(key, b"potluck-v1 data server", sn, cn)
+def data_server_proof(key: bytes, sn: bytes, cn: bytes, cert_sha256: bytes) -> bytes:
+    return _mac(key, b"potluck-v1 data server", sn, cn, cert_sha256)
 
 
 # -- the node's side ------------------------------------------------------------------------------

@@ -235,12 +235,13 @@ class NodeClient:
 
     def use_data_port(self) -> bool:
         """Send forward requests over the node's data port from now on, if it has one (Hello
-        says) and it can be reached; else they stay on the gRPC stream (with --tls always)."""
+        says) and it can be reached; else they stay on the gRPC stream. With --tls the data
+        connection must show the certificate this client's gRPC handshake pinned."""
         if self._data_link is not None:
             return True
-        if self.auth.tls or not self.data_port:
+        if not self.data_port or (self.auth.tls and not self._cert_sha256):
             return False
-        self._data_link = open_data_link(self.address, self.data_port, self.auth)
+        self._data_link = open_data_link(self.address, self.data_port, self.auth, self._cert_sha256)
         return self._data_link is not None
 
     # -- connection and session ----------------------------------------------------------------

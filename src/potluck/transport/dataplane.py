@@ -5,8 +5,7 @@ times per token. Measured here (two processes pinned to one core each, loopback,
 messages): a gRPC Python stream ping-pong takes ≈ 260 µs (sync and asyncio alike), the same
 exchange on a plain socket ≈ 64 µs. Everything else (Hello, Load, weights, Drop, heartbeats, the
 handshake that opens gRPC sessions) stays on gRPC; a node's ForwardStream remains the fallback
-when its data port cannot be reached (a firewall that lets only the gRPC port through) and the
-only path with --tls.
+when its data port cannot be reached (a firewall that lets only the gRPC port through).
 
 Frames: a 4-byte big-endian length, then one message of potluck.proto. The node speaks first:
 
@@ -16,8 +15,11 @@ Frames: a 4-byte big-endian length, then one message of potluck.proto. The node 
 
 then ForwardRequest frames one way and ForwardReply frames the other (request_id matches them).
 K is the pool key (transport/auth.py); without a pool secret (loopback only) the proofs are
-empty. Both nonces are fresh per connection, so a recorded handshake is worthless. As with gRPC
-without --tls, the traffic after the handshake is authenticated at its start only, not encrypted.
+empty. Both nonces are fresh per connection, so a recorded handshake is worthless. With --tls the
+connection is TLS with the worker's certificate: the client checks that its sha256 is the one the
+gRPC handshake pinned, and both proofs cover it too (a machine in between that shows its own
+certificate cannot prove). Without --tls, as on gRPC, the traffic is authenticated at its start
+only, not encrypted.
 
 Threads: a node computes each request in its connection's own thread and writes the answer (or
 sends it on to the next node) from there, with no hand-off; a client writes in the caller's thread
@@ -27,10 +29,12 @@ and one reader thread per connection settles the futures.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import logging
 import os
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable
@@ -50,6 +54,7 @@ from potluck.transport.auth import (
 )
 from potluck.transport.codec import PROTOCOL_VERSION, WireError
 from potluck.transport.limits import MAX_REPLY_BYTES, MAX_REQUEST_BYTES, check_message
+from potluck.transport.tls import SERVER_NAME, client_ssl_context
 
 log = logging.getLogger("potluck.transport")
 
@@ -119,9 +124,15 @@ class DataServer:
     """Accepts data connections next to a node's gRPC server and hands each request to `handler`."""
 
     def __init__(
-        self, auth: PoolAuth, handler: Handler, max_connections: int = MAX_CONNECTIONS
+        self,
+        auth: PoolAuth,
+        handler: Handler,
+        max_connections: int = MAX_CONNECTIONS,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """tls: the node's server context (transport/tls.server_ssl_context) when it runs --tls."""
         self.auth, self.handler, self.max_connections = auth, handler, max_connections
+        self.tls = tls
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._listener: socket.socket | None = None
@@ -171,9 +182,15 @@ class DataServer:
             ).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        raw = conn
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+                with self._lock:
+                    self._conns.discard(raw)
+                    self._conns.add(conn)
             if not self._handshake(conn):
                 return
             conn.settimeout(None)
@@ -200,12 +217,14 @@ class DataServer:
                     )
                     continue
                 self.handler(request, answer)
-        except (OSError, FrameError, DecodeError):
+        except (OSError, FrameError, DecodeError):  # ssl.SSLError is an OSError
             pass  # a broken or malformed connection ends; the node serves on
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._conns.discard(raw)
             conn.close()
+            raw.close()
 
     def _handshake(self, conn: socket.socket) -> bool:
         sn = os.urandom(NONCE_BYTES)
@@ -231,11 +250,13 @@ class DataServer:
         if key is None:
             send_frame(conn, pb.DataAuthReply().SerializeToString())
             return True
+        cert = self.auth.cert_sha256
         if len(cn) != NONCE_BYTES or not hmac.compare_digest(
-            bytes(msg.proof), data_client_proof(key, sn, cn)
+            bytes(msg.proof), data_client_proof(key, sn, cn, cert)
         ):
             return refuse("pool secret mismatch")
-        send_frame(conn, pb.DataAuthReply(proof=data_server_proof(key, sn, cn)).SerializeToString())
+        reply = pb.DataAuthReply(proof=data_server_proof(key, sn, cn, cert))
+        send_frame(conn, reply.SerializeToString())
         return True
 
 
@@ -255,9 +276,13 @@ class DataLink:
     once with a future of the reply and never raises; if the connection breaks, every waiting
     future fails with a NodeError and the next `send` connects again."""
 
-    def __init__(self, address: str, port: int, auth: PoolAuth) -> None:
+    def __init__(self, address: str, port: int, auth: PoolAuth, cert_sha256: bytes = b"") -> None:
+        """cert_sha256: with auth.tls, the node's certificate as the gRPC handshake pinned it."""
+        if auth.tls and not cert_sha256:
+            raise ValueError("a TLS data link needs the node's pinned certificate")
         self.address = address  # the node's gRPC host:port: how messages name it
         self.host, self.port, self.auth = split_host(address), port, auth
+        self.cert_sha256 = cert_sha256 if auth.tls else b""
         self._lock = threading.Lock()  # the connection and its pending replies
         self._write = threading.Lock()  # one frame at a time, in the order requests are numbered
         self._conn: _Conn | None = None
@@ -280,6 +305,15 @@ class DataLink:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(max(timeout, HANDSHAKE_TIMEOUT_S))
+            if self.auth.tls:
+                sock = client_ssl_context().wrap_socket(sock, server_hostname=SERVER_NAME)
+                seen = hashlib.sha256(sock.getpeercert(binary_form=True) or b"").digest()
+                if not hmac.compare_digest(seen, self.cert_sha256):
+                    raise AuthError(
+                        f"node {self.address}: TLS certificate mismatch on its data port "
+                        f"({seen.hex()[:16]}, pinned {self.cert_sha256.hex()[:16]}): something "
+                        "between the two machines answers in its place"
+                    )
             self._handshake(sock)
             sock.settimeout(None)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -309,7 +343,7 @@ class DataLink:
                 f"{PROTOCOL_VERSION}; install the same Potluck version on every machine"
             )
         sn, cn, key = bytes(hello.nonce), os.urandom(NONCE_BYTES), self.auth.key
-        proof = data_client_proof(key, sn, cn) if key is not None else b""
+        proof = data_client_proof(key, sn, cn, self.cert_sha256) if key is not None else b""
         send_frame(
             sock,
             pb.DataAuth(
@@ -326,7 +360,7 @@ class DataLink:
                 f"node {self.address} rejected this machine: {reply.error} ({MISMATCH_HINT})"
             )
         if key is not None and not hmac.compare_digest(
-            bytes(reply.proof), data_server_proof(key, sn, cn)
+            bytes(reply.proof), data_server_proof(key, sn, cn, self.cert_sha256)
         ):
             raise AuthError(
                 f"node {self.address} did not prove on its data port that it knows the pool "
@@ -397,10 +431,12 @@ class DataLink:
             self._end(conn, exc)
 
 
-def open_data_link(address: str, port: int, auth: PoolAuth) -> DataLink | None:
+def open_data_link(
+    address: str, port: int, auth: PoolAuth, cert_sha256: bytes = b""
+) -> DataLink | None:
     """A connected DataLink to the node, or None (said in the log) when its data port cannot be
     used: the caller then keeps the gRPC stream."""
-    link = DataLink(address, port, auth)
+    link = DataLink(address, port, auth, cert_sha256)
     try:
         link.open()
     except NodeError as exc:

@@ -16,6 +16,7 @@ import hashlib
 import os
 import socket
 import ssl
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +98,27 @@ def load_or_create_identity(config: Path) -> TlsIdentity:
             f.write(data)
         tmp.replace(path)
     return TlsIdentity(key_pem, cert_pem, _der_sha256(cert_pem))
+
+
+def server_ssl_context(identity: TlsIdentity) -> ssl.SSLContext:
+    """TLS for a node's data port (transport/dataplane.py), with the worker's own certificate."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory() as d:  # the ssl module loads a key only from a file
+        key, cert = Path(d) / "key.pem", Path(d) / "cert.pem"
+        with os.fdopen(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(identity.key_pem)
+        cert.write_bytes(identity.cert_pem)
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def client_ssl_context() -> ssl.SSLContext:
+    """TLS to a node's data port: no CA and no name check here; the caller compares the
+    certificate's sha256 with the one the pool handshake pinned (both proofs cover it)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 def server_credentials(identity: TlsIdentity) -> grpc.ServerCredentials:
