@@ -26,7 +26,7 @@ from potluck.transport.auth import (
     explain_refusal,
     handshake,
 )
-from potluck.transport.dataplane import DataLink, open_data_link
+from potluck.transport.dataplane import DataLink, open_data_link, settle
 from potluck.transport.limits import CLIENT_SIZE_OPTIONS, MAX_REQUEST_BYTES, SERVER_OPTIONS
 from potluck.transport.tls import (
     CHANNEL_TLS_OPTIONS,
@@ -118,14 +118,8 @@ class ForwardLink:
                 answered = True
                 with self._lock:
                     fut = self._pending.pop(reply.request_id, (None, None))[0]
-                if fut is None:
-                    continue  # an answer nobody waits for: ignore it
-                if reply.error:
-                    fut.set_exception(
-                        NodeError(f"node {self.client.address}: {reply.error} ({reply.error_code})")
-                    )
-                else:
-                    fut.set_result(reply)
+                if fut is not None:  # else an answer nobody waits for: ignore it
+                    settle(fut, reply, self.client.address)
             failure = NodeError(f"node {self.client.address} closed the stream")
         except grpc.RpcError as exc:
             if self.client.session_refused(exc) and resend and not answered and self._reopen(q):

@@ -117,6 +117,14 @@ def split_host(address: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+def settle(fut: Future[pb.ForwardReply], reply: pb.ForwardReply, address: str) -> None:
+    """A node's answer to one forward request: its reply, or the error it names."""
+    if reply.error:
+        fut.set_exception(NodeError(f"node {address}: {reply.error} ({reply.error_code})"))
+    else:
+        fut.set_result(reply)
+
+
 # -- the node's side ------------------------------------------------------------------------------
 
 
@@ -374,14 +382,8 @@ class DataLink:
                 reply.ParseFromString(data)
                 with self._lock:
                     fut = conn.pending.pop(reply.request_id, None)
-                if fut is None:
-                    continue  # an answer nobody waits for (its batch was given up)
-                if reply.error:
-                    fut.set_exception(
-                        NodeError(f"node {self.address}: {reply.error} ({reply.error_code})")
-                    )
-                else:
-                    fut.set_result(reply)
+                if fut is not None:  # else an answer nobody waits for (its batch was given up)
+                    settle(fut, reply, self.address)
             failure = NodeError(f"node {self.address} closed the data connection")
         except (OSError, FrameError, DecodeError) as exc:
             failure = NodeError(f"node {self.address}: the data connection broke ({exc})")
