@@ -352,3 +352,23 @@ def test_worker_data_port_needs_the_pool_secret(smollm2_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_doctor_warns_when_the_data_port_is_closed() -> None:
+    """`potluck doctor`: a worker's data port that cannot be reached is a warning (the pool still
+    works, over the slower gRPC stream) with the command that opens it; an open one is ok."""
+    from potluck.discovery.doctor import OK, WARN, _data_port_check
+    from potluck.discovery.static import Peer
+
+    srv = DataServer(A, _echo)
+    port = srv.listen("127.0.0.1", 0)
+    peer = Peer(f"127.0.0.1:{port - 1}", "--peer")
+    try:
+        ok = _data_port_check(peer, port, 2.0)
+        assert ok.status == OK and f"data port {port} open" in ok.detail
+    finally:
+        srv.stop()
+    closed = _data_port_check(peer, port, 2.0)  # nothing listens there any more
+    assert closed.status == WARN
+    assert f"data port {port} cannot be reached" in closed.detail
+    assert "slower gRPC stream" in closed.detail and str(port) in closed.advice

@@ -58,7 +58,7 @@ THROTTLE_WARN = 0.15  # a drop of 15 % between the first and last fifth of the l
 
 @dataclass(frozen=True)
 class Check:
-    check: str  # "reach", "handshake", "version", "secret", "threads", "link", "load", "model"
+    check: str  # "reach", "handshake", "version", "data port", "secret", "threads", "link", "load", "model"
     node: str
     status: str  # OK, WARN, FAIL or SKIP
     detail: str  # what was measured or seen
