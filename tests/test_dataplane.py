@@ -372,3 +372,24 @@ def test_doctor_warns_when_the_data_port_is_closed() -> None:
     assert closed.status == WARN
     assert f"data port {port} cannot be reached" in closed.detail
     assert "slower gRPC stream" in closed.detail and str(port) in closed.advice
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int64"])
+def test_tensor_codec_round_trip(dtype: str) -> None:
+    """What crosses the wire comes back equal (floats as fp32), in memory the tensor owns (a stage
+    may write its input in place), for every dtype and an empty tensor."""
+    import torch
+
+    from potluck.transport.codec import tensor_from_proto, tensor_to_proto
+
+    t_dtype = getattr(torch, dtype)
+    src = (torch.arange(12) - 5).reshape(3, 4).to(t_dtype)
+    msg = tensor_to_proto(src)
+    assert msg.dtype == dtype and list(msg.shape) == [3, 4]
+    back = tensor_from_proto(msg)
+    want = src.float() if src.is_floating_point() else src
+    assert back.dtype == want.dtype and torch.equal(back, want)
+    back += 1  # writable, and not a view of the message's bytes
+    assert torch.equal(tensor_from_proto(msg), want)
+    empty = tensor_from_proto(tensor_to_proto(torch.empty(0, 4, dtype=t_dtype)))
+    assert empty.shape == (0, 4)
