@@ -61,6 +61,8 @@ def tensor_from_proto(msg: pb.Tensor, max_elements: int = MAX_TENSOR_ELEMENTS) -
         raise WireError(
             f"tensor {shape} {msg.dtype} needs {n * itemsize:,} bytes, got {len(msg.data):,}"
         )
+    if n == 0:  # (a zero-length buffer cannot be viewed as a wider dtype)
+        return torch.empty(shape, dtype=torch.float32 if dtype.is_floating_point else dtype)
     buf = np.frombuffer(msg.data, dtype=np.uint8).copy()
     t = torch.from_numpy(buf)
     t = t.view(torch.int16).view(torch.bfloat16) if dtype == torch.bfloat16 else t.view(dtype)
