@@ -42,6 +42,8 @@ def _echo(request: pb.ForwardRequest, answer) -> None:
         threading.Timer(0.05, answer, args=(reply,)).start()
     elif request.plan_id == "never":
         return
+    elif request.plan_id == "bug":
+        raise ZeroDivisionError("a handler bug")
     else:
         answer(reply)
 
@@ -137,6 +139,23 @@ def test_bad_frames_end_only_their_connection(server: tuple[DataServer, int]) ->
         conn.sock.sendall(struct.pack(">I", 5) + b"\xff" * 5)
         assert isinstance(link.send(_req("never")).exception(timeout=5), NodeError)
         assert list(link.send(_req("now", 2)).result(timeout=5).tokens) == [2]  # reconnected
+    finally:
+        link.close()
+
+
+def test_a_handler_bug_is_answered_and_the_connection_lives(
+    server: tuple[DataServer, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    _, port = server
+    link = DataLink(f"127.0.0.1:{port}", port, A)
+    try:
+        with caplog.at_level(logging.ERROR, "potluck.transport"):
+            err = link.send(_req("bug")).exception(timeout=5)
+        assert isinstance(err, NodeError) and "internal error: a handler bug (INTERNAL)" in str(err)
+        assert "forward request" in caplog.text
+        conn = link._conn
+        assert list(link.send(_req("now", 2)).result(timeout=5).tokens) == [2]
+        assert link._conn is conn  # the same connection
     finally:
         link.close()
 

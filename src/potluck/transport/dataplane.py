@@ -224,7 +224,17 @@ class DataServer:
                         )
                     )
                     continue
-                self.handler(request, answer)
+                try:
+                    self.handler(request, answer)
+                except Exception as exc:  # a bug in the handler: say it, keep serving (as gRPC)
+                    log.exception("forward request %d failed", request.request_id)
+                    answer(
+                        pb.ForwardReply(
+                            request_id=request.request_id,
+                            error=f"internal error: {exc}",
+                            error_code="INTERNAL",
+                        )
+                    )
         except (OSError, FrameError, DecodeError):  # ssl.SSLError is an OSError
             pass  # a broken or malformed connection ends; the node serves on
         finally:
