@@ -35,6 +35,9 @@ B = PoolAuth.from_secret("another pool's secret")
 NONE = PoolAuth()
 
 
+GATE = threading.Event()  # plan "gated": the node's connection thread waits here (a busy node)
+
+
 def _echo(request: pb.ForwardRequest, answer) -> None:
     """Answers with the number of chunks; plan "later" answers from another thread after 50 ms."""
     reply = pb.ForwardReply(request_id=request.request_id, tokens=[len(request.chunks)])
@@ -42,6 +45,9 @@ def _echo(request: pb.ForwardRequest, answer) -> None:
         threading.Timer(0.05, answer, args=(reply,)).start()
     elif request.plan_id == "never":
         return
+    elif request.plan_id == "gated":
+        GATE.wait(30)
+        answer(reply)
     elif request.plan_id == "bug":
         raise ZeroDivisionError("a handler bug")
     else:
@@ -156,6 +162,39 @@ def test_a_handler_bug_is_answered_and_the_connection_lives(
         conn = link._conn
         assert list(link.send(_req("now", 2)).result(timeout=5).tokens) == [2]
         assert link._conn is conn  # the same connection
+    finally:
+        link.close()
+
+
+def test_large_frames_do_not_block_the_sender_while_the_node_is_busy(
+    server: tuple[DataServer, int],
+) -> None:
+    """Prompt micro-batches of hidden states are large: while the node computes (here: its
+    connection thread waits on a gate, reading nothing) the sender's sends return at once, so a
+    stage goes on with its next micro-batch; the frames then arrive complete and in order."""
+    _, port = server
+    link = DataLink(f"127.0.0.1:{port}", port, A)
+    big = pb.Tensor(data=bytes(4 * 2**20), shape=[2**20], dtype="float32")  # 4 MiB each
+    GATE.clear()
+    futures: list[Future[pb.ForwardReply]] = []
+
+    def send_all() -> None:
+        for k in range(1, 9):  # 32 MiB in all: far more than the sockets buffer
+            futures.append(link.send(pb.ForwardRequest(plan_id="gated", input=big, chunks=[
+                pb.SeqChunk(seq_id=i, n=1) for i in range(k)])))  # fmt: skip
+        futures.append(link.send(_req("gated", 9)))  # a small one behind them keeps its place
+
+    sender = threading.Thread(target=send_all)
+    try:
+        sender.start()
+        sender.join(timeout=20)
+        assert not sender.is_alive(), "send() blocked while the node was busy"
+        assert not any(f.done() for f in futures)
+    finally:
+        GATE.set()
+        sender.join(timeout=20)
+    try:
+        assert [list(f.result(timeout=30).tokens) for f in futures] == [[k] for k in range(1, 10)]
     finally:
         link.close()
 

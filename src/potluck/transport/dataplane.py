@@ -28,6 +28,7 @@ and one reader thread per connection settles the futures.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -305,6 +306,11 @@ class DataLink:
         self._write = threading.Lock()  # one frame at a time, in the order requests are numbered
         self._conn: _Conn | None = None
         self._next_id = 0
+        # frames the writer thread still has to send, in order (see send)
+        self._backlog: collections.deque[tuple[_Conn, bytes]] = collections.deque()
+        self._more = threading.Condition(self._write)
+        self._writer: threading.Thread | None = None
+        self._stopping = False
 
     def open(self, timeout: float = CONNECT_TIMEOUT_S) -> None:
         """Connect and prove membership now (else the first `send` does). Raises NodeError."""
@@ -424,15 +430,48 @@ class DataLink:
                 self._next_id += 1
                 request.request_id = self._next_id
                 conn.pending[self._next_id] = fut
-            try:
-                send_frame(conn.sock, request.SerializeToString())
-            except OSError as exc:  # the reader sees the same break; make sure it does
-                self._end(
-                    conn, NodeError(f"node {self.address}: the data connection broke ({exc})")
-                )
+            data = request.SerializeToString()
+            if self._backlog or len(data) > _SMALL:
+                # A large frame (a prompt micro-batch of hidden states) goes through the writer
+                # thread, and everything after it until it is out: a send blocks while the node
+                # computes and its socket buffers are full, and the caller (a stage) should
+                # compute its next micro-batch meanwhile. Small frames go out at once.
+                self._backlog.append((conn, data))
+                self._stopping = False
+                if self._writer is None:
+                    self._writer = threading.Thread(
+                        target=self._write_backlog, name=f"potluck-send-{self.address}",
+                        daemon=True,
+                    )  # fmt: skip
+                    self._writer.start()
+                self._more.notify()
+            else:
+                self._send(conn, data)
         return fut
 
+    def _send(self, conn: _Conn, data: bytes) -> None:
+        try:
+            send_frame(conn.sock, data)
+        except OSError as exc:  # the reader sees the same break; make sure it does
+            self._end(conn, NodeError(f"node {self.address}: the data connection broke ({exc})"))
+
+    def _write_backlog(self) -> None:
+        while True:
+            with self._write:
+                while not self._backlog:
+                    if self._stopping:  # closed: the next large send starts a new writer
+                        self._writer = None
+                        return
+                    self._more.wait()
+                conn, data = self._backlog[0]  # stays queued while it is sent: keeps the order
+            self._send(conn, data)
+            with self._write:
+                self._backlog.popleft()
+
     def close(self) -> None:
+        with self._write:
+            self._stopping = True
+            self._more.notify()
         self.fail_all(NodeError(f"the link to node {self.address} was closed"))
 
     def fail_all(self, exc: BaseException) -> None:
