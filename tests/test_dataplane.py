@@ -354,6 +354,15 @@ def test_pool_over_data_ports_and_grpc_streams_equals_one_process(smollm2_path: 
         assert clients[0].data_port == fast_data
         assert isinstance(clients[1].link, ForwardLink)
         assert list(generate(pool, ids, 12, Sampler(GREEDY))) == want
+        # logits of every row (perplexity) relayed back through the middle worker: exact
+        import torch
+
+        from potluck.model.stage import SeqChunk
+
+        rows = torch.arange(len(ids))
+        got = pool.pipeline.forward(torch.tensor(ids), [SeqChunk(901, len(ids))], rows)
+        ref = single.pipeline.forward(torch.tensor(ids), [SeqChunk(901, len(ids))], rows)
+        assert got.shape == (len(ids), single.hp.n_vocab) and torch.equal(got, ref)
         pool.close()
     finally:
         for p in (fast, slow):

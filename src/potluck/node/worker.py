@@ -358,16 +358,14 @@ class NodeService(pb_grpc.NodeServicer):
 
     @staticmethod
     def _relay(reply: pb.ForwardReply, stage_ms: float, wall_ms: float) -> pb.ForwardReply:
-        """The downstream reply with this stage's compute and the hop to the next node in front."""
-        hop_ms = wall_ms - sum(reply.stage_ms) - sum(reply.hop_ms)
-        return pb.ForwardReply(
-            tokens=reply.tokens,
-            logits=reply.logits,
-            stage_ms=[stage_ms, *reply.stage_ms],
-            hop_ms=[hop_ms, *reply.hop_ms],
-            logprobs=reply.logprobs,
-            top=reply.top,
-        )
+        """The downstream reply (changed in place: its logits may be large) with this stage's
+        compute and the hop to the next node in front."""
+        stages, hops = list(reply.stage_ms), list(reply.hop_ms)
+        del reply.stage_ms[:], reply.hop_ms[:]
+        reply.stage_ms.extend([stage_ms, *stages])
+        reply.hop_ms.extend([wall_ms - sum(stages) - sum(hops), *hops])
+        reply.request_id = 0  # the downstream link's id; the caller sets its own
+        return reply
 
     def _finish(
         self, loaded: LoadedStage, request: pb.ForwardRequest, y: torch.Tensor, stage_ms: float
