@@ -460,3 +460,23 @@ def test_tensor_codec_round_trip(dtype: str) -> None:
     assert torch.equal(tensor_from_proto(msg), want)
     empty = tensor_from_proto(tensor_to_proto(torch.empty(0, 4, dtype=t_dtype)))
     assert empty.shape == (0, 4)
+
+
+def test_a_worker_on_the_data_port_of_another_says_so() -> None:
+    """Workers on one machine with consecutive ports: the second one's gRPC port is the first
+    one's data port; it says what to do instead of a bare 'port taken'."""
+    first, addr, data = _start_worker()
+    try:
+        port = int(addr.rpartition(":")[2])
+        assert data == port + 1
+        env = {**os.environ, "POTLUCK_MDNS": "0"}
+        done = subprocess.run(
+            [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port + 1), "-t", "1"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 1
+        assert f"cannot listen on 127.0.0.1:{port + 1}" in done.stderr
+        assert "ports two apart" in done.stderr
+    finally:
+        first.terminate()
+        first.wait(timeout=10)

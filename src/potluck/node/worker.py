@@ -619,15 +619,20 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
     service = NodeService(name or f"{host}:{port}", threads, model_dirs, auth, mem_limit, idle_s)
     pb_grpc.add_NodeServicer_to_server(service, server)
     pb_grpc.add_NodeAuthServicer_to_server(AuthService(Handshakes(auth, sessions)), server)
-    if auth.tls:
-        if auth.identity is None:
-            raise PotluckError("a worker with --tls needs its certificate (auth.identity)")
-        bound = server.add_secure_port(f"{host}:{port}", server_credentials(auth.identity))
-    else:
-        bound = server.add_insecure_port(f"{host}:{port}")
+    if auth.tls and auth.identity is None:
+        raise PotluckError("a worker with --tls needs its certificate (auth.identity)")
+    try:
+        if auth.tls and auth.identity is not None:
+            bound = server.add_secure_port(f"{host}:{port}", server_credentials(auth.identity))
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        bound = 0
     if bound == 0:
         raise PotluckError(
-            f"cannot listen on {host}:{port}: the port is taken or the address is not on this machine"
+            f"cannot listen on {host}:{port}: the port is taken (a worker also takes port + 1 for "
+            "hidden states: give workers on one machine ports two apart, e.g. -p 50052 and -p "
+            "50054) or the address is not on this machine"
         )
     server.start()
     data = None
