@@ -10,20 +10,21 @@ when its data port cannot be reached (a firewall that lets only the gRPC port th
 Frames: a 4-byte big-endian length, then one message of potluck.proto. The node speaks first:
 
     node   → DataHello(version, sn)            sn, cn: 32 fresh random bytes each
-    client → DataAuth(version, cn, proof)      proof = HMAC(K, "data client", sn, cn)
-    node   → DataAuthReply(proof | error)      proof = HMAC(K, "data server", sn, cn)
+    client → DataAuth(version, cn, proof)      proof = HMAC(K, "data client", sn, cn, cert)
+    node   → DataAuthReply(proof | error)      proof = HMAC(K, "data server", sn, cn, cert)
 
 then ForwardRequest frames one way and ForwardReply frames the other (request_id matches them).
-K is the pool key (transport/auth.py); without a pool secret (loopback only) the proofs are
-empty. Both nonces are fresh per connection, so a recorded handshake is worthless. With --tls the
+K is the pool key (transport/auth.py), cert the sha256 of the node's TLS certificate ("" without
+--tls); without a pool secret (loopback only) the proofs are empty. Both nonces are fresh per connection, so a recorded handshake is worthless. With --tls the
 connection is TLS with the worker's certificate: the client checks that its sha256 is the one the
 gRPC handshake pinned, and both proofs cover it too (a machine in between that shows its own
 certificate cannot prove). Without --tls, as on gRPC, the traffic is authenticated at its start
 only, not encrypted.
 
 Threads: a node computes each request in its connection's own thread and writes the answer (or
-sends it on to the next node) from there, with no hand-off; a client writes in the caller's thread
-and one reader thread per connection settles the futures.
+sends it on to the next node) from there, with no hand-off; a client writes small frames in the
+caller's thread and large ones (and whatever follows them) through a writer thread, and one reader
+thread per connection settles the futures.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from potluck.transport.auth import (
 )
 from potluck.transport.codec import PROTOCOL_VERSION, WireError
 from potluck.transport.limits import MAX_REPLY_BYTES, MAX_REQUEST_BYTES, check_message
-from potluck.transport.tls import SERVER_NAME, client_ssl_context
+from potluck.transport.tls import SERVER_NAME, client_ssl_context, split_address
 
 log = logging.getLogger("potluck.transport")
 
@@ -110,12 +111,6 @@ def send_frame(sock: socket.socket, data: bytes) -> None:
     else:  # no copy of a large body
         sock.sendall(_LEN.pack(len(data)))
         sock.sendall(data)
-
-
-def split_host(address: str) -> str:
-    """'10.0.0.2:50052' -> '10.0.0.2'; '[::1]:50052' -> '::1'."""
-    host = address.rpartition(":")[0]
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def settle(fut: Future[pb.ForwardReply], reply: pb.ForwardReply, address: str) -> None:
@@ -300,7 +295,7 @@ class DataLink:
         if auth.tls and not cert_sha256:
             raise ValueError("a TLS data link needs the node's pinned certificate")
         self.address = address  # the node's gRPC host:port: how messages name it
-        self.host, self.port, self.auth = split_host(address), port, auth
+        self.host, self.port, self.auth = split_address(address)[0], port, auth
         self.cert_sha256 = cert_sha256 if auth.tls else b""
         self._lock = threading.Lock()  # the connection and its pending replies
         self._write = threading.Lock()  # one frame at a time, in the order requests are numbered
