@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import hashlib
 import os
 import platform
@@ -863,12 +864,14 @@ def _keep_large_blocks() -> None:
 
 
 def trim_heap() -> None:
-    """Give freed heap memory back to the OS (glibc's malloc_trim; no-op without glibc).
+    """Collect garbage, then give freed heap memory back to the OS (glibc's malloc_trim; only the
+    collection without glibc).
 
     With the mmap threshold at 32 MiB (above), blocks of a few MiB live on the heap and stay in the
     process after they are freed: the node's speed probe alone left ≈ 85 MiB, and a replaced or
     idle-freed plan its whole stage. A node calls this after such frees (not on the token path:
     it walks the heap)."""
+    gc.collect()  # a dropped stage may sit in a reference cycle
     try:
         libc = ctypes.CDLL(None)
         libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], _I

@@ -8,7 +8,6 @@ stage's node and passes the reply (token ids) back up the chain.
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import logging
 import queue
@@ -113,7 +112,6 @@ class NodeService(pb_grpc.NodeServicer):
             if threads:
                 torch.set_num_threads(threads)
             self.speed = decode_bytes_per_s()  # measured once, before any stage is loaded
-            gc.collect()
             trim_heap()  # the probe's buffers go back to the OS
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
 
@@ -139,7 +137,6 @@ class NodeService(pb_grpc.NodeServicer):
                         if gone.next_hop is not None:
                             gone.next_hop.close()
                         del gone
-                        gc.collect()
                         trim_heap()
 
     # -- handshake ---------------------------------------------------------------------------------
@@ -225,7 +222,6 @@ class NodeService(pb_grpc.NodeServicer):
             if old.next_hop is not None:
                 old.next_hop.close()
             del old
-        gc.collect()
         trim_heap()  # the replaced plan's stage and the load's buffers go back to the OS
         return pb.LoadReply(
             weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0
