@@ -97,12 +97,11 @@ def test_pool_equals_single_process_smollm2(
     stage_ms = pool.pipeline.last_stage_ms
     assert len(stage_ms) == 3 and all(ms > 0 for ms in stage_ms)
     if shares is None:  # prompts over a pool go in micro-batches that overlap in the stages
-        from potluck.cli import _prompt_batch
-        from potluck.engine.generate import DEFAULT_N_BATCH, POOL_N_BATCH
+        from potluck.engine.generate import DEFAULT_N_BATCH, POOL_N_BATCH, prompt_batch
 
-        assert _prompt_batch(pool, None) == POOL_N_BATCH < DEFAULT_N_BATCH
-        assert _prompt_batch(pool, 64) == 64
-        assert _prompt_batch(load_model(smollm2_path, n_ctx=64), None) == DEFAULT_N_BATCH
+        assert prompt_batch(pool) == POOL_N_BATCH < DEFAULT_N_BATCH
+        assert prompt_batch(pool, 64) == 64
+        assert prompt_batch(load_model(smollm2_path, n_ctx=64)) == DEFAULT_N_BATCH
 
 
 def test_pool_equals_single_process_gemma3(workers: list[str], gemma3_path: Path) -> None:

@@ -59,12 +59,6 @@ PromptBatchOpt = Annotated[
 ]
 
 
-def _prompt_batch(m, batch: int | None) -> int:
-    from potluck.engine.generate import DEFAULT_N_BATCH, POOL_N_BATCH
-
-    return batch or (POOL_N_BATCH if m.pipeline.depth > 1 else DEFAULT_N_BATCH)
-
-
 def _physical_cores() -> int:
     import psutil
 
@@ -444,6 +438,7 @@ def run(
 ) -> None:
     """Generate text from a prompt, streaming it to stdout (over the pool's workers: found on
     mDNS, or --peer)."""
+    from potluck.engine.generate import prompt_batch
     from potluck.engine.sampling import Sampler
 
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
@@ -460,7 +455,7 @@ def run(
             {"role": "user", "content": prompt}
         ]
         ids = m.tokenizer.encode(m.chat.render(msgs))
-    _stream(m, ids, n_predict, Sampler(params), _prompt_batch(m, batch))
+    _stream(m, ids, n_predict, Sampler(params), prompt_batch(m, batch))
 
 
 @app.command()
@@ -489,6 +484,7 @@ def chat(
     failover_timeout: FailoverOpt = 5.0,
 ) -> None:
     """Chat interactively with the model's chat template. Ctrl-D or /exit to leave."""
+    from potluck.engine.generate import prompt_batch
     from potluck.engine.sampling import Sampler
 
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
@@ -516,7 +512,7 @@ def chat(
         msgs.append({"role": "user", "content": line})
         ids = m.tokenizer.encode(m.chat.render(msgs))
         try:
-            out = _stream(m, ids, n_predict, sampler, _prompt_batch(m, batch))
+            out = _stream(m, ids, n_predict, sampler, prompt_batch(m, batch))
         except PotluckError as exc:  # e.g. the conversation outgrew the context: say so, keep going
             err.print(f"[red]error:[/] {exc}")
             msgs.pop()
@@ -955,8 +951,11 @@ def serve(
     tls: TlsOpt = False,
 ) -> None:
     """Serve the model (over a pool with --peer) as an OpenAI-compatible API with a web page."""
+    import dataclasses
+
     from potluck.api.server import ServerConfig, create_app, is_loopback, model_id_of
     from potluck.api.server import serve as run_server
+    from potluck.engine.generate import DEFAULT_N_BATCH, prompt_batch
     from potluck.engine.scheduler import Scheduler, SchedulerConfig
 
     key = api_key or os.environ.get("POTLUCK_API_KEY") or None
@@ -966,8 +965,8 @@ def serve(
             "the model; pass --api-key KEY (or set POTLUCK_API_KEY), or --no-api-key to accept that"
         )
     try:
-        sched_config = SchedulerConfig(
-            n_batch=batch or 512, max_queue=max_queue, max_active=parallel
+        sched_config = SchedulerConfig(  # checked now; n_batch settled once the pool is known
+            n_batch=batch or DEFAULT_N_BATCH, max_queue=max_queue, max_active=parallel
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -975,10 +974,7 @@ def serve(
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls), balance="decode"
     )  # many streams at once: stages even in decode time
-    if batch is None:  # over a pool, prompt micro-batches small enough to overlap in the stages
-        import dataclasses
-
-        sched_config = dataclasses.replace(sched_config, n_batch=_prompt_batch(m, None))
+    sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, batch))
     scheduler = Scheduler(m, sched_config)
     app_ = create_app(m, scheduler, ServerConfig(model_id=model_id_of(m), api_key=key))
 

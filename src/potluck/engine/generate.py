@@ -106,9 +106,8 @@ class Pipeline(Protocol):
     """What generation needs from a pipeline, local or spread over nodes (engine/pipeline.py)."""
 
     stages: list[Stage]
-    depth: (
-        int  # how many batches may usefully be in flight at once (the number of pipelined stages)
-    )
+    # how many batches may usefully be in flight at once (the number of pipelined stages)
+    depth: int
 
     def step(
         self,
@@ -285,6 +284,12 @@ def split_points(n_layer: int, shares: Sequence[float]) -> list[int]:
         b = max(b, (bounds[-1] if bounds else 0) + 1)
         bounds.append(min(b, n_layer - (len(shares) - len(bounds) - 1)))
     return bounds
+
+
+def prompt_batch(model: Model, n_batch: int | None = None) -> int:
+    """Prompt tokens per forward pass: `n_batch` when given (-b), else DEFAULT_N_BATCH on one
+    machine and POOL_N_BATCH over a pool (micro-batches small enough to overlap in the stages)."""
+    return n_batch or (POOL_N_BATCH if model.pipeline.depth > 1 else DEFAULT_N_BATCH)
 
 
 def prefill(
