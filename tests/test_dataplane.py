@@ -480,3 +480,19 @@ def test_a_worker_on_the_data_port_of_another_says_so() -> None:
     finally:
         first.terminate()
         first.wait(timeout=10)
+
+
+def test_a_taken_data_port_given_by_hand_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "POTLUCK_MDNS": "0"}
+        done = subprocess.run(
+            [sys.executable, "-m", "potluck.cli", "worker", "-p", "0", "-t", "1",
+             "--data-port", str(port)],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert f"cannot listen on data port 127.0.0.1:{port}" in done.stderr
+    assert "--data-port" in done.stderr and "Traceback" not in done.stderr

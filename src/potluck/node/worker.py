@@ -640,6 +640,9 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
         except OSError as exc:
             if data_port != -1:
                 server.stop(0)
-                raise PotluckError(f"cannot listen on data port {data_port} ({exc})") from None
+                raise PotluckError(
+                    f"cannot listen on data port {host}:{data_port} ({exc.strerror or exc}): pick a "
+                    "free one with --data-port, or leave the flag out (port + 1, else any free port)"
+                ) from None
             service.data_port = data.listen(host, 0)  # port + 1 is taken: any free one
     return NodeServer(server, data, service.data_port), bound
