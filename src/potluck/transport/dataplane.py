@@ -353,7 +353,10 @@ class DataLink:
     def _handshake(self, sock: socket.socket) -> None:
         data = recv_frame(sock, MAX_HANDSHAKE_BYTES)
         if data is None:
-            raise NodeError(f"node {self.address} closed its data port {self.port} at once")
+            raise NodeError(
+                f"node {self.address}: the handshake on its data port {self.port} failed (the node "
+                "closed the connection before greeting; --tls on one side only?)"
+            )
         hello = pb.DataHello()
         hello.ParseFromString(data)
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -371,7 +374,10 @@ class DataLink:
         )
         data = recv_frame(sock, MAX_HANDSHAKE_BYTES)
         if data is None:
-            raise NodeError(f"node {self.address} closed its data port during the handshake")
+            raise NodeError(
+                f"node {self.address}: the handshake on its data port {self.port} failed (the node "
+                "closed the connection before answering the proof)"
+            )
         reply = pb.DataAuthReply()
         reply.ParseFromString(data)
         if reply.error:
