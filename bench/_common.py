@@ -139,7 +139,7 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
         table.add_column(escape(h), justify="left" if i < 3 else "right")
     for row in rows:
         table.add_row(*(escape(c) for c in row))
-    Console(width=max(Console().width, 110)).print(table)
+    Console(width=max(Console().width, 130)).print(table)
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
