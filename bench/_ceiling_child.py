@@ -4,7 +4,8 @@
 
 ROLE: single (layers [START, STOP) = the whole model, no partner) | first | last (the two stages of
 a pool that sends nothing: each side signals the other with one byte on a pipe where the pool
-would send hidden states or token ids). TASK: decode | streams | pp, scheduled as bench_pool.py's
+would send hidden states or token ids, and polls the pipe before it blocks as a worker polls its
+data connections: `SPIN_MS`, default 20 as `--spin-ms`, 0 = block at once). TASK: decode | streams | pp, scheduled as bench_pool.py's
 pool does them. The first stage (and `single`) times the run and prints one JSON line.
 
 Each stage is the engine's own `Stage` (the same object a worker computes with); the last one
@@ -23,12 +24,14 @@ import time
 import torch
 
 from potluck.engine.sampling import GREEDY, Sampler
+from potluck.kernels.native import spin_readable
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 
 N_STREAMS = 4
 PROMPT_WARMUP = 8  # tokens per sequence before timing (as bench_pool's prefill)
+SPIN_S = float(os.environ.get("SPIN_MS", "20")) / 1000  # a worker's default --spin-ms
 
 
 class Side:
@@ -73,6 +76,7 @@ def main() -> None:
         os.write(wfd, b"x")
 
     def wait() -> None:
+        spin_readable(rfd, SPIN_S)  # as a worker polls its data connections (transport/spin.py)
         if os.read(rfd, 1) != b"x":
             raise SystemExit("the other stage went away")
 

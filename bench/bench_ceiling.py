@@ -7,8 +7,9 @@ nothing vs the real pool, side by side.
 engine's own `Stage`, split as bench_pool.py splits), scheduled exactly as bench_pool.py's pool
 (one decode step at a time; two groups of two streams in flight; 128-token prompt micro-batches
 all submitted at once), but where the pool would send hidden states or token ids each side writes
-one byte on a pipe (bench/_ceiling_child.py). So its tok/s is the pool's ceiling here: compute of
-two alternating stages, no serialization, sockets, threads or head. The ratio to one process shows
+one byte on a pipe (bench/_ceiling_child.py; each polls its pipe before blocking, as a worker
+polls its data connections; `SPIN_MS=0` blocks at once). So its tok/s is the pool's ceiling
+here: compute of two alternating stages, no serialization, sockets, threads or head. The ratio to one process shows
 how much of a target is left for the transport to spend. The real pool (two `potluck worker -t 1`
 pinned, as bench_pool.py) runs in the same rotation: single, zero-transport, real, single, …
 Medians. Never asserts a time.

@@ -496,3 +496,37 @@ def test_a_taken_data_port_given_by_hand_is_one_line() -> None:
     assert done.returncode == 1
     assert f"cannot listen on data port 127.0.0.1:{port}" in done.stderr
     assert "--data-port" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_polling_and_sleeping_workers_equal_one_process(smollm2_path: Path) -> None:
+    """A worker that polls its data connections between tokens (the default, here 50 ms) and one
+    that sleeps at once (--spin-ms 0), with a head that only sends ids: one process's tokens."""
+    polling, polling_addr, _ = _start_worker("--spin-ms", "50")
+    sleeping, sleeping_addr, _ = _start_worker("--spin-ms", "0")
+    try:
+        single = load_model(smollm2_path, n_ctx=256)
+        ids = single.tokenizer.encode("Rivers flow into")
+        want = list(generate(single, ids, 10, Sampler(GREEDY)))
+        n = single.hp.n_layer
+        for first, second in ((polling_addr, sleeping_addr), (sleeping_addr, polling_addr)):
+            pool = load_model(
+                smollm2_path,
+                n_ctx=256,
+                assignments=[Assignment(first, 0, 14), Assignment(second, 14, n)],
+            )
+            assert list(generate(pool, ids, 10, Sampler(GREEDY))) == want
+            pool.pipeline.close()  # type: ignore[attr-defined]
+    finally:
+        for proc in (polling, sleeping):
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def test_spin_ms_out_of_range_is_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "worker", "-p", "0", "--spin-ms", "-1"],
+        env={**os.environ, "POTLUCK_MDNS": "0"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "--spin-ms must be in [0, 1000], got -1" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -804,6 +804,14 @@ def worker(
             help="Send hidden states over the gRPC port only (slower).",
         ),
     ] = False,
+    spin_ms: Annotated[
+        float,
+        typer.Option(
+            "--spin-ms",
+            help="Poll for the next hidden states this long (ms) before sleeping: the core stays "
+            "awake between tokens (faster, as llama.cpp's --poll); 0 = sleep at once.",
+        ),
+    ] = 20.0,
 ) -> None:
     """Serve layers to a pool: wait for a head (`potluck run --peer THIS_HOST:PORT`)."""
     import logging
@@ -825,6 +833,8 @@ def worker(
         )
     if idle_timeout <= 0:
         raise typer.BadParameter(f"--idle-timeout must be positive, got {idle_timeout}")
+    if not 0 <= spin_ms <= 1000:
+        raise typer.BadParameter(f"--spin-ms must be in [0, 1000], got {spin_ms:g}")
     mem_limit = _size(mem, "--mem") if mem else None
 
     value, source = _secret(secret)
@@ -842,6 +852,7 @@ def worker(
         host, port, threads=threads or _physical_cores(), model_dirs=tuple(model_dir or ()),
         auth=auth, mem_limit=mem_limit, idle_s=idle_timeout,
         data_port=None if no_data_port else (-1 if data_port is None else data_port),
+        spin_s=spin_ms / 1000,
     )  # fmt: skip
     advertiser = _announce(host, bound, pool, no_mdns)
     guard = f"pool secret from {source}" if value else "no pool secret"

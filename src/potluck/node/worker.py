@@ -25,7 +25,7 @@ import torch
 from potluck import __version__
 from potluck.engine.sampling import Sampler, Token
 from potluck.errors import ContextError, PotluckError
-from potluck.kernels.native import trim_heap
+from potluck.kernels.native import computing, trim_heap
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage, WeightSource
 from potluck.modelfile.gguf_file import GGUFFile, read_header
@@ -47,6 +47,7 @@ from potluck.transport.codec import (
 from potluck.transport.dataplane import DataServer
 from potluck.transport.guard import Guard
 from potluck.transport.linkprobe import quick_link
+from potluck.transport.spin import DEFAULT_SPIN_S, spin_wait
 from potluck.transport.tls import server_credentials, server_ssl_context
 
 ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
@@ -99,9 +100,11 @@ class NodeService(pb_grpc.NodeServicer):
         auth: PoolAuth | None = None,
         mem_limit: int | None = None,
         idle_s: float = DEFAULT_IDLE_S,
+        spin_s: float = DEFAULT_SPIN_S,
     ) -> None:
         self.name, self.threads, self.model_dirs = name, threads, model_dirs
         self.mem_limit, self.idle_s = mem_limit, idle_s
+        self.wait = spin_wait(spin_s)  # before each read on a data connection (in and out)
         self.auth = auth  # this node proves pool membership to the next hop with it
         self.data_port = 0  # the data port (transport/dataplane.py) once serve() opened it
         self.store = BlobStore()
@@ -207,7 +210,7 @@ class NodeService(pb_grpc.NodeServicer):
         if nxt is not None:
             try:  # a next hop of another pool (or gone) is said now, not at the first token
                 nxt.hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name=self.name))
-                nxt.use_data_port()
+                nxt.use_data_port(self.wait)
             except PotluckError as exc:
                 nxt.close()
                 context.abort(
@@ -331,7 +334,8 @@ class NodeService(pb_grpc.NodeServicer):
                 self._wait_turn(stage, request.chunks, wait_s)
                 t0 = time.perf_counter()
                 try:
-                    y = stage(x, chunks, rows) if stage.is_last else stage(x, chunks)
+                    with computing():  # no thread of this process spins meanwhile
+                        y = stage(x, chunks, rows) if stage.is_last else stage(x, chunks)
                 finally:
                     self.turn.notify_all()
                 return loaded, y, (time.perf_counter() - t0) * 1e3
@@ -596,12 +600,13 @@ class NodeServer:
 def serve(host: str, port: int, name: str | None = None, threads: int | None = None,
           model_dirs: tuple[Path, ...] = (), auth: PoolAuth | None = None,
           mem_limit: int | None = None, idle_s: float = DEFAULT_IDLE_S,
-          data_port: int | None = -1,
+          data_port: int | None = -1, spin_s: float = DEFAULT_SPIN_S,
           ) -> tuple[NodeServer, int]:  # fmt: skip
     """Start the node's gRPC server and its data port; returns them and the bound gRPC port
     (port 0 picks a free one). data_port: -1 = the gRPC port + 1, or any free port if that one is
     taken; 0 = any free port; None = no data port (forward requests then come on gRPC streams).
-    With TLS the data port speaks TLS with the node's certificate.
+    With TLS the data port speaks TLS with the node's certificate. spin_s: how long the node polls
+    its data connections for the next frame before it blocks (transport/spin.py; 0 = never).
 
     With a pool secret in `auth`, every call but Hello and the handshake needs a session
     (transport/guard.py); with `auth.tls` the node serves TLS with its own certificate."""
@@ -612,7 +617,9 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
         options=NODE_SERVER_OPTIONS,
         interceptors=[Guard(auth, sessions)],
     )
-    service = NodeService(name or f"{host}:{port}", threads, model_dirs, auth, mem_limit, idle_s)
+    service = NodeService(
+        name or f"{host}:{port}", threads, model_dirs, auth, mem_limit, idle_s, spin_s
+    )
     pb_grpc.add_NodeServicer_to_server(service, server)
     pb_grpc.add_NodeAuthServicer_to_server(AuthService(Handshakes(auth, sessions)), server)
     if auth.tls and auth.identity is None:
@@ -634,7 +641,7 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
     data = None
     if data_port is not None:
         tls = server_ssl_context(auth.identity) if auth.tls and auth.identity else None
-        data = DataServer(auth, service.serve_forward, tls=tls)
+        data = DataServer(auth, service.serve_forward, tls=tls, wait=service.wait)
         try:
             service.data_port = data.listen(host, bound + 1 if data_port == -1 else data_port)
         except OSError as exc:

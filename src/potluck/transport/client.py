@@ -26,7 +26,7 @@ from potluck.transport.auth import (
     explain_refusal,
     handshake,
 )
-from potluck.transport.dataplane import DataLink, open_data_link, settle
+from potluck.transport.dataplane import DataLink, Wait, open_data_link, settle
 from potluck.transport.limits import CLIENT_SIZE_OPTIONS, MAX_REQUEST_BYTES, SERVER_OPTIONS
 from potluck.transport.tls import (
     CHANNEL_TLS_OPTIONS,
@@ -227,15 +227,18 @@ class NodeClient:
         the gRPC ForwardStream."""
         return self._data_link or self._stream_link
 
-    def use_data_port(self) -> bool:
+    def use_data_port(self, wait: Wait | None = None) -> bool:
         """Send forward requests over the node's data port from now on, if it has one (Hello
         says) and it can be reached; else they stay on the gRPC stream. With --tls the data
-        connection must show the certificate this client's gRPC handshake pinned."""
+        connection must show the certificate this client's gRPC handshake pinned. wait: called
+        before each read of a reply (a node's spin-wait; transport/dataplane.Wait)."""
         if self._data_link is not None:
             return True
         if not self.data_port or (self.auth.tls and not self._cert_sha256):
             return False
-        self._data_link = open_data_link(self.address, self.data_port, self.auth, self._cert_sha256)
+        self._data_link = open_data_link(
+            self.address, self.data_port, self.auth, self._cert_sha256, wait
+        )
         return self._data_link is not None
 
     # -- connection and session ----------------------------------------------------------------

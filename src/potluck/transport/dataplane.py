@@ -69,6 +69,13 @@ _SMALL = 1 << 18  # frames up to this size go out in one write (length and body 
 
 # node: handle one request; answer(reply) may be called later, from any thread
 Handler = Callable[[pb.ForwardRequest, Callable[[pb.ForwardReply], None]], None]
+# called before each blocking read of a frame on a data connection; a node passes its spin-wait
+# (node/worker.py: the core stays awake for the next token); None: just block
+Wait = Callable[[socket.socket], object]
+
+
+def _no_wait(sock: socket.socket) -> None:
+    return None
 
 
 class FrameError(Exception):
@@ -133,10 +140,12 @@ class DataServer:
         handler: Handler,
         max_connections: int = MAX_CONNECTIONS,
         tls: ssl.SSLContext | None = None,
+        wait: Wait | None = None,
     ) -> None:
-        """tls: the node's server context (transport/tls.server_ssl_context) when it runs --tls."""
+        """tls: the node's server context (transport/tls.server_ssl_context) when it runs --tls.
+        wait: called before each read of a request (see `Wait`)."""
         self.auth, self.handler, self.max_connections = auth, handler, max_connections
-        self.tls = tls
+        self.tls, self.wait = tls, wait
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._listener: socket.socket | None = None
@@ -206,7 +215,12 @@ class DataServer:
                 with lock, contextlib.suppress(OSError):  # the head went away: nobody to tell
                     send_frame(conn, data)
 
-            while (data := recv_frame(conn, MAX_REQUEST_BYTES)) is not None:
+            wait = self.wait or _no_wait
+            while True:
+                wait(conn)
+                data = recv_frame(conn, MAX_REQUEST_BYTES)
+                if data is None:
+                    break
                 request = pb.ForwardRequest()
                 request.ParseFromString(data)
                 try:
@@ -290,8 +304,17 @@ class DataLink:
     once with a future of the reply and never raises; if the connection breaks, every waiting
     future fails with a NodeError and the next `send` connects again."""
 
-    def __init__(self, address: str, port: int, auth: PoolAuth, cert_sha256: bytes = b"") -> None:
-        """cert_sha256: with auth.tls, the node's certificate as the gRPC handshake pinned it."""
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        auth: PoolAuth,
+        cert_sha256: bytes = b"",
+        wait: Wait | None = None,
+    ) -> None:
+        """cert_sha256: with auth.tls, the node's certificate as the gRPC handshake pinned it.
+        wait: called before each read of a reply (see `Wait`)."""
+        self.wait = wait or _no_wait
         if auth.tls and not cert_sha256:
             raise ValueError("a TLS data link needs the node's pinned certificate")
         self.address = address  # the node's gRPC host:port: how messages name it
@@ -394,7 +417,11 @@ class DataLink:
 
     def _read(self, conn: _Conn) -> None:
         try:
-            while (data := recv_frame(conn.sock, MAX_REPLY_BYTES)) is not None:
+            while True:
+                self.wait(conn.sock)
+                data = recv_frame(conn.sock, MAX_REPLY_BYTES)
+                if data is None:
+                    break
                 reply = pb.ForwardReply()
                 reply.ParseFromString(data)
                 with self._lock:
@@ -484,11 +511,11 @@ class DataLink:
 
 
 def open_data_link(
-    address: str, port: int, auth: PoolAuth, cert_sha256: bytes = b""
+    address: str, port: int, auth: PoolAuth, cert_sha256: bytes = b"", wait: Wait | None = None
 ) -> DataLink | None:
     """A connected DataLink to the node, or None (said in the log) when its data port cannot be
     used: the caller then keeps the gRPC stream."""
-    link = DataLink(address, port, auth, cert_sha256)
+    link = DataLink(address, port, auth, cert_sha256, wait)
     try:
         link.open()
     except NodeError as exc:
