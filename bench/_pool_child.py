@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -62,6 +63,28 @@ def balanced_cuts(path: str, n_nodes: int, balance: str) -> list[int]:
     return [0, *best(0, 0)[1], n_layer]
 
 
+class Timings:
+    """Each step's per-stage compute and per-hop ms as the pool reports them (the batch that
+    finished last), for medians over the run."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self.stage, self.hop = on, [], []
+
+    def append(self, pipe) -> None:
+        if self.on:
+            self.stage.append(list(pipe.last_stage_ms))
+            self.hop.append(list(pipe.last_hop_ms))
+
+    def medians(self, pipe) -> dict:
+        """Medians per stage and per hop (a prompt: its last micro-batch only)."""
+        stage = self.stage or [list(pipe.last_stage_ms)]
+        hop = self.hop or [list(pipe.last_hop_ms)]
+        return {
+            "stage_ms": [statistics.median(x[i] for x in stage) for i in range(len(stage[0]))],
+            "hop_ms": [statistics.median(x[i] for x in hop) for i in range(len(hop[0]))],
+        }
+
+
 def main() -> None:
     path, mode, task, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     peers = sys.argv[5:]
@@ -81,6 +104,7 @@ def main() -> None:
             assignments=[Assignment(p, a, b) for p, a, b in zip(peers, cut, cut[1:], strict=False)],
         )
     pipe = m.pipeline
+    timings = Timings(mode == "pool")
     text = "The history of the printing press begins in the fifteenth century, when " * 64
     if task == "pp":
         ids = m.tokenizer.encode(text)[:n]
@@ -102,6 +126,7 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(n):
             tok = pipe.step(torch.tensor([tok]), [SeqChunk(seq, 1)], {seq: s}, {})[0]
+            timings.append(pipe)
         dt = time.perf_counter() - t0
         pipe.drop(seq)
         out = {"tok_s": n / dt}
@@ -126,6 +151,7 @@ def main() -> None:
             for i, g in enumerate(groups):
                 for s, t in zip(g, flying[i].result(), strict=True):
                     last[s] = t
+                timings.append(pipe)
                 if step + 1 < n:
                     flying[i] = launch(g)
         dt = time.perf_counter() - t0
@@ -133,7 +159,7 @@ def main() -> None:
             pipe.drop(s)
         out = {"tok_s": N_STREAMS * n / dt, "groups": depth}
     if mode == "pool":
-        out |= {"stage_ms": list(pipe.last_stage_ms), "hop_ms": list(pipe.last_hop_ms)}
+        out |= timings.medians(pipe)
     print(json.dumps(out), flush=True)
 
 

@@ -171,7 +171,7 @@ def main() -> None:
                     "samples": samples, "single_tok_s": single, "pool_tok_s": pool,
                     "ratio": pool / single, "llama_rpc_tok_s": lrpc,
                     "vs_llama_rpc": pool / lrpc if lrpc else None,
-                    "last_stage_ms": last.get("stage_ms"), "last_hop_ms": last.get("hop_ms"),
+                    "stage_ms": last.get("stage_ms"), "hop_ms": last.get("hop_ms"),
                 }  # fmt: skip
                 stage = "/".join(f"{x:.2f}" for x in last.get("stage_ms", []))
                 hop = "/".join(f"{x:.2f}" for x in last.get("hop_ms", []))
@@ -202,8 +202,8 @@ def main() -> None:
             "ratio",
             "llama.cpp RPC",
             "vs RPC",
-            "last stage ms",
-            "last hop ms",
+            "stage ms",
+            "hop ms",
         ],  # fmt: skip
         rows,
     )

@@ -530,3 +530,36 @@ def test_spin_ms_out_of_range_is_one_line() -> None:
     assert done.returncode != 0
     assert "--spin-ms must be in [0, 1000], got -1" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU time from /proc")
+def test_a_worker_polls_after_a_frame_only_when_asked() -> None:
+    """After answering a frame, a worker with --spin-ms 1000 keeps polling its connection (CPU
+    time while nothing arrives); with --spin-ms 0 it sleeps. Generous bounds: a shared machine
+    may give the poller only part of a core."""
+    from potluck.kernels import native
+
+    if native.library() is None:
+        pytest.skip(f"no native kernels here: {native.unavailable_reason()}")
+    used = {}
+    for spin in ("1000", "0"):
+        proc, addr, data = _start_worker("--spin-ms", spin)
+        link = DataLink(addr, data, NONE)
+        try:
+            time.sleep(1.0)  # the worker's start-up work is over
+            failure = link.send(_req("no such plan")).exception(timeout=10)
+            assert isinstance(failure, NodeError) and "is not loaded on this node" in str(failure)
+            before = _cpu_s(proc.pid)
+            time.sleep(0.8)
+            used[spin] = _cpu_s(proc.pid) - before
+        finally:
+            link.close()
+            proc.terminate()
+            proc.wait(timeout=10)
+    assert used["1000"] >= 0.2, used
+    assert used["0"] < 0.1, used
