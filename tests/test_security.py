@@ -15,6 +15,7 @@ import functools
 import os
 import random
 import re
+import select
 import shutil
 import socket
 import ssl
@@ -769,24 +770,30 @@ def _tls_relay(target: str, cert_dir: Path) -> Iterator[str]:
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.2)
     stop = threading.Event()
-    lock = threading.Lock()
     host, port = target.rsplit(":", 1)
 
-    def pipe(a: ssl.SSLSocket, b: ssl.SSLSocket, done: list[int]) -> None:
-        with contextlib.suppress(OSError):
-            while data := a.recv(65536):
-                b.sendall(data)
-        # Wake the other direction with shutdown() (the file descriptors stay ours); only the
-        # last direction to finish closes them. Closing while the other thread still sits in
-        # recv() frees the fd numbers for reuse, and that thread's TLS layer then wrote an alert
-        # into whatever took them (once: a later test's subprocess pipe).
+    def pump(a: ssl.SSLSocket, b: ssl.SSLSocket) -> None:
+        """Both directions in one thread: an SSL socket must not be read in one thread while
+        another writes to it (OpenSSL's objects are not thread-safe: with a thread per direction
+        the head's handshake through the relay now and then ended in "Socket closed")."""
         for s in (a, b):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-        with lock:
-            done.append(1)
-            last = len(done) == 2
-        if last:
+            s.settimeout(10)  # for sendall; reads only happen when select says so
+        try:
+            while not stop.is_set():
+                ready = [s for s in (a, b) if s.pending()]
+                if not ready:
+                    ready = select.select([a, b], [], [], 0.2)[0]
+                for s in ready:
+                    try:
+                        data = s.recv(65536)
+                    except (ssl.SSLWantReadError, TimeoutError):
+                        continue  # a TLS record not complete yet
+                    if not data:
+                        return
+                    (b if s is a else a).sendall(data)
+        except OSError:
+            return
+        finally:
             for s in (a, b):
                 with contextlib.suppress(OSError):
                     s.close()
@@ -805,9 +812,7 @@ def _tls_relay(target: str, cert_dir: Path) -> Iterator[str]:
                 up.settimeout(None)
             except OSError:
                 continue
-            done: list[int] = []
-            threading.Thread(target=pipe, args=(down, up, done), daemon=True).start()
-            threading.Thread(target=pipe, args=(up, down, done), daemon=True).start()
+            threading.Thread(target=pump, args=(down, up), daemon=True).start()
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()

@@ -919,11 +919,7 @@ def spin_readable(fd: int, budget_s: float) -> bool:
     for at most `budget_s`; True when it is (data, its end, or an error), False when the budget
     ran out, the native library is not available, another thread of this process is spinning
     already, or a stage started computing here (`computing`). The caller then blocks as usual.
-
-    Why: a core that waits in the kernel for a few ms goes idle, and waking it costs: on this
-    project's 2-vCPU VM two single-core stages that only signal each other over a pipe ran a
-    SmolLM2 token in 9.7 ms blocking vs 8.6 ms spinning, and each stage computed ≈ 10 % slower
-    after a blocking wait (bench/RESULTS.md). llama.cpp's threads poll for work the same way."""
+    Each round yields the core to whatever else wants it. Why a node polls: transport/spin.py."""
     lib = library()
     if lib is None or budget_s <= 0:
         return False

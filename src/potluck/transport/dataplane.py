@@ -69,8 +69,8 @@ _SMALL = 1 << 18  # frames up to this size go out in one write (length and body 
 
 # node: handle one request; answer(reply) may be called later, from any thread
 Handler = Callable[[pb.ForwardRequest, Callable[[pb.ForwardReply], None]], None]
-# called before each blocking read of a frame on a data connection; a node passes its spin-wait
-# (node/worker.py: the core stays awake for the next token); None: just block
+# called before each blocking read of a frame on a data connection; a worker passes its poll
+# (transport/spin.py: the core stays awake for the next token); None: just block
 Wait = Callable[[socket.socket], object]
 
 
