@@ -113,8 +113,9 @@ def server_ssl_context(identity: TlsIdentity) -> ssl.SSLContext:
 
 
 def client_ssl_context() -> ssl.SSLContext:
-    """TLS to a node's data port: no CA and no name check here; the caller compares the
-    certificate's sha256 with the one the pool handshake pinned (both proofs cover it)."""
+    """TLS to a node (its data port; gRPC's first look in `fetch_certificate`): no CA and no name
+    check here; the caller compares the certificate's sha256 with the one the pool handshake
+    pinned (both proofs cover it)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
@@ -135,9 +136,7 @@ def fetch_certificate(address: str, timeout: float = 5.0) -> tuple[bytes, bytes]
     """The certificate (PEM) the node at `address` presents, and its sha256. Not verified here:
     the pool handshake checks it (both proofs cover its sha256)."""
     host, port = split_address(address)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE  # no CA: the HMAC handshake pins the certificate
+    ctx = client_ssl_context()  # no CA: the HMAC handshake pins the certificate
     ctx.set_alpn_protocols(["h2"])
     try:
         with (
