@@ -28,6 +28,7 @@ torch's kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
@@ -37,6 +38,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -926,19 +928,19 @@ def spin_readable(fd: int, budget_s: float) -> bool:
     return bool(lib.potluck_spin_readable(fd, int(budget_s * 1e9)))
 
 
-class computing:  # noqa: N801 (a context manager used like a function)
+@contextlib.contextmanager
+def computing() -> Iterator[None]:
     """`with computing():` around a stage's compute: no thread of this process spins meanwhile
     (a spinning thread would take the core from the compute on a single-core worker)."""
-
-    def __enter__(self) -> None:
-        lib = library()
-        self._lib = lib
-        if lib is not None:
-            lib.potluck_computing(1)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._lib is not None:
-            self._lib.potluck_computing(-1)
+    lib = library()
+    if lib is None:
+        yield
+        return
+    lib.potluck_computing(1)
+    try:
+        yield
+    finally:
+        lib.potluck_computing(-1)
 
 
 def _compile(cc: str, path: Path) -> bool:
