@@ -1,9 +1,10 @@
 """Waiting for the next frame on a data connection without letting the core fall asleep.
 
 A stage waits between tokens while the other stages compute (a few ms per token). If its thread
-blocks, the core goes idle and waking it costs: on this project's 2-vCPU VM two single-core stages
-that only signalled each other over a pipe ran a SmolLM2 token in 9.7 ms blocking vs 8.6 ms
-polling, each stage computing ≈ 10 % slower after a blocking wait (bench/RESULTS.md). So a node
+blocks, the core goes idle and waking it costs: on this project's 2-vCPU VM a stage computed
+7–12 % slower right after a 5 ms pause than back to back, and two single-core stages that only
+signal each other over a pipe reached 0.84–0.93× of one process's SmolLM2 decode blocking and
+0.97–1.02× polling (bench_ceiling.py, bench/RESULTS.md). So a node
 polls its data connections for a while before it blocks, as llama.cpp's threads poll for work
 (its --poll). The polling is native code with the GIL released (kernels/native.spin_readable):
 one thread per process at a time, never while a stage of this process computes, and it yields the
