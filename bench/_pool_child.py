@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from potluck.engine.generate import POOL_N_BATCH, load_model, prefill
+from potluck.engine.generate import POOL_N_BATCH, generate, load_model, prefill
 from potluck.engine.pipeline import Assignment
 from potluck.engine.sampling import GREEDY, Sampler
 from potluck.model.stage import SeqChunk
@@ -104,6 +104,9 @@ def main() -> None:
             assignments=[Assignment(p, a, b) for p, a, b in zip(peers, cut, cut[1:], strict=False)],
         )
     pipe = m.pipeline
+    if os.environ.get("POOL_AHEAD") == "0":  # bench_latency's "head in the loop": no step is
+        # sent before the token it follows is back here (as the pool did before follow-ups)
+        type(pipe).chains = property(lambda self: False)
     timings = Timings(mode == "pool")
     text = "The history of the printing press begins in the fifteenth century, when " * 64
     if task == "pp":
@@ -119,16 +122,15 @@ def main() -> None:
         pipe.drop(seq)
         out = {"tok_s": n / dt, "ubatch": ubatch}
     elif task == "decode":
+        # what `potluck run` does: generate() (over a pool whose first stage is a node, each
+        # step is sent before the token it follows is back here)
         ids = m.tokenizer.encode("The history of the printing press")
-        seq = m.new_seq_id()
-        s = Sampler(GREEDY)
-        tok = prefill(pipe, seq, ids, s)
+        tokens = generate(m, ids, n + 1, Sampler(GREEDY), stop_ids=frozenset())
+        next(tokens)  # the prompt's
         t0 = time.perf_counter()
-        for _ in range(n):
-            tok = pipe.step(torch.tensor([tok]), [SeqChunk(seq, 1)], {seq: s}, {})[0]
+        for _ in tokens:
             timings.append(pipe)
         dt = time.perf_counter() - t0
-        pipe.drop(seq)
         out = {"tok_s": n / dt}
     else:  # streams
         seqs = [m.new_seq_id() for _ in range(N_STREAMS)]

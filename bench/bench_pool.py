@@ -57,7 +57,9 @@ def start_worker(core: int) -> tuple[subprocess.Popen, str, float]:
     return proc, f"127.0.0.1:{port}", time.perf_counter() - t0
 
 
-def child(path: Path, mode: str, task: str, n_tok: int, peers: list[str]) -> dict:
+def child(
+    path: Path, mode: str, task: str, n_tok: int, peers: list[str], env: dict | None = None
+) -> dict:
     # the single-core baseline computes on core 0; the pool's head only sends token ids and
     # reads replies, so it may run on either core (as a third machine would)
     cpus = "0" if mode == "single" else "0,1"
@@ -73,7 +75,7 @@ def child(path: Path, mode: str, task: str, n_tok: int, peers: list[str]) -> dic
         str(n_tok),
         *peers,
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if done.returncode != 0:
         raise SystemExit(f"{mode} {task} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -80,6 +80,26 @@ def test_sigkill_mid_generation(spawn, smollm2_path: Path, want: list[int], n_wo
     assert len(pipe.events) == 1
 
 
+@pytest.mark.parametrize(("victim_index", "sig"), [(0, "kill"), (1, "kill"), (0, "stop")])
+def test_fault_while_steps_go_ahead(
+    spawn, smollm2_path: Path, want: list[int], victim_index: int, sig: str
+) -> None:
+    """A plan of two nodes and no layer here: the head sends each step before the token it
+    follows is back (the first node holds it until then). Killing or hanging either node loses
+    none of those steps: same tokens, one failover."""
+    workers = spawn(2)
+    n = load_model(smollm2_path, n_ctx=64).hp.n_layer
+    plan = [Assignment(workers[0][1], 0, 14), Assignment(workers[1][1], 14, n)]
+    m = load_model(smollm2_path, n_ctx=256, assignments=plan, failover_s=2.0)
+    pipe = m.pipeline
+    assert isinstance(pipe, FailoverPipeline) and pipe.chains
+    victim, addr = workers[victim_index]
+    fault = victim.kill if sig == "kill" else lambda: os.kill(victim.pid, signal.SIGSTOP)
+    assert _run_with_fault(m, 6, fault) == want
+    assert len(pipe.events) == 1 and pipe.events[0].gone == (addr,)
+    assert list(generate(m, _ids(m), 4, Sampler(GREEDY))) == want[:4]
+
+
 def test_sigstop_hung_worker(spawn, smollm2_path: Path, want: list[int]) -> None:
     """A stopped process keeps its sockets open: only the heartbeat can tell it is gone."""
     workers = spawn(2)

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -74,6 +74,9 @@ class _Batch:
     histories: Mapping[int, Sequence[int]]
     out: Future[list[int]]
     epoch: int = 0
+    # a follow-up step (submit_next): its input ids are what `prev` gives, not `tokens`
+    prev: Future[list[int]] | None = None
+    stop_ids: Collection[int] = frozenset()
 
 
 @dataclass
@@ -169,6 +172,27 @@ class FailoverPipeline:
         self._launch(_Batch(tokens, list(chunks), samplers, histories, out))
         return out
 
+    @property
+    def chains(self) -> bool:
+        return bool(getattr(self.inner, "chains", False))
+
+    def submit_next(
+        self,
+        prev: Future[list[int]],
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+        stop_ids: Collection[int] = frozenset(),
+    ) -> Future[list[int]]:
+        out: Future[list[int]] = Future()
+        placeholder = torch.zeros(len(chunks), dtype=torch.long)
+        self._launch(
+            _Batch(
+                placeholder, list(chunks), samplers, histories, out, prev=prev, stop_ids=stop_ids
+            )
+        )
+        return out
+
     def step(
         self,
         tokens: torch.Tensor,
@@ -215,16 +239,51 @@ class FailoverPipeline:
             raise self._failed
 
     def _launch(self, b: _Batch) -> None:
+        if b.prev is not None and b.prev.done():  # its input ids are known: an ordinary step
+            self._resolve(b, b.prev)
+            return
         with self._lock:
             if self._failed is not None:
                 b.out.set_exception(self._failed)
                 return
             b.epoch = self.epoch
-            fut = self.inner.submit(b.tokens, b.chunks, b.samplers, b.histories)  # type: ignore[attr-defined]
+            inner = self.inner
+            if b.prev is None:
+                fut = inner.submit(b.tokens, b.chunks, b.samplers, b.histories)  # type: ignore[attr-defined]
+            else:
+                fut = inner.submit_next(b.prev, b.chunks, b.samplers, b.histories, b.stop_ids)  # type: ignore[attr-defined]
         fut.add_done_callback(lambda f: self._settle(b, f))
+
+    def _resolve(self, b: _Batch, prev: Future[list[int]]) -> None:
+        """Launch a follow-up step whose previous one is done as an ordinary step with its ids."""
+        exc = prev.exception()
+        if exc is not None:
+            b.out.set_exception(exc)
+            return
+        tokens = prev.result()
+        if not tokens or any(t in b.stop_ids for t in tokens):
+            b.out.set_result([])  # the generation ended with the previous step
+            return
+        b.tokens = torch.tensor([int(t) for t in tokens])
+        b.histories = {
+            c.seq_id: [*b.histories.get(c.seq_id, ()), int(t)]
+            for c, t in zip(b.chunks, tokens, strict=True)
+        }
+        b.prev = None
+        self._launch(b)
 
     def _settle(self, b: _Batch, f: Future[list[int]]) -> None:
         exc = f.exception()
+        if exc is None and b.prev is not None and not f.result():
+            b.out.set_result([])  # a skipped follow-up step: nothing was computed
+            return
+        if exc is None and b.prev is not None:
+            # A follow-up step's input ids, for the replay: its previous step settled first (the
+            # first node answers that one before it runs this one, on the same connection).
+            if not b.prev.done() or b.prev.exception() is not None:
+                exc = PotluckError("internal: a follow-up step finished before the step it follows")
+            else:
+                b.tokens = torch.tensor([int(t) for t in b.prev.result()])
         if exc is None:
             with self._lock:
                 current = b.epoch == self.epoch

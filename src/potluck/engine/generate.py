@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import contextlib
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from potluck.engine.failover import DEFAULT_TIMEOUT_S
-from potluck.engine.pipeline import LOCAL, Assignment
+from potluck.engine.pipeline import LOCAL, Assignment, submit_after
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.chat import ChatTemplate
@@ -97,6 +99,18 @@ class LocalPipeline:
             fut.set_exception(exc)
         return fut
 
+    chains = False  # submit_next waits for the token here
+
+    def submit_next(
+        self,
+        prev: Future[list[int]],
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+        stop_ids: Collection[int] = frozenset(),
+    ) -> Future[list[int]]:
+        return submit_after(self, prev, chunks, samplers, histories, stop_ids)
+
     def drop(self, seq_id: int) -> None:
         for stage in self.stages:
             stage.drop(seq_id)
@@ -128,6 +142,23 @@ class Pipeline(Protocol):
         order; batches of different sequences overlap across stages (up to `depth` of them usefully).
         The caller must not submit a sequence's next token before its previous one is known, and
         must not mutate `histories` entries it passed until the future is done."""
+        ...
+
+    # whether submit_next starts on the pool without a round trip through this machine
+    chains: bool
+
+    def submit_next(
+        self,
+        prev: Future[list[int]],
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+        stop_ids: Collection[int] = frozenset(),
+    ) -> Future[list[int]]:
+        """The decode step after `prev` for the same sequences (one chunk of one token each),
+        whose input ids are the tokens `prev` samples: it may be submitted before they are known.
+        Gives [] (nothing computed) when one of them is in `stop_ids`. `histories` hold the ids
+        before prev's tokens."""
         ...
 
     def forward(
@@ -339,6 +370,12 @@ def generate(
     history = list(prompt_ids)
     if max_tokens <= 0:
         return
+    # Over a pool whose first stage is a node, the step for token i + 2 is sent while token i + 1
+    # is computed (`submit_next`): the first node starts it as soon as it relays token i + 1, so
+    # the head's round trip leaves the critical path. Only steps the plain loop would also take
+    # are sent (a stop id is checked by the node: such a step is skipped).
+    chains = pipe.chains
+    ahead: deque[Future[list[int]]] = deque()  # the steps for the next tokens, in order
     try:
         tok = prefill(pipe, seq, prompt_ids, sampler, n_batch)
         for i in range(max_tokens):
@@ -346,8 +383,21 @@ def generate(
             yield tok
             if tok in stop or len(history) >= model.n_ctx or i + 1 == max_tokens:
                 break
-            tok = pipe.step(
-                torch.tensor([tok]), [SeqChunk(seq, 1)], {seq: sampler}, {seq: history}
-            )[0]
+            if not ahead:
+                ahead.append(
+                    pipe.submit(
+                        torch.tensor([tok]), [SeqChunk(seq, 1)], {seq: sampler}, {seq: history}
+                    )
+                )
+            if chains and i + 2 < max_tokens and len(history) + 1 < model.n_ctx:
+                # (a copy: `history` grows before this step is done)
+                hist = {seq: list(history)} if sampler.params.penalizes else {}
+                ahead.append(
+                    pipe.submit_next(ahead[-1], [SeqChunk(seq, 1)], {seq: sampler}, hist, stop)
+                )
+            tok = ahead.popleft().result()[0]
     finally:
+        for f in ahead:  # a step still in flight finishes before its sequence is dropped
+            with contextlib.suppress(Exception):
+                f.result()
         pipe.drop(seq)

@@ -7,11 +7,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import torch
-
-from potluck.engine.generate import Model, prefill
+from potluck.engine.generate import Model, generate, prefill
 from potluck.engine.sampling import GREEDY, Sampler
-from potluck.model.stage import SeqChunk
 
 WORTH_IT = 1.2  # pooling must beat the best single machine by 20 % (as the planner's verdict)
 BENCH_TEXT = "The history of the printing press begins in the fifteenth century, when "
@@ -49,24 +46,23 @@ def measure(
     warm = model.new_seq_id()  # first calls pay for lazy setup on every node
     prefill(pipe, warm, ids[:4], Sampler(GREEDY))
     pipe.drop(warm)
-    seq = model.new_seq_id()
-    sampler = Sampler(GREEDY)
+    # as `potluck run` generates: the prompt's token first, then n_tokens steps (no stop id)
     t0 = time.perf_counter()
-    tok = prefill(pipe, seq, ids, sampler, n_batch)
-    prompt_s = time.perf_counter() - t0
-    stages: list[list[float]] = []
-    hops: list[list[float]] = []
-    t0 = time.perf_counter()
+    tokens = generate(model, ids, n_tokens + 1, Sampler(GREEDY), frozenset(), n_batch)
     try:
-        for _ in range(n_tokens):
-            t1 = time.perf_counter()
-            tok = pipe.step(torch.tensor([tok]), [SeqChunk(seq, 1)], {seq: sampler}, {})[0]
+        next(tokens)
+        prompt_s = time.perf_counter() - t0
+        stages: list[list[float]] = []
+        hops: list[list[float]] = []
+        t0 = t1 = time.perf_counter()
+        for _ in tokens:
             stage_ms = list(getattr(pipe, "last_stage_ms", []))
             stages.append(stage_ms or [(time.perf_counter() - t1) * 1e3])
             hops.append(list(getattr(pipe, "last_hop_ms", [])))
+            t1 = time.perf_counter()
         decode_s = time.perf_counter() - t0
     finally:
-        pipe.drop(seq)
+        tokens.close()
     return Measured(
         label=label,
         decode_tokens_per_s=n_tokens / decode_s,

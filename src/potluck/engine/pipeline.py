@@ -10,9 +10,10 @@ import contextlib
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -63,6 +64,56 @@ def plan_id_of(
         + (f"|{epoch}" if epoch else "")
     )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def submit_after(
+    pipe: Submitter,
+    prev: Future[list[int]],
+    chunks: Sequence[SeqChunk],
+    samplers: Mapping[int, Sampler],
+    histories: Mapping[int, Sequence[int]],
+    stop_ids: Collection[int],
+) -> Future[list[int]]:
+    """`submit_next` done from this machine: submit prev's tokens when they are here (a pipeline
+    whose first stage runs in this process). [] when a token is in stop_ids."""
+    out: Future[list[int]] = Future()
+
+    def go(f: Future[list[int]]) -> None:
+        try:
+            tokens = f.result()
+            if not tokens or any(t in stop_ids for t in tokens):
+                out.set_result([])
+                return
+            hist = {
+                c.seq_id: [*histories.get(c.seq_id, ()), int(t)]
+                for c, t in zip(chunks, tokens, strict=True)
+            }
+            nxt = pipe.submit(torch.tensor([int(t) for t in tokens]), chunks, samplers, hist)
+        except BaseException as exc:  # the caller sees it from out.result()
+            out.set_exception(exc)
+            return
+        nxt.add_done_callback(lambda g: _copy(g, out))
+
+    prev.add_done_callback(go)
+    return out
+
+
+def _copy(src: Future[list[int]], dst: Future[list[int]]) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
+
+
+class Submitter(Protocol):
+    def submit(
+        self,
+        tokens: torch.Tensor,
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+    ) -> Future[list[int]]: ...
 
 
 class RemotePipeline:
@@ -161,10 +212,13 @@ class RemotePipeline:
         chunks: Sequence[SeqChunk],
         wire_chunks: list[pb.SeqChunk],
         want_logits: bool,
+        after: Future[list[int]] | None = None,
+        stop_ids: Sequence[int] = (),
     ) -> Future[pb.ForwardReply]:
         """Send one batch down the chain without waiting. Each chunk gets its position in its
         sequence, so that nodes compute a sequence's batches in order even when several batches
-        are in flight; the local first stage (if any) runs on its own thread, in submission order."""
+        are in flight; the local first stage (if any) runs on its own thread, in submission order.
+        after: for a follow-up batch, the previous step (its reply's time starts the first hop's)."""
         with self._lock:
             for c in wire_chunks:
                 c.pos = self._pos.get(c.seq_id, 0)
@@ -177,8 +231,12 @@ class RemotePipeline:
                 chunks=wire_chunks,
                 input=tensor_to_proto(x, self.wire if self.local else None),
                 want_logits=want_logits,
+                stop_ids=stop_ids,
             )
             t1 = time.perf_counter()
+            began = [t1]  # a follow-up batch starts on the pool when the previous reply is out
+            if after is not None:
+                after.add_done_callback(lambda _: began.append(time.perf_counter()))
 
             def done(f: Future[pb.ForwardReply]) -> None:
                 exc = f.exception()
@@ -186,7 +244,7 @@ class RemotePipeline:
                     out.set_exception(exc)
                     return
                 reply = f.result()
-                wall = (time.perf_counter() - t1) * 1e3
+                wall = (time.perf_counter() - max(began)) * 1e3
                 first_hop = wall - sum(reply.stage_ms) - sum(reply.hop_ms)
                 self.last_stage_ms = local_ms + list(reply.stage_ms)
                 self.last_hop_ms = [first_hop, *reply.hop_ms]
@@ -216,21 +274,22 @@ class RemotePipeline:
         chunks: Sequence[SeqChunk],
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
+        follow: bool = False,
     ) -> list[pb.SeqChunk]:
+        """follow: follow-up chunks, whose input id (not in `histories` yet) the first node adds
+        to the recent ids itself."""
         wire = []
         for c in chunks:
             s = samplers.get(c.seq_id)
             if s is None:  # a prompt micro-batch that is not the last: nothing to sample
-                wire.append(pb.SeqChunk(seq_id=c.seq_id, n=c.n, sample=False))
+                wire.append(pb.SeqChunk(seq_id=c.seq_id, n=c.n, sample=False, follow=follow))
                 continue
-            n = s.params.repeat_last_n
-            hist = histories.get(c.seq_id, ())
-            penal = (
-                s.params.repeat_penalty != 1.0
-                or s.params.presence_penalty
-                or s.params.frequency_penalty
-            )
-            recent = list(hist[-n:] if n > 0 else hist) if penal else []
+            recent: list[int] = []
+            if s.params.penalizes:
+                n = s.params.repeat_last_n
+                hist = histories.get(c.seq_id, ())
+                keep = n - 1 if follow else n
+                recent = list(hist[-keep:]) if keep > 0 else [] if n > 0 else list(hist)
             wire.append(
                 pb.SeqChunk(
                     seq_id=c.seq_id,
@@ -238,6 +297,7 @@ class RemotePipeline:
                     sampling=sampling_to_proto(s.params, s.seed),
                     recent=recent,
                     sample=True,
+                    follow=follow,
                 )
             )
         return wire
@@ -253,6 +313,43 @@ class RemotePipeline:
         per chunk (-1 for a chunk whose sequence has no sampler here: an earlier prompt
         micro-batch)."""
         wire = self._wire_chunks(chunks, samplers, histories)
+        return self._tokens_of(self._start(tokens, chunks, wire, False), wire)
+
+    @property
+    def chains(self) -> bool:
+        """Whether `submit_next` starts on the pool without this machine (the first stage is a node,
+        which takes the token from the reply it relays)."""
+        return self.local is None
+
+    def submit_next(
+        self,
+        prev: Future[list[int]],
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
+        histories: Mapping[int, Sequence[int]],
+        stop_ids: Collection[int] = frozenset(),
+    ) -> Future[list[int]]:
+        """The decode step after `prev` (one chunk of one token): its input id is the token `prev`
+        samples, and the first node starts it as soon as it relays that token, while this machine
+        is still receiving it. Gives [] (nothing computed) when that token is in `stop_ids`.
+        `histories` are the ids before prev's token."""
+        if self.local is not None:  # the first stage is here: nothing to gain on the pool
+            return submit_after(self, prev, chunks, samplers, histories, stop_ids)
+        if len(chunks) != 1 or chunks[0].n != 1:
+            raise ValueError(f"a follow-up step is one chunk of one token, got {list(chunks)}")
+        wire = self._wire_chunks(chunks, samplers, histories, follow=True)
+        placeholder = torch.zeros(1, dtype=torch.long)
+        return self._tokens_of(
+            self._start(placeholder, chunks, wire, False, after=prev, stop_ids=sorted(stop_ids)),
+            wire,
+        )
+
+    @staticmethod
+    def _tokens_of(
+        pending: Future[pb.ForwardReply], wire: Sequence[pb.SeqChunk]
+    ) -> Future[list[int]]:
+        """The sampled tokens of a batch's reply (`Token`s when logprobs were asked); [] for a
+        skipped follow-up batch."""
         out: Future[list[int]] = Future()
 
         def done(f: Future[pb.ForwardReply]) -> None:
@@ -261,6 +358,9 @@ class RemotePipeline:
                 out.set_exception(exc)
                 return
             reply = f.result()
+            if reply.skipped:
+                out.set_result([])
+                return
             if not reply.logprobs:
                 out.set_result(list(reply.tokens))
                 return
@@ -275,7 +375,7 @@ class RemotePipeline:
                 ]
             )
 
-        self._start(tokens, chunks, wire, False).add_done_callback(done)
+        pending.add_done_callback(done)
         return out
 
     def step(

@@ -64,6 +64,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    @property
+    def penalizes(self) -> bool:
+        """Whether sampling looks at the recent tokens (repeat, presence or frequency penalty)."""
+        return self.repeat_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
+
 
 GREEDY = SamplingParams(temperature=0.0)
 

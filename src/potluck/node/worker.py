@@ -56,6 +56,7 @@ REPORT_EVERY_BYTES = 32 * 2**20  # the worker logs weights received in steps of 
 DEFAULT_IDLE_S = 120.0  # a plan no head used or named for this long is freed (seconds)
 ORDER_WAIT_S = 30.0  # longest a batch waits for an earlier batch of its sequence (seconds)
 MAX_PLANS = 2  # a node keeps the stage of the previous plan while the new one takes over
+Answer = Callable[[pb.ForwardReply], None]  # sends a forward request's reply to whoever sent it
 _WIRE = {
     "": torch.float32,
     "float32": torch.float32,
@@ -111,6 +112,13 @@ class NodeService(pb_grpc.NodeServicer):
         self.plans: dict[str, LoadedStage] = {}
         self.compute = threading.Lock()
         self.turn = threading.Condition(self.compute)  # compute, and wait for a sequence's turn
+        # Follow-up decode steps (a first stage): the last token the pool sampled for each
+        # (plan, sequence) as this node relayed it, with the position right after its batch; and
+        # the follow-up batches that wait for their token, by (plan, sequence, position), with
+        # how to answer them (the head may send the next before this node ran the last).
+        self.follow_lock = threading.Lock()
+        self.sampled: dict[tuple[str, int], tuple[int, int]] = {}
+        self.parked: dict[tuple[str, int, int], tuple[pb.ForwardRequest, Answer]] = {}
         with self.compute:
             if threads:
                 torch.set_num_threads(threads)
@@ -133,6 +141,7 @@ class NodeService(pb_grpc.NodeServicer):
                 if now - loaded.last_used > self.idle_s:
                     with self.compute:
                         gone = self.plans.pop(plan_id, None)
+                    self._forget(plan_id)
                     if gone is not None:
                         log.info(
                             "freed plan %s: unused for %.0f s", plan_id[:12], now - loaded.last_used
@@ -222,6 +231,7 @@ class NodeService(pb_grpc.NodeServicer):
         )
         while len(self.plans) > MAX_PLANS:  # the oldest plan goes
             old = self.plans.pop(next(iter(self.plans)))
+            self._forget(old.plan_id)
             if old.next_hop is not None:
                 old.next_hop.close()
             del old
@@ -312,6 +322,8 @@ class NodeService(pb_grpc.NodeServicer):
                 )
             if len({c.seq_id for c in chunks}) != len(chunks):
                 raise WireError("a sequence appears twice in one batch")
+            if any(c.follow for c in request.chunks):
+                raise WireError("a follow-up batch goes on the forward stream or the data port")
             n_vocab = stage.hp.n_vocab
             if any(t >= n_vocab for c in request.chunks for t in c.recent):
                 raise WireError(f"recent token ids (for penalties) must be in [0, {n_vocab})")
@@ -416,36 +428,161 @@ class NodeService(pb_grpc.NodeServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return self._relay(reply, stage_ms, (time.perf_counter() - t1) * 1e3)
 
-    def serve_forward(
-        self, request: pb.ForwardRequest, answer: Callable[[pb.ForwardReply], None]
-    ) -> None:
+    def serve_forward(self, request: pb.ForwardRequest, answer: Answer) -> None:
         """Compute one request (in the calling thread) and answer it: the last stage answers at
         once; any other sends its output on to the next node and answers when that node does
         (from the thread that reads the next node's replies). Used by ForwardStream and by the
-        data port (transport/dataplane.py)."""
+        data port (transport/dataplane.py). A follow-up batch waits for its input token (see
+        `_follow_up`)."""
         rid = request.request_id
+        if any(c.follow for c in request.chunks):
+            self._follow_up(request, answer)
+            return
         try:
             loaded, y, stage_ms = self._compute(request, ORDER_WAIT_S)
             if loaded.next_hop is None:
                 reply = self._finish(loaded, request, y, stage_ms)
                 reply.request_id = rid
                 answer(reply)
+                if loaded.stage.is_first:
+                    self._sampled_for(request, list(reply.tokens), "")
                 return
         except Refused as exc:
             answer(pb.ForwardReply(request_id=rid, error=exc.message, error_code=exc.code.name))
             return
         t1 = time.perf_counter()
+        first = loaded.stage.is_first
 
         def relay(f: Future[pb.ForwardReply]) -> None:
             exc = f.exception()
             if exc is not None:
                 answer(pb.ForwardReply(request_id=rid, error=str(exc), error_code="UNAVAILABLE"))
+                if first:
+                    self._sampled_for(request, None, str(exc))
                 return
             reply = self._relay(f.result(), stage_ms, (time.perf_counter() - t1) * 1e3)
             reply.request_id = rid
             answer(reply)
+            if first:  # after the answer: the head hears of the token before the next step runs
+                self._sampled_for(request, list(reply.tokens), reply.error)
 
         loaded.next_hop.link.send(self._downstream(loaded, request, y)).add_done_callback(relay)
+
+    # -- follow-up decode steps: the next token starts here, without a round trip to the head ----
+    def _follow_up(self, request: pb.ForwardRequest, answer: Answer) -> None:
+        """A decode step whose input id is the token the pool samples for its sequence's previous
+        batch: run it as soon as this node relays that token (now, if it already did), so the
+        pool computes the next token while the head is still receiving the last one."""
+        rid = request.request_id
+        c = request.chunks[0]
+        loaded = self.plans.get(request.plan_id)
+        why = ""
+        if len(request.chunks) != 1 or c.n != 1:
+            why = (
+                f"a follow-up batch is one chunk of one token, got {[x.n for x in request.chunks]}"
+            )
+        elif loaded is None:
+            answer(
+                pb.ForwardReply(
+                    request_id=rid,
+                    error=f"plan {request.plan_id[:12]} is not loaded on this node",
+                    error_code=grpc.StatusCode.FAILED_PRECONDITION.name,
+                )
+            )
+            return
+        elif not loaded.stage.is_first:
+            why = f"a follow-up batch came to layers {loaded.stage.start}–{loaded.stage.stop - 1}; only the first stage takes one"
+        if why:
+            answer(pb.ForwardReply(request_id=rid, error=why, error_code="INVALID_ARGUMENT"))
+            return
+        with self.follow_lock:
+            got = self.sampled.get((request.plan_id, c.seq_id))
+            if got is None or got[0] != c.pos:
+                key = (request.plan_id, c.seq_id, c.pos)
+                if key in self.parked:
+                    why = f"a second follow-up batch for sequence {c.seq_id} at position {c.pos}"
+                else:
+                    self.parked[key] = (request, answer)
+                    return
+        if why:
+            answer(pb.ForwardReply(request_id=rid, error=why, error_code="INVALID_ARGUMENT"))
+            return
+        self._run_follow_up(request, answer, got[1])
+
+    def _run_follow_up(self, request: pb.ForwardRequest, answer: Answer, token: int) -> None:
+        """The follow-up batch with its input id filled in (and added to its recent ids for the
+        penalties), computed like any other; skipped if the id ends the generation."""
+        if token in request.stop_ids:
+            answer(pb.ForwardReply(request_id=request.request_id, tokens=[-1], skipped=True))
+            return
+        c = request.chunks[0]
+        c.follow = False
+        request.input.CopyFrom(tensor_to_proto(torch.tensor([token], dtype=torch.long)))
+        if c.sample:
+            try:
+                params = sampling_from_proto(c.sampling)
+            except WireError as exc:
+                answer(
+                    pb.ForwardReply(
+                        request_id=request.request_id, error=str(exc), error_code="INVALID_ARGUMENT"
+                    )
+                )
+                return
+            if params.penalizes:  # the head sent the ids before this one
+                c.recent.append(token)
+                if params.repeat_last_n > 0:
+                    del c.recent[: -params.repeat_last_n]
+        self.serve_forward(request, answer)
+
+    def _sampled_for(
+        self, request: pb.ForwardRequest, tokens: list[int] | None, error: str
+    ) -> None:
+        """This first stage relayed the tokens sampled for `request` (None: the request failed,
+        and `error` says why): a follow-up batch waiting for one of them runs now (in this thread),
+        or fails with it."""
+        ready = []
+        with self.follow_lock:
+            for i, c in enumerate(request.chunks):
+                if not c.sample:
+                    continue
+                token = tokens[i] if tokens is not None and not error else -1
+                if token >= 0:
+                    self.sampled[(request.plan_id, c.seq_id)] = (c.pos + c.n, token)
+                parked = self.parked.pop((request.plan_id, c.seq_id, c.pos + c.n), None)
+                if parked is not None:
+                    ready.append((*parked, token))
+        for req, ans, token in ready:
+            if token >= 0:
+                self._run_follow_up(req, ans, token)
+            else:
+                ans(
+                    pb.ForwardReply(
+                        request_id=req.request_id,
+                        error=f"the batch before this follow-up failed: {error or 'no token'}",
+                        error_code="UNAVAILABLE",
+                    )
+                )
+
+    def _forget(self, plan_id: str, seq_ids: Sequence[int] | None = None) -> None:
+        """Drop the follow-up state of a plan (or of some of its sequences); a batch still waiting
+        for its token is answered with an error."""
+
+        def mine(key: tuple) -> bool:
+            return key[0] == plan_id and (seq_ids is None or key[1] in seq_ids)
+
+        with self.follow_lock:
+            for k in [k for k in self.sampled if mine(k)]:
+                del self.sampled[k]
+            parked = [self.parked.pop(k) for k in [k for k in self.parked if mine(k)]]
+        for req, ans in parked:
+            ans(
+                pb.ForwardReply(
+                    request_id=req.request_id,
+                    error=f"sequence {req.chunks[0].seq_id} was dropped while this follow-up batch "
+                    "waited for its token",
+                    error_code="CANCELLED",
+                )
+            )
 
     def ForwardStream(
         self, request_iterator: Iterator[pb.ForwardRequest], context: grpc.ServicerContext
@@ -510,6 +647,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Drop(self, request: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropReply:
         loaded = self.plans.get(request.plan_id)
+        self._forget(request.plan_id, list(request.seq_ids))
         if loaded is not None:
             with self.compute:
                 for s in request.seq_ids:

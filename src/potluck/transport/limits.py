@@ -27,6 +27,7 @@ MAX_RECENT = 1 << 18  # recent token ids for the penalties of one sequence (≥ 
 MAX_TOKEN_ID = 1 << 31
 MAX_TENSORS = 1 << 16  # tensors in one stage / one PutTensors stream
 MAX_SEQ_IDS = 1 << 16  # sequences dropped in one call
+MAX_STOP_IDS = 1 << 12  # stop ids of one follow-up batch
 MAX_ID_CHARS = 64  # plan ids
 MAX_NAME_CHARS = 256  # tensor and node names
 MAX_THREADS = 4096
@@ -58,6 +59,7 @@ def _sha(what: str, digest: str, optional: bool = False) -> None:
 def _check_forward(m: pb.ForwardRequest) -> None:
     _at_most("plan id characters", len(m.plan_id), MAX_ID_CHARS)
     _at_most("chunks in one batch", len(m.chunks), MAX_CHUNKS)
+    _at_most("stop ids", len(m.stop_ids), MAX_STOP_IDS)
     for c in m.chunks:
         _at_most(f"recent token ids of sequence {c.seq_id}", len(c.recent), MAX_RECENT)
         if c.recent and not (0 <= min(c.recent) and max(c.recent) < MAX_TOKEN_ID):

@@ -156,37 +156,41 @@ class TopLogprobs(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "n", "sampling", "recent", "sample", "pos")
+    __slots__ = ("seq_id", "n", "sampling", "recent", "sample", "pos", "follow")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     POS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     n: int
     sampling: SamplingConfig
     recent: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
     pos: int
-    def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., pos: _Optional[int] = ...) -> None: ...
+    follow: bool
+    def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., pos: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("plan_id", "chunks", "input", "want_logits", "request_id")
+    __slots__ = ("plan_id", "chunks", "input", "want_logits", "request_id", "stop_ids")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     chunks: _containers.RepeatedCompositeFieldContainer[SeqChunk]
     input: Tensor
     want_logits: bool
     request_id: int
-    def __init__(self, plan_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., request_id: _Optional[int] = ...) -> None: ...
+    stop_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, plan_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., request_id: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("tokens", "logits", "stage_ms", "hop_ms", "request_id", "error", "error_code", "logprobs", "top")
+    __slots__ = ("tokens", "logits", "stage_ms", "hop_ms", "request_id", "error", "error_code", "logprobs", "top", "skipped")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     STAGE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +200,7 @@ class ForwardReply(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logits: Tensor
     stage_ms: _containers.RepeatedScalarFieldContainer[float]
@@ -205,7 +210,8 @@ class ForwardReply(_message.Message):
     error_code: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., stage_ms: _Optional[_Iterable[float]] = ..., hop_ms: _Optional[_Iterable[float]] = ..., request_id: _Optional[int] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    skipped: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., stage_ms: _Optional[_Iterable[float]] = ..., hop_ms: _Optional[_Iterable[float]] = ..., request_id: _Optional[int] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class DropRequest(_message.Message):
     __slots__ = ("plan_id", "seq_ids")

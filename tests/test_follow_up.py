@@ -1,0 +1,204 @@
+"""Follow-up decode steps: over a pool whose first stage is a node, the head sends the step for
+token i + 2 before token i + 1 is back, and the first node runs it as soon as it relays token
+i + 1 (engine/generate.generate, RemotePipeline.submit_next, NodeService._follow_up).
+
+Real `potluck worker` processes on loopback (standing in for separate machines); every output is
+checked against one process running the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from potluck.engine.generate import generate, load_model, prefill
+from potluck.engine.pipeline import Assignment, RemotePipeline
+from potluck.engine.sampling import GREEDY, Sampler, SamplingParams
+from potluck.transport import potluck_pb2 as pb
+from potluck.transport.codec import sampling_to_proto, tensor_to_proto
+from test_pool import start_worker
+
+PROMPT = "Name three planets."
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[str]]:
+    procs = [start_worker(), start_worker()]
+    yield [addr for _, addr in procs]
+    for p, _ in procs:
+        p.terminate()
+        p.wait(timeout=10)
+
+
+def _ids(path: Path) -> list[int]:
+    m = load_model(path, n_ctx=64)
+    return m.tokenizer.encode(m.chat.render([{"role": "user", "content": PROMPT}]))
+
+
+def _single(
+    path: Path, n: int, params: SamplingParams = GREEDY, n_ctx: int = 256, **kw: object
+) -> list[int]:
+    m = load_model(path, n_ctx=n_ctx)
+    return list(generate(m, _ids(path), n, Sampler(params), **kw))  # type: ignore[arg-type]
+
+
+def _pool(workers: list[str], path: Path, cut: int = 14, n_ctx: int = 256, **kw: object):
+    n = load_model(path, n_ctx=64).hp.n_layer
+    plan = [Assignment(workers[0], 0, cut), Assignment(workers[1], cut, n)]
+    return load_model(path, n_ctx=n_ctx, assignments=plan, **kw)  # type: ignore[arg-type]
+
+
+def test_chained_greedy_equals_one_process(workers: list[str], smollm2_path: Path) -> None:
+    want = _single(smollm2_path, 24)
+    pool = _pool(workers, smollm2_path)
+    assert pool.pipeline.chains  # the first stage is a node: steps go ahead of the tokens
+    assert list(generate(pool, _ids(smollm2_path), 24, Sampler(GREEDY))) == want
+    # and without failover (a bare RemotePipeline), and on a plan whose first node is also last
+    bare = _pool(workers, smollm2_path, cut=20, failover_s=None)
+    assert isinstance(bare.pipeline, RemotePipeline) and bare.pipeline.chains
+    assert list(generate(bare, _ids(smollm2_path), 24, Sampler(GREEDY))) == want
+    n = pool.hp.n_layer
+    one = load_model(smollm2_path, n_ctx=256, assignments=[Assignment(workers[1], 0, n)])
+    assert list(generate(one, _ids(smollm2_path), 24, Sampler(GREEDY))) == want
+
+
+def test_chained_stops_where_one_process_stops(workers: list[str], smollm2_path: Path) -> None:
+    """A stop id ends the generation at the same token (the step sent ahead of it is skipped by
+    the node, and the sequence is freed); so do -n and the context."""
+    full = _single(smollm2_path, 24)
+    pool = _pool(workers, smollm2_path)
+    ids = _ids(smollm2_path)
+    stop = full[9]
+    cut = full.index(stop) + 1
+    got = list(generate(pool, ids, 24, Sampler(GREEDY), stop_ids=frozenset({stop})))
+    assert got == full[:cut]
+    assert list(generate(pool, ids, 3, Sampler(GREEDY))) == full[:3]
+    assert list(generate(pool, ids, 1, Sampler(GREEDY))) == full[:1]
+    short = len(ids) + 5  # room for 5 tokens
+    want = _single(smollm2_path, 24, n_ctx=short)
+    assert len(want) == 5
+    tight = _pool(workers, smollm2_path, n_ctx=short)
+    assert list(generate(tight, ids, 24, Sampler(GREEDY))) == want
+
+
+@pytest.mark.parametrize("last_n", [0, 1, 3, 64])
+def test_chained_penalties_see_the_token_the_node_added(
+    workers: list[str], smollm2_path: Path, last_n: int
+) -> None:
+    """The head sends the recent ids before a step's input token; the first node adds that token
+    (and keeps at most repeat_last_n): seeded sampling with penalties equals one process."""
+    params = SamplingParams(
+        temperature=1.1,
+        top_k=40,
+        repeat_penalty=1.3,
+        presence_penalty=0.4,
+        repeat_last_n=last_n,
+        seed=77,
+    )
+    want = _single(smollm2_path, 20, params)
+    pool = _pool(workers, smollm2_path)
+    assert list(generate(pool, _ids(smollm2_path), 20, Sampler(params))) == want
+
+
+def test_closing_a_generation_early_frees_its_sequence(
+    workers: list[str], smollm2_path: Path
+) -> None:
+    """A caller that stops reading (Ctrl-C, a stop string) leaves a step in flight: generate waits
+    for it before it drops the sequence, so nothing is left behind on the nodes."""
+    pool = _pool(workers, smollm2_path, failover_s=None)
+    pipe = pool.pipeline
+    ids = _ids(smollm2_path)
+    gen = generate(pool, ids, 50, Sampler(GREEDY))
+    first = [next(gen) for _ in range(4)]
+    seq = pool._next_seq  # the generation's sequence
+    gen.close()
+    assert first == _single(smollm2_path, 4)
+    # the first node forgot the sequence: a batch at position 0 is new again, not stale
+    again = pipe.clients[0].link.send(_request(pipe, seq, 0, ids)).result(timeout=30)
+    assert list(again.tokens) == [first[0]]
+    pipe.drop(seq)
+
+
+def _request(
+    pipe: RemotePipeline, seq: int, pos: int, ids: list[int], follow: bool = False
+) -> pb.ForwardRequest:
+    chunk = pb.SeqChunk(
+        seq_id=seq, n=len(ids), pos=pos, sample=True, sampling=sampling_to_proto(GREEDY, 0)
+    )
+    chunk.follow = follow
+    return pb.ForwardRequest(
+        plan_id=pipe.plan_id,
+        chunks=[chunk],
+        input=tensor_to_proto(torch.tensor(ids, dtype=torch.long)),
+    )
+
+
+def test_follow_up_batches_on_the_wire(workers: list[str], smollm2_path: Path) -> None:
+    """The protocol itself: a follow-up batch sent before its predecessor ran waits for it and
+    takes its token; one whose input would be a stop id is skipped; malformed ones are refused
+    with a reason, and the node serves on."""
+    pool = _pool(workers, smollm2_path, failover_s=None)
+    pipe = pool.pipeline
+    assert isinstance(pipe, RemotePipeline)
+    ids = _ids(smollm2_path)
+    want = _single(smollm2_path, 4)
+    seq = pool.new_seq_id()
+    assert prefill(pipe, seq, ids, Sampler(GREEDY)) == want[0]
+    link = pipe.clients[0].link
+    p = len(ids)
+    # both sent at once: the second waits on the node for the first's token
+    a = link.send(_request(pipe, seq, p, [want[0]]))
+    b = link.send(_request(pipe, seq, p + 1, [0], follow=True))
+    assert list(a.result(timeout=30).tokens) == [want[1]]
+    assert list(b.result(timeout=30).tokens) == [want[2]]
+    # the previous token already relayed: it runs at once; a stop id skips it
+    stop = _request(pipe, seq, p + 2, [0], follow=True)
+    stop.stop_ids.append(want[2])
+    skipped = link.send(stop).result(timeout=30)
+    assert skipped.skipped and list(skipped.tokens) == [-1]
+    c = link.send(_request(pipe, seq, p + 2, [0], follow=True)).result(timeout=30)
+    assert list(c.tokens) == [want[3]]
+
+    def refused(req: pb.ForwardRequest, client: int = 0) -> str:
+        from potluck.errors import PotluckError
+
+        with pytest.raises(PotluckError) as err:
+            pipe.clients[client].link.send(req).result(timeout=30)
+        return str(err.value)
+
+    two = _request(pipe, seq, p + 3, [0, 0], follow=True)
+    assert "a follow-up batch is one chunk of one token, got [2]" in refused(two)
+    other = pb.ForwardRequest()
+    other.CopyFrom(_request(pipe, seq, p + 3, [0], follow=True))
+    other.input.CopyFrom(tensor_to_proto(torch.zeros(1, pool.hp.n_embd)))
+    assert "only the first stage takes one" in refused(other, client=1)
+    dup_a = link.send(_request(pipe, seq, p + 5, [0], follow=True))
+    assert "a second follow-up batch for sequence" in refused(
+        _request(pipe, seq, p + 5, [0], follow=True)
+    )
+    # a waiting follow-up batch is answered when its sequence is dropped, not left hanging
+    pipe.drop(seq)
+    with pytest.raises(Exception, match="was dropped while this follow-up batch waited"):
+        dup_a.result(timeout=30)
+    # the node serves on
+    fresh = pool.new_seq_id()
+    assert prefill(pipe, fresh, ids, Sampler(GREEDY)) == want[0]
+    pipe.drop(fresh)
+
+
+def test_follow_up_through_the_grpc_stream(smollm2_path: Path) -> None:
+    """Workers whose data port is closed (--no-data-port: the gRPC ForwardStream carries the
+    forward path) take follow-up steps the same way."""
+    procs = [start_worker(args=("--no-data-port",)) for _ in range(2)]
+    try:
+        want = _single(smollm2_path, 12)
+        pool = _pool([a for _, a in procs], smollm2_path)
+        assert pool.pipeline.chains
+        assert list(generate(pool, _ids(smollm2_path), 12, Sampler(GREEDY))) == want
+    finally:
+        for p, _ in procs:
+            p.terminate()
+            p.wait(timeout=10)
