@@ -57,12 +57,15 @@ def start_worker(core: int) -> tuple[subprocess.Popen, str, float]:
     return proc, f"127.0.0.1:{port}", time.perf_counter() - t0
 
 
+HEAD_CPUS = "0,1"  # where the pool's head runs (--head-cpus)
+
+
 def child(
     path: Path, mode: str, task: str, n_tok: int, peers: list[str], env: dict | None = None
 ) -> dict:
     # the single-core baseline computes on core 0; the pool's head only sends token ids and
-    # reads replies, so it may run on either core (as a third machine would)
-    cpus = "0" if mode == "single" else "0,1"
+    # reads replies: by default it may run on either core (there is no third machine here)
+    cpus = "0" if mode == "single" else HEAD_CPUS
     cmd = [
         "taskset",
         "-c",
@@ -133,6 +136,7 @@ def rss_mib(pid: int) -> float:
 
 
 def main() -> None:
+    global HEAD_CPUS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(MODEL_NAMES))
     ap.add_argument("--tasks", default=",".join(TASKS))
@@ -143,10 +147,16 @@ def main() -> None:
         help="folder with llama.cpp's llama-bench and ggml-rpc-server (built with GGML_RPC=ON); "
         "adds llama.cpp RPC over two pinned servers to the same run",
     )  # fmt: skip
+    ap.add_argument(
+        "--head-cpus", default=HEAD_CPUS,
+        help="cores the pool's head may run on (taskset -c); 0 = beside the first worker, the "
+        "machine that idles while the second computes",
+    )  # fmt: skip
     args = ap.parse_args()
+    HEAD_CPUS = args.head_cpus
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs two cores to pin two workers")
-    result: dict = {"info": run_info(), "models": {}}
+    result: dict = {"info": run_info(), "head_cpus": HEAD_CPUS, "models": {}}
     rows = []
     for name in args.models.split(","):
         path = model_path(name)
