@@ -8,6 +8,7 @@ checked against one process running the whole model.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -202,3 +203,96 @@ def test_follow_up_through_the_grpc_stream(smollm2_path: Path) -> None:
         for p, _ in procs:
             p.terminate()
             p.wait(timeout=10)
+
+
+# -- the scheduler (potluck serve) ------------------------------------------------------------
+
+
+def _serve(sched, reqs):
+    from potluck.engine.scheduler import Finished, QueueSink, TokenEvent
+
+    sinks = [QueueSink() for _ in reqs]
+    streams = [sched.submit(r, s) for r, s in zip(reqs, sinks, strict=True)]
+    out = []
+    for s in sinks:
+        evs = list(s.events(timeout=120))
+        assert isinstance(evs[-1], Finished), evs[-1]
+        out.append(([e.token for e in evs if isinstance(e, TokenEvent)], evs[-1]))
+    return out, streams
+
+
+def test_scheduler_chains_up_to_one_stream_per_stage(
+    workers: list[str], smollm2_path: Path
+) -> None:
+    """`potluck serve` over a pool of two nodes: one or two streams (≤ one per stage) each get
+    follow-up steps and exactly their single-process tokens; three (more than the stages) go in
+    batches of several rows again, with the same tokens; a stop id and the length end them
+    where one process ends them."""
+    from potluck.engine.scheduler import Request, Scheduler
+
+    single = load_model(smollm2_path, n_ctx=256)
+    prompts = ["Name three planets.", "What is a cat?", "Count to five."]
+    ids = [
+        single.tokenizer.encode(single.chat.render([{"role": "user", "content": p}]))
+        for p in prompts
+    ]
+    want = [list(generate(single, i, 16, Sampler(GREEDY), stop_ids=frozenset())) for i in ids]
+    pool = _pool(workers, smollm2_path)
+    sched = Scheduler(pool)
+    try:
+        got, _ = _serve(sched, [Request(tuple(ids[0]), GREEDY, 16, frozenset())])
+        assert got[0][0] == want[0] and got[0][1].reason == "length"
+        one = sched.stats.follow_ups
+        assert one >= 12  # nearly every step after the first went ahead of its token
+        got, _ = _serve(sched, [Request(tuple(i), GREEDY, 16, frozenset()) for i in ids[:2]])
+        assert [t for t, _ in got] == want[:2]
+        assert sched.stats.follow_ups >= one + 20
+        two = sched.stats.follow_ups
+        got, _ = _serve(sched, [Request(tuple(i), GREEDY, 16, frozenset()) for i in ids])
+        assert [t for t, _ in got] == want
+        assert sched.stats.follow_ups - two < 16  # three streams: mostly batched, not chained
+        stop = want[0][6]
+        got, _ = _serve(sched, [Request(tuple(ids[0]), GREEDY, 16, frozenset({stop}))])
+        end = want[0].index(stop) + 1
+        assert got[0][0] == want[0][:end] and got[0][1].reason == "stop"
+    finally:
+        sched.close()
+
+
+def test_scheduler_cancel_during_follow_ups_frees_the_sequence(
+    workers: list[str], smollm2_path: Path
+) -> None:
+    """A stream cancelled while a follow-up step is in flight ends as cancelled, and the nodes
+    forget its sequence (a batch at position 0 is new again, not stale)."""
+    from potluck.engine.scheduler import Finished, QueueSink, Request, Scheduler, TokenEvent
+
+    pool = _pool(workers, smollm2_path, failover_s=None)
+    ids = _ids(smollm2_path)
+    sched = Scheduler(pool)
+    try:
+        sink = QueueSink()
+        stream = sched.submit(Request(tuple(ids), GREEDY, 200, frozenset()), sink)
+        seen = 0
+        events = sink.events(timeout=120)
+        for ev in events:
+            if isinstance(ev, TokenEvent):
+                seen += 1
+                if seen == 5:
+                    stream.cancel()
+            if isinstance(ev, Finished):
+                assert ev.reason == "cancelled" and ev.n_generated < 200
+                break
+        seq = pool._next_seq
+        pipe = pool.pipeline
+        deadline = time.monotonic() + 30
+        while True:  # the drop follows the last step in flight; then position 0 is new again
+            try:
+                again = pipe.clients[0].link.send(_request(pipe, seq, 0, ids)).result(timeout=30)
+                break
+            except Exception as exc:
+                assert "stale" in str(exc) and time.monotonic() < deadline, exc
+                time.sleep(0.05)
+        assert list(again.tokens)[0] >= 0
+        pipe.drop(seq)
+    finally:
+        sched.close()

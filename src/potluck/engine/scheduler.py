@@ -123,6 +123,10 @@ class _Seq:
     cancel_reason: str = "cancelled"  # the Finished reason a cancel ends it with
     done: bool = False
     t_first: float | None = None
+    # its decode step in flight alone (a batch of this sequence only), which a follow-up step
+    # may be chained on (pipeline.submit_next); None when there is none
+    tail: Future[list[int]] | None = None
+    t_done: float = 0.0  # when its last batch came back (time.perf_counter)
 
     @property
     def decoding(self) -> bool:
@@ -169,6 +173,7 @@ class _Batch:
     chunks: tuple[SeqChunk, ...]
     samples: bool  # whether the batch's tokens are sampled (a prompt's last micro-batch, decode)
     t0: float
+    follow: bool = False  # a follow-up decode step: its input is the token of the one before
 
 
 @dataclass
@@ -189,6 +194,7 @@ class Stats:
     hop_ms: list[float] = field(default_factory=list)
     decode_rows: float = 0.0  # recent rows per decode step
     max_in_flight: int = 0  # most batches in flight at once so far
+    follow_ups: int = 0  # decode steps sent before the token they follow was back (pool)
     recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
 
     def tokens_per_s(self, window_s: float = 5.0) -> float:
@@ -294,11 +300,13 @@ class Scheduler:
                 self._reap(closing)
                 if closing and not self._active and not self._waiting and not self._inflight:
                     return
-                while len(self._inflight) < self.depth and not closing:
+                while self._plain_in_flight() < self.depth and not closing:
                     batch = self._next_batch()
                     if batch is None:
                         break
                     self._submit(batch)
+                if not closing:
+                    self._follow_ups()
                 # wait for a finished batch or news from a caller; with nothing in flight and
                 # nothing to do the timeout only bounds how long a missed wake-up could last
                 try:
@@ -357,6 +365,33 @@ class Scheduler:
             return self._decode_batch(decodes[:size])
         return None
 
+    def _plain_in_flight(self) -> int:
+        """Batches in flight that keep a stage busy now (a follow-up step waits for the one before
+        it, so it does not count against the pipeline's depth)."""
+        return sum(1 for b in self._inflight if not b.follow)
+
+    def _follow_ups(self) -> None:
+        """Over a pool whose first stage is a node, chain a follow-up step on every sequence whose
+        decode step is in flight alone: the first node starts it as soon as that step's token
+        passes through, so this machine's round trip leaves the sequence's critical path. Only
+        steps the plain loop would also take (a stop id is checked by the node)."""
+        if not getattr(self.pipeline, "chains", False):
+            return
+        live = [s for s in self._active.values() if not s.cancelled and not s.done]
+        if sum(1 for s in live if s.decoding) > self.depth:
+            return  # more streams than stages: they go in batches of several rows instead
+        for s in live:
+            if (
+                s.tail is None
+                or s.in_flight != 1
+                or s.generated + 1 >= s.req.max_tokens  # the step in flight gives the last token
+                or len(s.history) + 1 >= self.n_ctx  # ... or fills the context
+            ):
+                continue
+            batch = _Batch("decode", (s,), (SeqChunk(s.seq_id, 1),), True, 0.0, follow=True)
+            self._submit(batch)
+            self.stats.follow_ups += 1
+
     def _prompt_batch(self, seq: _Seq) -> _Batch:
         a = seq.prefilled
         b = min(a + self.config.n_batch, len(seq.req.prompt))
@@ -395,18 +430,36 @@ class Scheduler:
         self._inflight.append(batch)
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
         try:
-            fut = self.pipeline.submit(
-                torch.tensor(ids, dtype=torch.long), list(batch.chunks), samplers, histories
-            )
+            if batch.follow:
+                s = batch.seqs[0]
+                assert s.tail is not None
+                # (a copy: the history grows before this step is done)
+                hist = {s.seq_id: list(s.history)} if s.sampler.params.penalizes else {}
+                fut = self.pipeline.submit_next(
+                    s.tail, list(batch.chunks), samplers, hist, s.req.stop_ids
+                )
+            else:
+                fut = self.pipeline.submit(
+                    torch.tensor(ids, dtype=torch.long), list(batch.chunks), samplers, histories
+                )
         except Exception as exc:  # a pipeline that fails before returning a future
             fut = Future()
             fut.set_exception(exc)
+        if batch.kind == "decode" and len(batch.seqs) == 1:
+            batch.seqs[0].tail = fut
         fut.add_done_callback(lambda f: self._inbox.put(("done", (batch, f))))
 
     def _finish_batch(self, batch: _Batch, fut: Future[list[int]]) -> None:
         self._inflight.remove(batch)
+        now_pc = time.perf_counter()
+        t_start = batch.t0
         for s in batch.seqs:
+            if batch.follow:  # it started when the step before it came back
+                t_start = s.t_done
             s.in_flight -= 1
+            s.t_done = now_pc
+            if s.tail is fut:
+                s.tail = None
             if s.in_flight == 0 and s.seq_id in self._late_drops:
                 self._late_drops.discard(s.seq_id)
                 self._drop(s.seq_id)
@@ -419,13 +472,15 @@ class Scheduler:
                     s.cancelled = True
                     self._fail(s, err)
             return
-        ms = (time.perf_counter() - batch.t0) * 1e3
+        tokens = fut.result()
+        if batch.follow and not tokens:
+            return  # skipped by the node: the step before it gave a stop id (that ended it)
+        ms = (now_pc - t_start) * 1e3
         if batch.kind == "decode":
             self._record_decode(len(batch.seqs), ms)
         if not batch.samples:
             return
         now = time.monotonic()
-        tokens = fut.result()
         for s, tok in zip(batch.seqs, tokens, strict=True):
             if s.done:
                 continue
