@@ -333,7 +333,8 @@ class NodeService(pb_grpc.NodeServicer):
                     raise WireError(
                         f"the first stage takes int64 token ids [{total}], got {x.dtype} {tuple(x.shape)}"
                     )
-                if int(x.min()) < 0 or int(x.max()) >= stage.hp.n_vocab:
+                lo, hi = torch.aminmax(x)
+                if int(lo) < 0 or int(hi) >= stage.hp.n_vocab:
                     raise WireError(f"token ids must be in [0, {stage.hp.n_vocab})")
             elif x.dtype != torch.float32 or x.shape != (total, stage.hp.n_embd):
                 raise WireError(
@@ -521,21 +522,17 @@ class NodeService(pb_grpc.NodeServicer):
             return
         c = request.chunks[0]
         c.follow = False
-        request.input.CopyFrom(tensor_to_proto(torch.tensor([token], dtype=torch.long)))
-        if c.sample:
-            try:
-                params = sampling_from_proto(c.sampling)
-            except WireError as exc:
-                answer(
-                    pb.ForwardReply(
-                        request_id=request.request_id, error=str(exc), error_code="INVALID_ARGUMENT"
-                    )
-                )
-                return
-            if params.penalizes:  # the head sent the ids before this one
-                c.recent.append(token)
-                if params.repeat_last_n > 0:
-                    del c.recent[: -params.repeat_last_n]
+        # (tensor_to_proto's layout: one little-endian int64)
+        request.input.CopyFrom(
+            pb.Tensor(data=token.to_bytes(8, "little", signed=True), shape=[1], dtype="int64")
+        )
+        cfg = c.sampling  # (as sampling_from_proto reads it: a repeat penalty of 0 is 1)
+        if c.sample and (
+            cfg.repeat_penalty not in (0.0, 1.0) or cfg.presence_penalty or cfg.frequency_penalty
+        ):  # the penalties look at the recent ids: the head sent those before this one
+            c.recent.append(token)
+            if cfg.repeat_last_n > 0:
+                del c.recent[: -cfg.repeat_last_n]
         self.serve_forward(request, answer)
 
     def _took(

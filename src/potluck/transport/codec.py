@@ -28,6 +28,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {k: v.itemsize for k, v in _DTYPES.items()}  # bytes per element
 
 
 class WireError(PotluckError):
@@ -56,7 +57,7 @@ def tensor_from_proto(msg: pb.Tensor, max_elements: int = MAX_TENSOR_ELEMENTS) -
     n = math.prod(shape)
     if n > max_elements:
         raise WireError(f"tensor of {n:,} elements exceeds the limit of {max_elements:,}")
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[msg.dtype]
     if len(msg.data) != n * itemsize:
         raise WireError(
             f"tensor {shape} {msg.dtype} needs {n * itemsize:,} bytes, got {len(msg.data):,}"
