@@ -148,3 +148,27 @@ def test_penalties() -> None:
     )
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingParams(top_p=0.0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"repeat_penalty": 1.1},
+        {"repeat_penalty": 0.9},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": -0.2},
+        {"repeat_penalty": 1.0, "repeat_last_n": 0},
+        {"temperature": 0.0, "repeat_penalty": 1.3, "seed": 3},
+    ],
+)
+def test_penalizes_on_the_wire_agrees_with_the_parameters(kw: dict) -> None:
+    """A first node decides from the message whether to add a follow-up step's token to the
+    recent ids (transport/codec.penalizes); it must agree with what the last node's sampler does."""
+    from potluck.transport.codec import penalizes, sampling_from_proto, sampling_to_proto
+
+    params = SamplingParams(**kw)
+    msg = sampling_to_proto(params, 7)
+    assert penalizes(msg) == params.penalizes == sampling_from_proto(msg).penalizes
+    msg.repeat_penalty = 0.0  # an unset field reads as 0: no repeat penalty
+    assert penalizes(msg) == sampling_from_proto(msg).penalizes

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from potluck.engine.pipeline import follow_inputs
 from potluck.engine.sampling import Sampler
 from potluck.errors import PotluckError
 from potluck.model.stage import SeqChunk, Stage
@@ -260,15 +261,11 @@ class FailoverPipeline:
         if exc is not None:
             b.out.set_exception(exc)
             return
-        tokens = prev.result()
-        if not tokens or any(t in b.stop_ids for t in tokens):
+        inputs = follow_inputs(prev.result(), b.chunks, b.histories, b.stop_ids)
+        if inputs is None:
             b.out.set_result([])  # the generation ended with the previous step
             return
-        b.tokens = torch.tensor([int(t) for t in tokens])
-        b.histories = {
-            c.seq_id: [*b.histories.get(c.seq_id, ()), int(t)]
-            for c, t in zip(b.chunks, tokens, strict=True)
-        }
+        b.tokens, b.histories = inputs
         b.prev = None
         self._launch(b)
 

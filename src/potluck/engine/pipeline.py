@@ -80,15 +80,11 @@ def submit_after(
 
     def go(f: Future[list[int]]) -> None:
         try:
-            tokens = f.result()
-            if not tokens or any(t in stop_ids for t in tokens):
+            inputs = follow_inputs(f.result(), chunks, histories, stop_ids)
+            if inputs is None:
                 out.set_result([])
                 return
-            hist = {
-                c.seq_id: [*histories.get(c.seq_id, ()), int(t)]
-                for c, t in zip(chunks, tokens, strict=True)
-            }
-            nxt = pipe.submit(torch.tensor([int(t) for t in tokens]), chunks, samplers, hist)
+            nxt = pipe.submit(inputs[0], chunks, samplers, inputs[1])
         except BaseException as exc:  # the caller sees it from out.result()
             out.set_exception(exc)
             return
@@ -96,6 +92,24 @@ def submit_after(
 
     prev.add_done_callback(go)
     return out
+
+
+def follow_inputs(
+    tokens: Sequence[int],
+    chunks: Sequence[SeqChunk],
+    histories: Mapping[int, Sequence[int]],
+    stop_ids: Collection[int],
+) -> tuple[torch.Tensor, dict[int, list[int]]] | None:
+    """A follow-up step made ordinary once the tokens of the step before it are known: its input
+    ids and the histories with those ids added; None when the generation ended there (no token,
+    or a stop id)."""
+    if not tokens or any(t in stop_ids for t in tokens):
+        return None
+    hist = {
+        c.seq_id: [*histories.get(c.seq_id, ()), int(t)]
+        for c, t in zip(chunks, tokens, strict=True)
+    }
+    return torch.tensor([int(t) for t in tokens]), hist
 
 
 def _copy(src: Future[list[int]], dst: Future[list[int]]) -> None:

@@ -417,20 +417,13 @@ class Scheduler:
         )
 
     def _submit(self, batch: _Batch) -> None:
-        if batch.kind == "prompt":
-            seq = batch.seqs[0]
-            a = seq.prefilled - batch.chunks[0].n
-            ids = list(seq.req.prompt[a : seq.prefilled])
-        else:
-            ids = [s.history[-1] for s in batch.seqs]
         samplers = {s.seq_id: s.sampler for s in batch.seqs} if batch.samples else {}
-        histories = {s.seq_id: s.history for s in batch.seqs}
         for s in batch.seqs:
             s.in_flight += 1
         self._inflight.append(batch)
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._inflight))
         try:
-            if batch.follow:
+            if batch.follow:  # its input id is the token of the step in flight (s.tail)
                 s = batch.seqs[0]
                 assert s.tail is not None
                 # (a copy: the history grows before this step is done)
@@ -439,6 +432,13 @@ class Scheduler:
                     s.tail, list(batch.chunks), samplers, hist, s.req.stop_ids
                 )
             else:
+                if batch.kind == "prompt":
+                    seq = batch.seqs[0]
+                    a = seq.prefilled - batch.chunks[0].n
+                    ids = list(seq.req.prompt[a : seq.prefilled])
+                else:
+                    ids = [s.history[-1] for s in batch.seqs]
+                histories = {s.seq_id: s.history for s in batch.seqs}
                 fut = self.pipeline.submit(
                     torch.tensor(ids, dtype=torch.long), list(batch.chunks), samplers, histories
                 )

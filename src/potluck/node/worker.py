@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -40,11 +40,12 @@ from potluck.transport.client import NODE_SERVER_OPTIONS, NodeClient
 from potluck.transport.codec import (
     PROTOCOL_VERSION,
     WireError,
+    penalizes,
     sampling_from_proto,
     tensor_from_proto,
     tensor_to_proto,
 )
-from potluck.transport.dataplane import DataServer
+from potluck.transport.dataplane import Answer, DataServer
 from potluck.transport.guard import Guard
 from potluck.transport.linkprobe import quick_link
 from potluck.transport.spin import DEFAULT_SPIN_S, spin_wait
@@ -56,7 +57,6 @@ REPORT_EVERY_BYTES = 32 * 2**20  # the worker logs weights received in steps of 
 DEFAULT_IDLE_S = 120.0  # a plan no head used or named for this long is freed (seconds)
 ORDER_WAIT_S = 30.0  # longest a batch waits for an earlier batch of its sequence (seconds)
 MAX_PLANS = 2  # a node keeps the stage of the previous plan while the new one takes over
-Answer = Callable[[pb.ForwardReply], None]  # sends a forward request's reply to whoever sent it
 _WIRE = {
     "": torch.float32,
     "float32": torch.float32,
@@ -300,17 +300,22 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.PutReply(received=received)
 
     # -- compute -----------------------------------------------------------------------------------
+    def _loaded(self, plan_id: str) -> LoadedStage:
+        """The stage of a plan; Refused when this node does not hold it."""
+        loaded = self.plans.get(plan_id)
+        if loaded is None:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"plan {plan_id[:12]} is not loaded on this node",
+            )
+        return loaded
+
     def _compute(
         self, request: pb.ForwardRequest, wait_s: float
     ) -> tuple[LoadedStage, torch.Tensor, float]:
         """Check a forward request, wait for its sequences' turn, run the stage: (stage, output,
         compute ms). Raises Refused with the status to answer."""
-        loaded = self.plans.get(request.plan_id)
-        if loaded is None:
-            raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"plan {request.plan_id[:12]} is not loaded on this node",
-            )
+        loaded = self._loaded(request.plan_id)
         loaded.last_used = time.monotonic()
         stage = loaded.stage
         try:
@@ -480,21 +485,16 @@ class NodeService(pb_grpc.NodeServicer):
         pool computes the next token while the head is still receiving the last one."""
         rid = request.request_id
         c = request.chunks[0]
-        loaded = self.plans.get(request.plan_id)
+        try:
+            loaded = self._loaded(request.plan_id)
+        except Refused as exc:
+            answer(pb.ForwardReply(request_id=rid, error=exc.message, error_code=exc.code.name))
+            return
         why = ""
         if len(request.chunks) != 1 or c.n != 1:
             why = (
                 f"a follow-up batch is one chunk of one token, got {[x.n for x in request.chunks]}"
             )
-        elif loaded is None:
-            answer(
-                pb.ForwardReply(
-                    request_id=rid,
-                    error=f"plan {request.plan_id[:12]} is not loaded on this node",
-                    error_code=grpc.StatusCode.FAILED_PRECONDITION.name,
-                )
-            )
-            return
         elif not loaded.stage.is_first:
             why = f"a follow-up batch came to layers {loaded.stage.start}–{loaded.stage.stop - 1}; only the first stage takes one"
         if why:
@@ -526,13 +526,10 @@ class NodeService(pb_grpc.NodeServicer):
         request.input.CopyFrom(
             pb.Tensor(data=token.to_bytes(8, "little", signed=True), shape=[1], dtype="int64")
         )
-        cfg = c.sampling  # (as sampling_from_proto reads it: a repeat penalty of 0 is 1)
-        if c.sample and (
-            cfg.repeat_penalty not in (0.0, 1.0) or cfg.presence_penalty or cfg.frequency_penalty
-        ):  # the penalties look at the recent ids: the head sent those before this one
+        if c.sample and penalizes(c.sampling):  # the head sent the recent ids before this one
             c.recent.append(token)
-            if cfg.repeat_last_n > 0:
-                del c.recent[: -cfg.repeat_last_n]
+            if c.sampling.repeat_last_n > 0:
+                del c.recent[: -c.sampling.repeat_last_n]
         self.serve_forward(request, answer)
 
     def _took(

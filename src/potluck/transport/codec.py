@@ -88,6 +88,12 @@ def sampling_to_proto(p: SamplingParams, seed: int) -> pb.SamplingConfig:
     )
 
 
+def penalizes(msg: pb.SamplingConfig) -> bool:
+    """`sampling_from_proto(msg).penalizes`, read off the message without building (and checking)
+    the parameters: for a node's per-token path."""
+    return (msg.repeat_penalty or 1.0) != 1.0 or bool(msg.presence_penalty or msg.frequency_penalty)
+
+
 def sampling_from_proto(msg: pb.SamplingConfig) -> SamplingParams:
     try:
         return SamplingParams(

@@ -67,8 +67,10 @@ MAX_HANDSHAKE_BYTES = 1024
 _LEN = struct.Struct(">I")
 _SMALL = 1 << 18  # frames up to this size go out in one write (length and body together)
 
-# node: handle one request; answer(reply) may be called later, from any thread
-Handler = Callable[[pb.ForwardRequest, Callable[[pb.ForwardReply], None]], None]
+# sends a forward request's reply to whoever sent it (may be called later, from any thread)
+Answer = Callable[[pb.ForwardReply], None]
+# node: handle one request, answering it through the Answer it is given
+Handler = Callable[[pb.ForwardRequest, Answer], None]
 # called before each blocking read of a frame on a data connection; a worker passes its poll
 # (transport/spin.py: the core stays awake for the next token); None: just block
 Wait = Callable[[socket.socket], object]
