@@ -250,7 +250,9 @@ def test_scheduler_chains_up_to_one_stream_per_stage(
         two = sched.stats.follow_ups
         got, _ = _serve(sched, [Request(tuple(i), GREEDY, 16, frozenset()) for i in ids])
         assert [t for t, _ in got] == want
-        assert sched.stats.follow_ups - two < 16  # three streams: mostly batched, not chained
+        # three streams on two stages are batched (≈ 45 follow-ups if they were chained); only
+        # a stream that decodes while the others are still in their prompts may chain a few
+        assert sched.stats.follow_ups - two < 24
         stop = want[0][6]
         got, _ = _serve(sched, [Request(tuple(ids[0]), GREEDY, 16, frozenset({stop}))])
         end = want[0].index(stop) + 1
