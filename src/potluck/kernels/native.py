@@ -38,7 +38,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -914,6 +914,48 @@ def trim_heap() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         return  # not glibc
+
+
+_HUGE = 2 << 20  # an x86-64 / arm64 transparent huge page
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # Linux <asm-generic/mman-common.h>
+_GAP = 256 << 10  # ranges this close are one (malloc's headers and small blocks between them)
+
+
+def huge_pages(tensors: Iterable[torch.Tensor]) -> int:
+    """Back the memory of `tensors` (a stage's weights) with 2 MiB pages where the OS allows it;
+    the bytes that are now huge-page backed (0 where it cannot: not Linux, THP off, kernel < 6.1).
+
+    Why: decode streams every weight byte once per token; in 4 KiB pages that is ≈ 25 k TLB
+    misses per SmolLM2 token, and the walks cost ≈ 20 % of its time (one core, one process:
+    8.8–9.4 ms per token in 4 KiB pages, 7.1–7.3 ms in 2 MiB ones). The usual THP setting
+    ("madvise") gives huge pages only to memory that asks: MADV_HUGEPAGE marks the ranges,
+    MADV_COLLAPSE (Linux 6.1) moves what is already there into huge pages now. Only whole 2 MiB
+    pages inside the ranges change (ranges under 256 KiB apart count as one: what lies between
+    them is collapsed too, and RSS grows by its untouched pages, if any)."""
+    if platform.system() != "Linux":
+        return 0
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel()
+    )
+    merged: list[list[int]] = []
+    for a, b in spans:  # adjacent or overlapping ranges as one (the heap packs them together)
+        if merged and a <= merged[-1][1] + _GAP:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [_P, ctypes.c_size_t, _I], _I
+    done = 0
+    for a, b in merged:
+        lo, hi = -(-a // _HUGE) * _HUGE, b // _HUGE * _HUGE  # whole huge pages inside [a, b)
+        if hi <= lo:
+            continue
+        if madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0 and madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
+            done += hi - lo
+    return done
 
 
 def spin_readable(fd: int, budget_s: float) -> bool:

@@ -237,7 +237,10 @@ class Stage(nn.Module):
         on_layer: Callable[[int], None] | None = None,
         exact: bool = False,
         use_native: bool = True,
+        huge_pages: bool = True,
     ) -> None:
+        """huge_pages: back the weights with 2 MiB pages now (see `huge_pages`); False for a
+        caller that trims the heap first and calls it then."""
         super().__init__()
         if not 0 <= start < stop <= hp.n_layer:
             raise ValueError(f"layer range [{start}, {stop}) is not inside [0, {hp.n_layer})")
@@ -268,6 +271,18 @@ class Stage(nn.Module):
             if base not in self.ropes:
                 self.ropes[base] = RotaryTable(hp.rope_dim, hp.head_dim, base, hp.rope_scale)
         self.caches: dict[int, SeqCache] = {}
+        if huge_pages:
+            self.huge_pages()
+
+    def huge_pages(self) -> int:
+        """Back this stage's weights with 2 MiB pages (decode reads every byte of them per token;
+        native.huge_pages says why): bytes now so backed. A malloc_trim splits the huge pages
+        that hold freed memory: trim first."""
+        tensors = []
+        for m in self.modules():
+            tensors += [t for t in vars(m).values() if isinstance(t, torch.Tensor)]
+            tensors += [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        return native.huge_pages(tensors)
 
     # -- sequences -------------------------------------------------------------------------------
     def cache(self, seq_id: int) -> SeqCache:

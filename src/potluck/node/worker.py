@@ -149,7 +149,14 @@ class NodeService(pb_grpc.NodeServicer):
                         if gone.next_hop is not None:
                             gone.next_hop.close()
                         del gone
-                        trim_heap()
+                        self._trim()
+
+    def _trim(self) -> None:
+        """Give freed memory back to the OS, then back the loaded stages' weights with huge pages
+        again (the trim splits every huge page that held some of the freed memory)."""
+        trim_heap()
+        for loaded in list(self.plans.values()):
+            loaded.stage.huge_pages()
 
     # -- handshake ---------------------------------------------------------------------------------
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
@@ -210,7 +217,7 @@ class NodeService(pb_grpc.NodeServicer):
             with self.compute:
                 if self.threads:
                     torch.set_num_threads(self.threads)
-                stage = Stage(hp, src, request.start, request.stop, request.n_ctx)
+                stage = Stage(hp, src, request.start, request.stop, request.n_ctx, huge_pages=False)
         except NodeMemoryError as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except (PotluckError, ValueError) as exc:
@@ -235,7 +242,7 @@ class NodeService(pb_grpc.NodeServicer):
             if old.next_hop is not None:
                 old.next_hop.close()
             del old
-        trim_heap()  # the replaced plan's stage and the load's buffers go back to the OS
+        self._trim()  # the replaced plan's stage and the load's buffers go back to the OS
         return pb.LoadReply(
             weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0
         )
