@@ -125,6 +125,8 @@ def main() -> None:
         # what `potluck run` does: generate() (over a pool whose first stage is a node, each
         # step is sent before the token it follows is back here)
         ids = m.tokenizer.encode("The history of the printing press")
+        for _ in generate(m, ids, 9, Sampler(GREEDY), stop_ids=frozenset()):
+            pass  # warm-up (both modes): a first generation also pays for caches and connections
         tokens = generate(m, ids, n + 1, Sampler(GREEDY), stop_ids=frozenset())
         next(tokens)  # the prompt's
         t0 = time.perf_counter()

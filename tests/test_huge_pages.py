@@ -1,13 +1,13 @@
-"""A stage's weights sit in 2 MiB pages (kernels/native.huge_pages): in this process, and on a
-worker after the heap trim that follows a load (which splits huge pages that hold freed memory).
+"""A stage's weights move into one mapping backed by 2 MiB pages (Stage.huge_pages,
+kernels/native.huge_page_arena): every kernel then reads them there and computes the same logits,
+in this process and on a worker.
 
-Linux only, and only where transparent huge pages are not switched off and the kernel has
-MADV_COLLAPSE (6.1+): elsewhere these tests skip and say why.
+Linux only, and only where transparent huge pages are not switched off: elsewhere these tests
+skip and say why.
 """
 
 from __future__ import annotations
 
-import platform
 from pathlib import Path
 
 import pytest
@@ -16,70 +16,82 @@ import torch
 from potluck.engine.generate import load_model
 from potluck.engine.pipeline import Assignment
 from potluck.kernels import native
-from potluck.model.stage import Stage
+from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 from test_pool import _stop, start_worker
 
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+def _skip_without_huge_pages() -> None:
+    if native.huge_page_arena(4 << 20) is None:
+        pytest.skip("no transparent huge pages here (not Linux, or switched off)")
 
 
-def _skip_without_thp() -> None:
-    if platform.system() != "Linux" or not THP.exists():
-        pytest.skip("transparent huge pages are a Linux feature")
-    if "[never]" in THP.read_text():
-        pytest.skip("transparent huge pages are switched off on this machine")
-    if native.huge_pages([torch.ones(8 << 20, dtype=torch.uint8)]) == 0:
-        pytest.skip("this kernel cannot collapse memory into huge pages (MADV_COLLAPSE: 6.1+)")
+def _huge_kib(pid: int | str = "self", at: int | None = None) -> int:
+    """AnonHugePages (KiB) of a process, or of its mapping that holds address `at`."""
+    total, inside = 0, at is None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = at is None or lo <= at < hi
+        elif head == "AnonHugePages:" and inside:
+            total += int(line.split()[1])
+    return total
 
 
-def _huge_kib(pid: int | str = "self") -> int:
-    """AnonHugePages of a process, KiB."""
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
-
-
-def _weight_bytes(stage: Stage) -> int:
-    return sum(
-        t.numel() * t.element_size()
+def _weights(stage: Stage) -> list[torch.Tensor]:
+    return [
+        t
         for m in stage.modules()
-        for t in [*vars(m).values(), *m.buffers(recurse=False)]
-        if isinstance(t, torch.Tensor)
-    )
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        if t.numel() * t.element_size() >= 16 << 10
+    ]
 
 
-def test_stage_weights_are_in_huge_pages(smollm2_path: Path) -> None:
-    _skip_without_thp()
+def test_stage_weights_move_to_huge_pages_and_compute_the_same(smollm2_path: Path) -> None:
+    _skip_without_huge_pages()
     f = GGUFFile(smollm2_path)
     hp = hparams_from_metadata(f.metadata)
-    bare = Stage(hp, f, 0, hp.n_layer, 64, huge_pages=False)
-    done = bare.huge_pages()
-    weights = _weight_bytes(bare)
-    # the weights lie in a few runs on the heap; a run's partial 2 MiB pages at its ends stay small
-    print(f"{done >> 20} of {weights >> 20} MiB in huge pages")
-    assert done >= 0.8 * weights, f"{done >> 20} of {weights >> 20} MiB in huge pages"
-    assert _huge_kib() * 1024 >= done  # what the kernel reports for this process
-    assert bare.huge_pages() >= done  # again: the same pages, still huge
-    assert native.huge_pages([]) == 0
+    plain = Stage(hp, f, 0, hp.n_layer, 64, huge_pages=False)
+    moved = Stage(hp, f, 0, hp.n_layer, 64, huge_pages=False)
+    assert plain.arena is None
+    size = sum(t.numel() * t.element_size() for t in _weights(moved))
+    assert moved.huge_pages() >= size  # all of them (each 64-byte aligned)
+    assert moved.huge_pages() == moved.arena.numel()  # once: a second call moves nothing
+    lo = moved.arena.data_ptr()
+    for t in _weights(moved):
+        assert lo <= t.data_ptr() < lo + moved.arena.numel(), "a weight stayed outside the arena"
+    for m in moved.modules():  # the native matvecs point into the arena too (rebound)
+        gemv = getattr(m, "_gemv", None)
+        if gemv is not None:
+            assert lo <= gemv.tensors[0].data_ptr() < lo + moved.arena.numel()
+    # the OS backs the arena with huge pages (all but a partial last one)
+    assert _huge_kib(at=lo) * 1024 >= moved.arena.numel() - (2 << 20)
+    # the kernels read the moved weights (the native matvecs hold pointers: rebound)
+    ids = torch.tensor([1, 510, 7, 42])
+    want = plain(ids, [SeqChunk(0, 4)])
+    got = moved(ids, [SeqChunk(0, 4)])
+    assert torch.equal(got, want)
+    for step in (13, 99):  # decode steps: the batch-1 kernels
+        t = torch.tensor([step])
+        assert torch.equal(moved(t, [SeqChunk(0, 1)]), plain(t, [SeqChunk(0, 1)]))
 
 
-def test_worker_keeps_huge_pages_after_its_trim(smollm2_path: Path) -> None:
-    """A worker trims its heap after loading a plan; the trim splits every huge page holding a
-    freed buffer (most of them: the load's scratch lies between the weights), so the worker
-    collapses them again after it."""
-    _skip_without_thp()
+def test_worker_stage_is_in_huge_pages(smollm2_path: Path) -> None:
+    _skip_without_huge_pages()
+    f = GGUFFile(smollm2_path)
+    hp = hparams_from_metadata(f.metadata)
+    size = sum(
+        t.numel() * t.element_size()
+        for t in _weights(Stage(hp, f, 0, hp.n_layer, 64, huge_pages=False))
+    )
     proc, addr = start_worker()
     try:
         idle = _huge_kib(proc.pid)
-        f = GGUFFile(smollm2_path)
-        hp = hparams_from_metadata(f.metadata)
         pool = load_model(smollm2_path, n_ctx=64, assignments=[Assignment(addr, 0, hp.n_layer)])
-        weights = _weight_bytes(Stage(hp, f, 0, hp.n_layer, 64, huge_pages=False))
         grown = (_huge_kib(proc.pid) - idle) * 1024
-        print(f"{grown >> 20} of {weights >> 20} MiB in huge pages")
-        assert grown >= 0.7 * weights, f"{grown >> 20} of {weights >> 20} MiB in huge pages"
+        assert grown >= 0.9 * size, f"{grown >> 20} of {size >> 20} MiB in huge pages"
         pool.close()
     finally:
         _stop(proc)

@@ -33,12 +33,13 @@ import ctypes
 import functools
 import gc
 import hashlib
+import mmap
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -797,14 +798,17 @@ static long long now_ns(void) {
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
+/* 1: fd is readable; 0: the budget ran out; -1: not polling (another thread of this process
+ * polls, or a stage computes here: the caller should block) */
 int potluck_spin_readable(int fd, long long budget_ns) {
-    if (__atomic_exchange_n(&spinning_now, 1, __ATOMIC_ACQUIRE)) return 0;
+    if (__atomic_exchange_n(&spinning_now, 1, __ATOMIC_ACQUIRE)) return -1;
     const long long end = now_ns() + budget_ns;
     struct pollfd p = {fd, POLLIN, 0};
     int ready = 0;
     for (;;) {
         if (poll(&p, 1, 0) != 0) { ready = 1; break; } /* data, end of stream or an error */
-        if (__atomic_load_n(&computing_now, __ATOMIC_RELAXED) || now_ns() >= end) break;
+        if (__atomic_load_n(&computing_now, __ATOMIC_RELAXED)) { ready = -1; break; }
+        if (now_ns() >= end) break;
         sched_yield(); /* whatever else wants this core (the head, a reply's reader) runs first */
     }
     __atomic_store_n(&spinning_now, 0, __ATOMIC_RELEASE);
@@ -899,6 +903,16 @@ def _keep_large_blocks() -> None:
     mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_BYTES)
 
 
+def release_free_memory() -> None:
+    """glibc's malloc_trim: the heap's free pages go back to the OS (a few ms; no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], _I
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return  # not glibc
+
+
 def trim_heap() -> None:
     """Collect garbage, then give freed heap memory back to the OS (glibc's malloc_trim; only the
     collection without glibc).
@@ -908,66 +922,61 @@ def trim_heap() -> None:
     idle-freed plan its whole stage. A node calls this after such frees (not on the token path:
     it walks the heap)."""
     gc.collect()  # a dropped stage may sit in a reference cycle
-    try:
-        libc = ctypes.CDLL(None)
-        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], _I
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        return  # not glibc
+    release_free_memory()
 
 
 _HUGE = 2 << 20  # an x86-64 / arm64 transparent huge page
-_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # Linux <asm-generic/mman-common.h>
-_GAP = 256 << 10  # ranges this close are one (malloc's headers and small blocks between them)
 
 
-def huge_pages(tensors: Iterable[torch.Tensor]) -> int:
-    """Back the memory of `tensors` (a stage's weights) with 2 MiB pages where the OS allows it;
-    the bytes that are now huge-page backed (0 where it cannot: not Linux, THP off, kernel < 6.1).
+def huge_page_arena(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` of fresh memory (uint8, 64-byte aligned, starting on a 2 MiB boundary) that the
+    OS backs with 2 MiB pages as it is first written; None where it cannot (not Linux, or
+    transparent huge pages switched off): use ordinary memory then.
 
     Why: decode streams every weight byte once per token; in 4 KiB pages that is ≈ 25 k TLB
-    misses per SmolLM2 token, and the walks cost ≈ 20 % of its time (one core, one process:
-    8.8–9.4 ms per token in 4 KiB pages, 7.1–7.3 ms in 2 MiB ones). The usual THP setting
-    ("madvise") gives huge pages only to memory that asks: MADV_HUGEPAGE marks the ranges,
-    MADV_COLLAPSE (Linux 6.1) moves what is already there into huge pages now. Only whole 2 MiB
-    pages inside the ranges change (ranges under 256 KiB apart count as one: what lies between
-    them is collapsed too, and RSS grows by its untouched pages, if any)."""
-    if platform.system() != "Linux":
-        return 0
-    spans = sorted(
-        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel()
-    )
-    merged: list[list[int]] = []
-    for a, b in spans:  # adjacent or overlapping ranges as one (the heap packs them together)
-        if merged and a <= merged[-1][1] + _GAP:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
+    misses per SmolLM2 token, and the page walks cost ≈ 20 % of its time (one core, one process:
+    8.8-9.7 ms per token in 4 KiB pages, 7.1-7.8 ms in 2 MiB ones). The usual THP setting
+    ("madvise") gives huge pages only to memory that asks (MADV_HUGEPAGE), and a stage's weights
+    are hundreds of heap blocks between other data; in one mapping of their own they are
+    contiguous, whatever the heap looks like after a process has loaded and freed other stages."""
+    if platform.system() != "Linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
     try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes, madvise.restype = [_P, ctypes.c_size_t, _I], _I
-    done = 0
-    for a, b in merged:
-        lo, hi = -(-a // _HUGE) * _HUGE, b // _HUGE * _HUGE  # whole huge pages inside [a, b)
-        if hi <= lo:
-            continue
-        if madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0 and madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
-            done += hi - lo
-    return done
+        if "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+            return None
+    except OSError:
+        return None
+    # anonymous and private (not shared: shared memory has its own huge-page setting)
+    mem = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mem.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        mem.close()
+        return None
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+    skip = -base % _HUGE
+    # (the tensor keeps `mem` alive; the mapping goes when the last view of it does)
+    return torch.frombuffer(mem, dtype=torch.uint8, offset=skip, count=nbytes)
+
+
+READABLE, TIMED_OUT, NOT_POLLING = 1, 0, -1  # what poll_readable says
+
+
+def poll_readable(fd: int, budget_s: float) -> int:
+    """Wait for `fd` to be readable by polling it in a loop (ctypes releases the GIL meanwhile),
+    for at most `budget_s`: READABLE (data, its end, or an error), TIMED_OUT, or NOT_POLLING (no
+    native library, no budget, another thread of this process polls already, or a stage computes
+    here: `computing`), after which the caller blocks as usual. Each round yields the core to
+    whatever else wants it. Why a node polls: transport/spin.py."""
+    lib = library()
+    if lib is None or budget_s <= 0:
+        return NOT_POLLING
+    return int(lib.potluck_spin_readable(fd, int(budget_s * 1e9)))
 
 
 def spin_readable(fd: int, budget_s: float) -> bool:
-    """Wait for `fd` to be readable by polling it in a loop (ctypes releases the GIL meanwhile),
-    for at most `budget_s`; True when it is (data, its end, or an error), False when the budget
-    ran out, the native library is not available, another thread of this process is spinning
-    already, or a stage started computing here (`computing`). The caller then blocks as usual.
-    Each round yields the core to whatever else wants it. Why a node polls: transport/spin.py."""
-    lib = library()
-    if lib is None or budget_s <= 0:
-        return False
-    return bool(lib.potluck_spin_readable(fd, int(budget_s * 1e9)))
+    """`poll_readable(fd, budget_s) == READABLE`."""
+    return poll_readable(fd, budget_s) == READABLE
 
 
 @contextlib.contextmanager

@@ -34,6 +34,9 @@ from potluck.model.kv_cache import SeqCache
 from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import HParams
 
+_ARENA_MIN_BYTES = 16 << 10  # weights this large go into the huge-page arena (Stage.huge_pages)
+_RELEASE_EVERY_BYTES = 32 << 20  # while moving them: free memory back to the OS this often
+
 
 class WeightSource(Protocol):
     """Where a stage's tensors come from: a GGUFFile, or tensors received over the network."""
@@ -239,8 +242,7 @@ class Stage(nn.Module):
         use_native: bool = True,
         huge_pages: bool = True,
     ) -> None:
-        """huge_pages: back the weights with 2 MiB pages now (see `huge_pages`); False for a
-        caller that trims the heap first and calls it then."""
+        """huge_pages: move the weights into 2 MiB pages now (see `huge_pages`)."""
         super().__init__()
         if not 0 <= start < stop <= hp.n_layer:
             raise ValueError(f"layer range [{start}, {stop}) is not inside [0, {hp.n_layer})")
@@ -271,18 +273,47 @@ class Stage(nn.Module):
             if base not in self.ropes:
                 self.ropes[base] = RotaryTable(hp.rope_dim, hp.head_dim, base, hp.rope_scale)
         self.caches: dict[int, SeqCache] = {}
+        self.arena: torch.Tensor | None = None  # the weights' huge-page mapping (huge_pages)
         if huge_pages:
             self.huge_pages()
 
     def huge_pages(self) -> int:
-        """Back this stage's weights with 2 MiB pages (decode reads every byte of them per token;
-        native.huge_pages says why): bytes now so backed. A malloc_trim splits the huge pages
-        that hold freed memory: trim first."""
-        tensors = []
+        """Move this stage's weights (every parameter and buffer of 16 KiB or more) into one
+        mapping backed by 2 MiB pages (native.huge_page_arena says why) and give the memory they
+        leave back to the OS: the bytes moved, 0 where the OS has no huge pages for us. Once."""
+        if self.arena is not None:
+            return self.arena.numel()
+        at: dict[int, int] = {}  # tensor id -> its offset in the arena (ids of live tensors)
+        offset = 0
         for m in self.modules():
-            tensors += [t for t in vars(m).values() if isinstance(t, torch.Tensor)]
-            tensors += [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-        return native.huge_pages(tensors)
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+                n = t.numel() * t.element_size()
+                if t.device.type == "cpu" and n >= _ARENA_MIN_BYTES and id(t) not in at:
+                    at[id(t)] = offset
+                    offset += -(-n // 64) * 64  # each one 64-byte aligned
+        arena = native.huge_page_arena(offset) if at else None
+        if arena is None:
+            return 0
+        moved = [0]
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            start = at.pop(id(t), None)
+            if start is None:
+                return t
+            n = t.numel() * t.element_size()
+            new = arena[start : start + n].view(t.dtype).view(t.shape)
+            new.copy_(t)
+            moved[0] += n
+            return new
+
+        for m in self.modules():  # module by module, the old copies going back to the OS as it goes
+            m._apply(move, recurse=False)
+            if moved[0] >= _RELEASE_EVERY_BYTES:
+                native.release_free_memory()
+                moved[0] = 0
+        self.arena = arena
+        native.release_free_memory()
+        return arena.numel()
 
     # -- sequences -------------------------------------------------------------------------------
     def cache(self, seq_id: int) -> SeqCache:

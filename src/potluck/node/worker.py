@@ -47,6 +47,7 @@ from potluck.transport.codec import (
 )
 from potluck.transport.dataplane import Answer, DataServer
 from potluck.transport.guard import Guard
+from potluck.transport.limits import check_message
 from potluck.transport.linkprobe import quick_link
 from potluck.transport.spin import DEFAULT_SPIN_S, spin_wait
 from potluck.transport.tls import server_credentials, server_ssl_context
@@ -55,6 +56,7 @@ ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
 log = logging.getLogger("potluck.worker")
 REPORT_EVERY_BYTES = 32 * 2**20  # the worker logs weights received in steps of this size
 DEFAULT_IDLE_S = 120.0  # a plan no head used or named for this long is freed (seconds)
+REHEARSE_MAX_BYTES = 64 << 10  # largest input rehearsed while waiting (_rehearse)
 ORDER_WAIT_S = 30.0  # longest a batch waits for an earlier batch of its sequence (seconds)
 MAX_PLANS = 2  # a node keeps the stage of the previous plan while the new one takes over
 _WIRE = {
@@ -105,7 +107,9 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> None:
         self.name, self.threads, self.model_dirs = name, threads, model_dirs
         self.mem_limit, self.idle_s = mem_limit, idle_s
-        self.wait = spin_wait(spin_s)  # before each read on a data connection (in and out)
+        self.last_request: pb.ForwardRequest | None = None  # see _rehearse
+        # before each read on a data connection (in and out)
+        self.wait = spin_wait(spin_s, rehearse=self._rehearse)
         self.auth = auth  # this node proves pool membership to the next hop with it
         self.data_port = 0  # the data port (transport/dataplane.py) once serve() opened it
         self.store = BlobStore()
@@ -149,14 +153,7 @@ class NodeService(pb_grpc.NodeServicer):
                         if gone.next_hop is not None:
                             gone.next_hop.close()
                         del gone
-                        self._trim()
-
-    def _trim(self) -> None:
-        """Give freed memory back to the OS, then back the loaded stages' weights with huge pages
-        again (the trim splits every huge page that held some of the freed memory)."""
-        trim_heap()
-        for loaded in list(self.plans.values()):
-            loaded.stage.huge_pages()
+                        trim_heap()
 
     # -- handshake ---------------------------------------------------------------------------------
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
@@ -217,7 +214,7 @@ class NodeService(pb_grpc.NodeServicer):
             with self.compute:
                 if self.threads:
                     torch.set_num_threads(self.threads)
-                stage = Stage(hp, src, request.start, request.stop, request.n_ctx, huge_pages=False)
+                stage = Stage(hp, src, request.start, request.stop, request.n_ctx)
         except NodeMemoryError as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except (PotluckError, ValueError) as exc:
@@ -242,7 +239,7 @@ class NodeService(pb_grpc.NodeServicer):
             if old.next_hop is not None:
                 old.next_hop.close()
             del old
-        self._trim()  # the replaced plan's stage and the load's buffers go back to the OS
+        trim_heap()  # the replaced plan's stage and the load's buffers go back to the OS
         return pb.LoadReply(
             weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0
         )
@@ -317,13 +314,12 @@ class NodeService(pb_grpc.NodeServicer):
             )
         return loaded
 
-    def _compute(
-        self, request: pb.ForwardRequest, wait_s: float
-    ) -> tuple[LoadedStage, torch.Tensor, float]:
-        """Check a forward request, wait for its sequences' turn, run the stage: (stage, output,
-        compute ms). Raises Refused with the status to answer."""
+    def _prepare(
+        self, request: pb.ForwardRequest
+    ) -> tuple[LoadedStage, list[SeqChunk], torch.Tensor, torch.Tensor | None]:
+        """Check a forward request against its stage: (stage, chunks, input, logits rows). Changes
+        nothing. Raises Refused with the status to answer."""
         loaded = self._loaded(request.plan_id)
-        loaded.last_used = time.monotonic()
         stage = loaded.stage
         try:
             chunks = [SeqChunk(c.seq_id, c.n) for c in request.chunks]
@@ -355,6 +351,31 @@ class NodeService(pb_grpc.NodeServicer):
             rows = torch.arange(total) if request.want_logits else None
             if stage.is_last and rows is None and not any(c.sample for c in request.chunks):
                 rows = torch.empty(0, dtype=torch.long)  # an early prompt micro-batch: no head
+            return loaded, chunks, x, rows
+        except WireError as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+    def _rehearse(self) -> None:
+        """Check the last request computed here again (`_prepare`), computing nothing: run while
+        the node polls for the next one, so that that one's path is in the core's caches
+        (transport/spin.py says why)."""
+        request = self.last_request
+        if request is not None:
+            with contextlib.suppress(Refused, WireError):  # e.g. its plan was freed meanwhile
+                check_message(request)
+                self._prepare(request)
+
+    def _compute(
+        self, request: pb.ForwardRequest, wait_s: float
+    ) -> tuple[LoadedStage, torch.Tensor, float]:
+        """Check a forward request, wait for its sequences' turn, run the stage: (stage, output,
+        compute ms). Raises Refused with the status to answer."""
+        loaded, chunks, x, rows = self._prepare(request)
+        loaded.last_used = time.monotonic()
+        # a decode step is rehearsed while this node waits for the next (not a prompt's batch)
+        self.last_request = request if request.input.ByteSize() <= REHEARSE_MAX_BYTES else None
+        stage = loaded.stage
+        try:
             with self.turn:
                 self._wait_turn(stage, request.chunks, wait_s)
                 t0 = time.perf_counter()
@@ -364,7 +385,7 @@ class NodeService(pb_grpc.NodeServicer):
                 finally:
                     self.turn.notify_all()
                 return loaded, y, (time.perf_counter() - t0) * 1e3
-        except WireError as exc:
+        except WireError as exc:  # a repeated or stale batch (_wait_turn)
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except ContextError as exc:
             raise Refused(grpc.StatusCode.OUT_OF_RANGE, str(exc)) from None
