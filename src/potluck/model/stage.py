@@ -35,7 +35,7 @@ from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import HParams
 
 _ARENA_MIN_BYTES = 16 << 10  # weights this large go into the huge-page arena (Stage.huge_pages)
-_RELEASE_EVERY_BYTES = 32 << 20  # while moving them: free memory back to the OS this often
+_RELEASE_EVERY_BYTES = 8 << 20  # while moving them: free memory back to the OS this often
 
 
 class WeightSource(Protocol):
@@ -294,6 +294,7 @@ class Stage(nn.Module):
         arena = native.huge_page_arena(offset) if at else None
         if arena is None:
             return 0
+        native.release_free_memory()  # the load's scratch first: the peak is the stage + a little
         moved = [0]
 
         def move(t: torch.Tensor) -> torch.Tensor:
