@@ -95,3 +95,29 @@ def test_worker_stage_is_in_huge_pages(smollm2_path: Path) -> None:
         pool.close()
     finally:
         _stop(proc)
+
+
+def test_large_weights_go_into_huge_pages_where_they_lie(gemma3_path: Path) -> None:
+    """Gemma-3's 262144 x 640 head (≈ 170 MB): collapsed in place where the kernel can (6.1+),
+    else moved like the rest; in huge pages either way, and the logits do not change."""
+    _skip_without_huge_pages()
+    f = GGUFFile(gemma3_path)
+    hp = hparams_from_metadata(f.metadata)
+    plain = Stage(hp, f, hp.n_layer - 1, hp.n_layer, 64, huge_pages=False)
+    moved = Stage(hp, f, hp.n_layer - 1, hp.n_layer, 64, huge_pages=False)
+    head = moved.output.packed
+    before = head.data_ptr()
+    size = head.numel() * head.element_size()
+    assert size >= 32 << 20
+    moved.huge_pages()
+    head = moved.output.packed
+    assert (head.data_ptr() == before) == (
+        moved.arena is None
+        or not (
+            moved.arena.data_ptr() <= head.data_ptr() < moved.arena.data_ptr() + moved.arena.numel()
+        )
+    )
+    inside = -(-head.data_ptr() // (2 << 20)) * (2 << 20)  # its first whole 2 MiB page
+    assert _huge_kib(at=inside) * 1024 >= size - (4 << 20)
+    x = torch.randn(2, hp.n_embd)
+    assert torch.equal(moved(x, [SeqChunk(0, 2)]), plain(x, [SeqChunk(0, 2)]))

@@ -928,6 +928,27 @@ def trim_heap() -> None:
 _HUGE = 2 << 20  # an x86-64 / arm64 transparent huge page
 
 
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # Linux <asm-generic/mman-common.h>
+
+
+def collapse_in_place(t: torch.Tensor) -> bool:
+    """Back the whole 2 MiB pages inside a large tensor's memory with huge pages where it lies
+    (MADV_HUGEPAGE + MADV_COLLAPSE, Linux 6.1+): True if the kernel did. For tensors of tens of
+    MiB, which malloc maps on their own: moving one into the arena would hold two copies at once."""
+    if platform.system() != "Linux":
+        return False
+    a = t.data_ptr()
+    lo, hi = -(-a // _HUGE) * _HUGE, (a + t.numel() * t.element_size()) // _HUGE * _HUGE
+    if hi <= lo:
+        return False
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes, madvise.restype = [_P, ctypes.c_size_t, _I], _I
+    return madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0 and madvise(lo, hi - lo, _MADV_COLLAPSE) == 0
+
+
 def huge_page_arena(nbytes: int) -> torch.Tensor | None:
     """`nbytes` of fresh memory (uint8, 64-byte aligned, starting on a 2 MiB boundary) that the
     OS backs with 2 MiB pages as it is first written; None where it cannot (not Linux, or

@@ -35,7 +35,10 @@ from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import HParams
 
 _ARENA_MIN_BYTES = 16 << 10  # weights this large go into the huge-page arena (Stage.huge_pages)
-_RELEASE_EVERY_BYTES = 8 << 20  # while moving them: free memory back to the OS this often
+_RELEASE_EVERY_BYTES = 8 << 20
+_IN_PLACE_MIN_BYTES = (
+    32 << 20
+)  # larger ones (malloc maps each on its own) are collapsed in place  # while moving them: free memory back to the OS this often
 
 
 class WeightSource(Protocol):
@@ -280,20 +283,28 @@ class Stage(nn.Module):
     def huge_pages(self) -> int:
         """Move this stage's weights (every parameter and buffer of 16 KiB or more) into one
         mapping backed by 2 MiB pages (native.huge_page_arena says why) and give the memory they
-        leave back to the OS: the bytes moved, 0 where the OS has no huge pages for us. Once."""
+        leave back to the OS; those of 32 MiB or more go into huge pages where they lie where the
+        kernel can (native.collapse_in_place), so that no copy of them is ever held twice. The
+        bytes now in huge pages, 0 where the OS has none for us. Once."""
         if self.arena is not None:
-            return self.arena.numel()
+            return (
+                self.arena.numel()
+            )  # (moved once; what went into huge pages in place not counted)
         at: dict[int, int] = {}  # tensor id -> its offset in the arena (ids of live tensors)
-        offset = 0
+        offset, in_place = 0, 0
         for m in self.modules():
             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
                 n = t.numel() * t.element_size()
-                if t.device.type == "cpu" and n >= _ARENA_MIN_BYTES and id(t) not in at:
-                    at[id(t)] = offset
-                    offset += -(-n // 64) * 64  # each one 64-byte aligned
+                if t.device.type != "cpu" or n < _ARENA_MIN_BYTES or id(t) in at:
+                    continue
+                if n >= _IN_PLACE_MIN_BYTES and native.collapse_in_place(t):
+                    in_place += n  # (a copy of this one would double the peak by its size)
+                    continue
+                at[id(t)] = offset
+                offset += -(-n // 64) * 64  # each one 64-byte aligned
         arena = native.huge_page_arena(offset) if at else None
         if arena is None:
-            return 0
+            return in_place
         native.release_free_memory()  # the load's scratch first: the peak is the stage + a little
         moved = [0]
 
@@ -314,7 +325,7 @@ class Stage(nn.Module):
                 moved[0] = 0
         self.arena = arena
         native.release_free_memory()
-        return arena.numel()
+        return arena.numel() + in_place
 
     # -- sequences -------------------------------------------------------------------------------
     def cache(self, seq_id: int) -> SeqCache:
