@@ -35,10 +35,8 @@ from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import HParams
 
 _ARENA_MIN_BYTES = 16 << 10  # weights this large go into the huge-page arena (Stage.huge_pages)
-_RELEASE_EVERY_BYTES = 8 << 20
-_IN_PLACE_MIN_BYTES = (
-    32 << 20
-)  # larger ones (malloc maps each on its own) are collapsed in place  # while moving them: free memory back to the OS this often
+_RELEASE_EVERY_BYTES = 8 << 20  # while moving them: free memory back to the OS this often
+_IN_PLACE_MIN_BYTES = 32 << 20  # larger ones (malloc maps each on its own): collapsed in place
 
 
 class WeightSource(Protocol):
@@ -286,10 +284,8 @@ class Stage(nn.Module):
         leave back to the OS; those of 32 MiB or more go into huge pages where they lie where the
         kernel can (native.collapse_in_place), so that no copy of them is ever held twice. The
         bytes now in huge pages, 0 where the OS has none for us. Once."""
-        if self.arena is not None:
-            return (
-                self.arena.numel()
-            )  # (moved once; what went into huge pages in place not counted)
+        if self.arena is not None:  # moved already (what was collapsed in place not counted)
+            return self.arena.numel()
         at: dict[int, int] = {}  # tensor id -> its offset in the arena (ids of live tensors)
         offset, in_place = 0, 0
         for m in self.modules():
