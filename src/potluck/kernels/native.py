@@ -928,14 +928,14 @@ def trim_heap() -> None:
 _HUGE = 2 << 20  # an x86-64 / arm64 transparent huge page
 
 
-_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # Linux <asm-generic/mman-common.h>
+_MADV_COLLAPSE = 25  # Linux 6.1 <asm-generic/mman-common.h> (not in Python's mmap module)
 
 
 def collapse_in_place(t: torch.Tensor) -> bool:
     """Back the whole 2 MiB pages inside a large tensor's memory with huge pages where it lies
     (MADV_HUGEPAGE + MADV_COLLAPSE, Linux 6.1+): True if the kernel did. For tensors of tens of
     MiB, which malloc maps on their own: moving one into the arena would hold two copies at once."""
-    if platform.system() != "Linux":
+    if platform.system() != "Linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     a = t.data_ptr()
     lo, hi = -(-a // _HUGE) * _HUGE, (a + t.numel() * t.element_size()) // _HUGE * _HUGE
@@ -946,7 +946,9 @@ def collapse_in_place(t: torch.Tensor) -> bool:
     except (OSError, AttributeError):
         return False
     madvise.argtypes, madvise.restype = [_P, ctypes.c_size_t, _I], _I
-    return madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0 and madvise(lo, hi - lo, _MADV_COLLAPSE) == 0
+    return (
+        madvise(lo, hi - lo, mmap.MADV_HUGEPAGE) == 0 and madvise(lo, hi - lo, _MADV_COLLAPSE) == 0
+    )
 
 
 def huge_page_arena(nbytes: int) -> torch.Tensor | None:
@@ -955,8 +957,8 @@ def huge_page_arena(nbytes: int) -> torch.Tensor | None:
     transparent huge pages switched off): use ordinary memory then.
 
     Why: decode streams every weight byte once per token; in 4 KiB pages that is ≈ 25 k TLB
-    misses per SmolLM2 token, and the page walks cost ≈ 20 % of its time (one core, one process:
-    8.8-9.7 ms per token in 4 KiB pages, 7.1-7.8 ms in 2 MiB ones). The usual THP setting
+    misses per SmolLM2 token, and the page walks cost 10-20 % of its time (one core, one process,
+    two runs: 7.8-9.7 ms per token in 4 KiB pages, 7.1-7.8 ms in 2 MiB ones). The usual THP setting
     ("madvise") gives huge pages only to memory that asks (MADV_HUGEPAGE), and a stage's weights
     are hundreds of heap blocks between other data; in one mapping of their own they are
     contiguous, whatever the heap looks like after a process has loaded and freed other stages."""

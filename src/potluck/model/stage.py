@@ -303,14 +303,18 @@ class Stage(nn.Module):
             return in_place
         native.release_free_memory()  # the load's scratch first: the peak is the stage + a little
         moved = [0]
+        copies: dict[int, torch.Tensor] = {}  # id of a moved tensor -> its copy (one per tensor)
 
         def move(t: torch.Tensor) -> torch.Tensor:
-            start = at.pop(id(t), None)
+            if id(t) in copies:  # the same tensor held by a second module
+                return copies[id(t)]
+            start = at.get(id(t))
             if start is None:
                 return t
             n = t.numel() * t.element_size()
             new = arena[start : start + n].view(t.dtype).view(t.shape)
             new.copy_(t)
+            copies[id(t)] = new
             moved[0] += n
             return new
 
