@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 
 from potluck.engine.generate import generate, layer_ranges, load_model
+from potluck.engine.pipeline import submit_after
 from potluck.engine.sampling import GREEDY, Sampler, SamplingParams
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk
+
+from ggufgen import write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +176,26 @@ def test_penalizes_on_the_wire_agrees_with_the_parameters(kw: dict) -> None:
     assert penalizes(msg) == params.penalizes == sampling_from_proto(msg).penalizes
     msg.repeat_penalty = 0.0  # an unset field reads as 0: no repeat penalty
     assert penalizes(msg) == sampling_from_proto(msg).penalizes
+
+
+def test_a_long_chain_of_follow_up_steps_keeps_the_stack_flat(tmp_path: Path) -> None:
+    """`submit_after` on a pipeline that computes at once (every stage here, as after a failover
+    that left this machine alone): steps chained on a future that is not done yet all run when it
+    is, each after the one before returns. They used to nest (≈ 8 frames a token): a chain of 300
+    ended in RecursionError. The tokens equal a plain loop's."""
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_layer=2)
+    m = load_model(path, n_ctx=512)
+    pipe, sampler = m.pipeline, Sampler(GREEDY)
+    prompt = [1, 2, 3]
+    want = list(generate(m, prompt, 301, sampler))
+    seq = m.new_seq_id()
+    first = pipe.submit(torch.tensor(prompt), [SeqChunk(seq, 3)], {seq: sampler}, {})
+    root: Future[list[int]] = Future()  # the first token, known only once every step is chained
+    steps, prev = [], root
+    for _ in range(300):
+        prev = submit_after(pipe, prev, [SeqChunk(seq, 1)], {seq: sampler}, {}, frozenset())
+        steps.append(prev)
+    root.set_result(first.result())
+    got = [first.result()[0]] + [s.result(timeout=60)[0] for s in steps]
+    pipe.drop(seq)
+    assert got == want

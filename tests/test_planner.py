@@ -283,6 +283,18 @@ def test_weak_node_alone_verdict() -> None:
     assert "weak is too weak" in plan.verdict
 
 
+def test_equal_nodes_verdict_blames_the_pipeline_not_a_node() -> None:
+    # two machines of about the same speed: one stream gains nothing from a split, and neither
+    # machine is "too weak" (it used to call the faster one weak: per-layer time against whole-model)
+    fp = synth()
+    for speed_b in (10 * GB, 10.5 * GB, 9.5 * GB):
+        nodes = [cpu("a", 4 * GiB, 10 * GB), cpu("b", 4 * GiB, speed_b)]
+        plan = plan_pool(fp, nodes, lan("a", "b"))
+        assert len(plan.stages) == 1 and not plan.worth_it
+        assert "too weak" not in plan.verdict, plan.verdict
+        assert "one token goes through every stage in turn" in plan.verdict
+
+
 def test_network_verdict() -> None:
     # two GPUs that each hold half the model: a split would keep everything on a GPU, but the link
     # is slow (50 ms one way), so the best is one machine with half its layers on the CPU

@@ -373,8 +373,8 @@ def generate(
     # Over a pool whose first stage is a node, the step for token i + 2 is sent while token i + 1
     # is computed (`submit_next`): the first node starts it as soon as it relays token i + 1, so
     # the head's round trip leaves the critical path. Only steps the plain loop would also take
-    # are sent (a stop id is checked by the node: such a step is skipped).
-    chains = pipe.chains
+    # are sent (a stop id is checked by the node: such a step is skipped). Asked at every step: a
+    # failover may move the first stage onto this machine.
     ahead: deque[Future[list[int]]] = deque()  # the steps for the next tokens, in order
     try:
         tok = prefill(pipe, seq, prompt_ids, sampler, n_batch)
@@ -389,7 +389,7 @@ def generate(
                         torch.tensor([tok]), [SeqChunk(seq, 1)], {seq: sampler}, {seq: history}
                     )
                 )
-            if chains and i + 2 < max_tokens and len(history) + 1 < model.n_ctx:
+            if pipe.chains and i + 2 < max_tokens and len(history) + 1 < model.n_ctx:
                 # (a copy: `history` grows before this step is done)
                 hist = {seq: list(history)} if sampler.params.penalizes else {}
                 ahead.append(

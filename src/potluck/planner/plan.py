@@ -21,6 +21,7 @@ from potluck.planner.search import MAX_EXACT_NODES, Route, route_cost, search
 
 PLANNER_VERSION = 1  # bump when the cost model changes: old plan ids must not match new plans
 WORTH_IT = 1.2  # pooling must beat the best single machine by 20 % to be worth its trouble
+WEAK = 1.25  # a machine this many times slower than the best one alone is called too weak
 
 
 @dataclass(frozen=True)
@@ -333,13 +334,21 @@ def _verdict(
             f"{(single.compute_ns - compute) / 1e6:.2f} ms a split saves"
         )
     else:
-        # the weakest of the other machines (per layer, so the head's extra work doesn't count)
-        i, a, b = max(others, key=lambda s: costs.stage(*s).compute_ns / (s[2] - s[1]))
-        per_layer = costs.stage(i, a, b).compute_ns / (b - a)
-        why = (
-            f"{costs.nodes[i].name} is too weak: {per_layer / 1e6:.2f} ms per layer vs "
-            f"{single.compute_ns / model.n_layer / 1e6:.2f} ms on {name}"
-        )
+        # each other machine as if it ran the whole model: the same work, so a fair comparison
+        i = max((st[0] for st in others), key=lambda j: costs.stage(j, 0, model.n_layer).compute_ns)
+        t_alone = costs.stage(i, 0, model.n_layer).compute_ns
+        if t_alone > WEAK * single.compute_ns:
+            why = (
+                f"{costs.nodes[i].name} is too weak: the whole model would take it "
+                f"{t_alone / 1e6:.2f} ms per token vs {single.compute_ns / 1e6:.2f} ms on {name}"
+            )
+        else:  # machines of about the same speed: one token still visits every stage in turn
+            why = (
+                f"one token goes through every stage in turn, so a split over machines no faster "
+                f"than {name} saves no time, and its {k} hops add {net / 1e6:.2f} ms per token "
+                f"(a pool pays off for a model too big for one machine, a faster machine, or "
+                f"several streams: potluck serve)"
+            )
     return False, f"{alone}: the best split over {k} nodes gives {multi_tps:.1f} tok/s; {why}"
 
 
