@@ -395,3 +395,43 @@ def test_weights_transfer_reports_progress_on_both_sides(
     sent = [s for _, s, _ in seen]
     assert sent == sorted(sent) and sent[-1] == seen[-1][2] > 30 * 2**20
     assert "received" in log and "MiB (checked, cached)" in log
+
+
+def test_heads_share_a_worker_without_evicting_each_other(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heads are told apart by their head id (random per process; set here by hand to play three
+    head processes in one). Two heads with the same model and split get plans of their own and
+    decode in turn, each token for token as one process; a third head is refused in one line
+    while both compute (it used to evict the oldest plan: a live conversation); a head that
+    closes frees its plan at once, and the third head then loads."""
+    import potluck.engine.pipeline as pipeline_mod
+
+    proc, addr = start_worker()
+    want = _single(smollm2_path, "Name three planets.", 12)
+    try:
+        heads = []
+        for name in ("head-a", "head-b"):
+            monkeypatch.setattr(pipeline_mod, "HEAD_ID", name)
+            heads.append(_whole_model_on(addr, smollm2_path))
+        assert heads[0].pipeline.plan_id != heads[1].pipeline.plan_id
+        ids = heads[0].tokenizer.encode(
+            heads[0].chat.render([{"role": "user", "content": "Name three planets."}])
+        )
+        gens = [generate(h, ids, 12, Sampler(GREEDY)) for h in heads]
+        got: list[list[int]] = [[], []]
+        for _ in range(12):  # interleaved: both sequences live on the worker at once
+            for out, gen in zip(got, gens, strict=True):
+                out.append(next(gen))
+        assert got == [want, want]
+        monkeypatch.setattr(pipeline_mod, "HEAD_ID", "head-c")
+        with pytest.raises(NodeError, match=r"running the stages of 2 other heads .* at most 2"):
+            _whole_model_on(addr, smollm2_path)
+        heads[0].close()  # releases its plan on the worker
+        third = _whole_model_on(addr, smollm2_path)
+        assert list(generate(third, ids, 12, Sampler(GREEDY))) == want
+        # head-b's plan was kept (in use): it still decodes, without a failover
+        assert list(generate(heads[1], ids, 12, Sampler(GREEDY))) == want
+        assert not heads[1].pipeline.events
+    finally:
+        _stop(proc)

@@ -326,7 +326,9 @@ class FailoverPipeline:
             with contextlib.suppress(PotluckError):
                 if hasattr(old, "fail_pending"):
                     old.fail_pending(NodeError(f"failing over: {reason}"))
-                if hasattr(old, "close"):
+                if hasattr(old, "abandon"):  # no goodbye: the first node may be the hung one
+                    old.abandon()
+                elif hasattr(old, "close"):
                     old.close()
             self.epoch += 1
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import secrets
 import threading
 import time
 from collections import deque
@@ -37,6 +38,10 @@ from potluck.transport.codec import (
 )
 
 LOCAL = "local"
+# This process as a head: its plans give way to each other on a node, never to another head's
+# live one (node/worker.py); two processes with the same model and split get different plan ids.
+HEAD_ID = secrets.token_hex(8)
+RELEASE_WAIT_S = 1.0  # longest a closing head waits for the nodes to free its plan (seconds)
 
 
 @dataclass(frozen=True)
@@ -53,12 +58,20 @@ class Assignment:
 
 
 def plan_id_of(
-    model_sha: str, assignments: Sequence[Assignment], n_ctx: int, epoch: int = 0
+    model_sha: str,
+    assignments: Sequence[Assignment],
+    n_ctx: int,
+    epoch: int = 0,
+    head_id: str = "",
 ) -> str:
     """The id every message of a plan carries; `epoch` > 0 after a failover, so that a node never
-    mixes the caches of a plan it held before with the replayed ones."""
+    mixes the caches of a plan it held before with the replayed ones; `head_id` (random per opened
+    process) keeps two heads with the same model and split apart (their sequence ids would collide
+    in one stage, and one's Load would replace the other's caches)."""
     text = (
-        model_sha
+        head_id
+        + "|"
+        + model_sha
         + "|"
         + ";".join(f"{a.node}:{a.start}-{a.stop}" for a in assignments)
         + f"|{n_ctx}"
@@ -169,9 +182,11 @@ class RemotePipeline:
         auth: PoolAuth | None = None,
         epoch: int = 0,
         on_transfer: Callable[[str, int, int], None] | None = None,
+        head_id: str = "",
     ) -> None:
         """on_transfer(node, bytes sent, bytes to send) reports weights shipped to a node that
-        lacks the model file."""
+        lacks the model file. head_id: who loads the plan (this process by default): a node lets
+        that head's older plans go first when it needs room."""
         self.on_transfer = on_transfer
         if any(a.node == LOCAL for a in assignments[1:]):
             raise ValueError("only the first stage can run on this machine")
@@ -184,7 +199,8 @@ class RemotePipeline:
             "bfloat16": torch.bfloat16,
         }[wire_dtype]
         self.model_sha = sha256_file(file.path)
-        self.plan_id = plan_id_of(self.model_sha, self.assignments, n_ctx, epoch)
+        self.head_id = head_id or HEAD_ID
+        self.plan_id = plan_id_of(self.model_sha, self.assignments, n_ctx, epoch, self.head_id)
         self.local: Stage | None = None
         if assignments[0].node == LOCAL:
             a = assignments[0]
@@ -209,7 +225,7 @@ class RemotePipeline:
             req = pb.LoadRequest(
                 plan_id=self.plan_id, model_sha256=self.model_sha, start=a.start, stop=a.stop, n_ctx=n_ctx,
                 next_hop=nxt, metadata_gguf=header, tensor_sha256=digests, wire_dtype=wire_dtype,
-                model_bytes=file.size_bytes,
+                model_bytes=file.size_bytes, head_id=self.head_id,
             )  # fmt: skip
             reply = client.load(req)
             if reply.need_tensors:
@@ -465,6 +481,16 @@ class RemotePipeline:
             client.link.fail_all(exc)
 
     def close(self) -> None:
+        """Free the plan's stages on the nodes (best effort, at most RELEASE_WAIT_S) and hang up."""
+        with contextlib.suppress(PotluckError):  # a node that is gone frees them by itself
+            self.clients[0].drop(
+                pb.DropRequest(plan_id=self.plan_id, release=True), timeout=RELEASE_WAIT_S
+            )
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Hang up without a word to the nodes (a failover: the first may be the one that hangs;
+        the next plan's Load lets this head's older plans go)."""
         for client in self.clients:
             client.close()
         self._local_thread.shutdown(wait=False)

@@ -58,7 +58,8 @@ REPORT_EVERY_BYTES = 32 * 2**20  # the worker logs weights received in steps of 
 DEFAULT_IDLE_S = 120.0  # a plan no head used or named for this long is freed (seconds)
 REHEARSE_MAX_BYTES = 64 << 10  # largest input rehearsed while waiting (_rehearse)
 ORDER_WAIT_S = 30.0  # longest a batch waits for an earlier batch of its sequence (seconds)
-MAX_PLANS = 2  # a node keeps the stage of the previous plan while the new one takes over
+MAX_PLANS = 2  # stages a node holds at once: two heads, or one head's old and new plan
+LIVE_S = 10.0  # a plan used or named in a heartbeat this recently is in use: never evicted
 _WIRE = {
     "": torch.float32,
     "float32": torch.float32,
@@ -79,6 +80,10 @@ class NodeMemoryError(PotluckError):
     """A stage does not fit in the memory this node offers (--mem)."""
 
 
+class NodeBusyError(PotluckError):
+    """Other heads use every plan this node can hold (MAX_PLANS)."""
+
+
 class OrderError(PotluckError):
     """A batch waited too long for an earlier batch of the same sequence."""
 
@@ -92,6 +97,8 @@ class LoadedStage:
     samplers: dict[int, Sampler] = field(default_factory=dict)
     reserved_bytes: int = 0  # weights + full-context KV of one sequence, counted against --mem
     last_used: float = field(default_factory=time.monotonic)
+    head_id: str = ""  # the head that loaded it ("" from a head that does not say)
+    last_compute: float = field(default_factory=time.monotonic)  # loaded, or last computed
 
 
 class NodeService(pb_grpc.NodeServicer):
@@ -141,19 +148,10 @@ class NodeService(pb_grpc.NodeServicer):
         while True:
             time.sleep(max(0.05, self.idle_s / 4))
             now = time.monotonic()
-            for plan_id, loaded in list(self.plans.items()):
-                if now - loaded.last_used > self.idle_s:
-                    with self.compute:
-                        gone = self.plans.pop(plan_id, None)
-                    self._forget(plan_id)
-                    if gone is not None:
-                        log.info(
-                            "freed plan %s: unused for %.0f s", plan_id[:12], now - loaded.last_used
-                        )
-                        if gone.next_hop is not None:
-                            gone.next_hop.close()
-                        del gone
-                        trim_heap()
+            stale = [p for p, loaded in self.plans.items() if now - loaded.last_used > self.idle_s]
+            for plan_id in stale:
+                self._free(plan_id, f"unused for {self.idle_s:.0f} s")
+                trim_heap()
 
     # -- handshake ---------------------------------------------------------------------------------
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloReply:
@@ -197,6 +195,7 @@ class NodeService(pb_grpc.NodeServicer):
                 raise WireError(
                     f"wire dtype {request.wire_dtype!r} is not one of float32, float16, bfloat16"
                 )
+            self._check_room(request)
             src: WeightSource
             local = find_local_model(request.model_sha256, request.model_bytes, self.model_dirs)
             if local is not None:
@@ -215,7 +214,7 @@ class NodeService(pb_grpc.NodeServicer):
                 if self.threads:
                     torch.set_num_threads(self.threads)
                 stage = Stage(hp, src, request.start, request.stop, request.n_ctx)
-        except NodeMemoryError as exc:
+        except (NodeMemoryError, NodeBusyError) as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except (PotluckError, ValueError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -230,15 +229,12 @@ class NodeService(pb_grpc.NodeServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"this node cannot reach its next stage {request.next_hop}: {exc}",
                 )
+        keep = {p.plan_id for p in self._kept_beside(request)}
         self.plans[request.plan_id] = LoadedStage(
-            request.plan_id, stage, nxt, wire, reserved_bytes=need
+            request.plan_id, stage, nxt, wire, reserved_bytes=need, head_id=request.head_id
         )
-        while len(self.plans) > MAX_PLANS:  # the oldest plan goes
-            old = self.plans.pop(next(iter(self.plans)))
-            self._forget(old.plan_id)
-            if old.next_hop is not None:
-                old.next_hop.close()
-            del old
+        for plan_id in [p for p in self.plans if p != request.plan_id and p not in keep]:
+            self._free(plan_id, "room for a new plan")
         trim_heap()  # the replaced plan's stage and the load's buffers go back to the OS
         return pb.LoadReply(
             weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0
@@ -253,8 +249,7 @@ class NodeService(pb_grpc.NodeServicer):
         need = weights + kv
         if self.mem_limit is None:
             return need
-        kept = list(self.plans.values())[-(MAX_PLANS - 1) :] if MAX_PLANS > 1 else []
-        held = sum(p.reserved_bytes for p in kept if p.plan_id != request.plan_id)
+        held = sum(p.reserved_bytes for p in self._kept_beside(request))
         if need + held > self.mem_limit:
             mib = 2**20
             raise NodeMemoryError(
@@ -265,6 +260,45 @@ class NodeService(pb_grpc.NodeServicer):
                 + "; give it fewer layers (--tensor-split), a smaller -c, or more --mem"
             )
         return need
+
+    def _in_use(self, loaded: LoadedStage, request: pb.LoadRequest) -> bool:
+        """Whether another head loaded `loaded` or computed on it in the last LIVE_S. (A plan
+        only named in heartbeats, a chat waiting for its user, may go: its head fails over and
+        replays the conversation when it next needs it.)"""
+        mine = bool(request.head_id) and loaded.head_id == request.head_id
+        return not mine and time.monotonic() - loaded.last_compute <= LIVE_S
+
+    def _kept_beside(self, request: pb.LoadRequest) -> list[LoadedStage]:
+        """The plans that stay when `request`'s loads: those other heads use, then the most
+        recently computed, MAX_PLANS - 1 in all. The rest go (this head's older plans first)."""
+        others = [p for p in self.plans.values() if p.plan_id != request.plan_id]
+        others.sort(key=lambda p: (self._in_use(p, request), p.last_compute), reverse=True)
+        return others[: MAX_PLANS - 1]
+
+    def _check_room(self, request: pb.LoadRequest) -> None:
+        """Refuse a plan while MAX_PLANS - 1 others are in use by other heads: loading it would
+        evict a live conversation (which would fail over, and evict another...)."""
+        if request.plan_id in self.plans:
+            return
+        busy = [p for p in self.plans.values() if self._in_use(p, request)]
+        if len(busy) >= MAX_PLANS:
+            ago = ", ".join(f"{time.monotonic() - p.last_used:.1f} s" for p in busy)
+            raise NodeBusyError(
+                f"node {self.name} is running the stages of {len(busy)} other heads (last "
+                f"computed {ago} ago) and holds at most {MAX_PLANS} plans: try again when one of them "
+                f"ends, or leave this node out"
+            )
+
+    def _free(self, plan_id: str, why: str) -> None:
+        """Free a plan's stage and its follow-up state; close its next hop."""
+        with self.compute:
+            gone = self.plans.pop(plan_id, None)
+        self._forget(plan_id)
+        if gone is None:
+            return
+        log.info("freed plan %s: %s", plan_id[:12], why)
+        if gone.next_hop is not None:
+            gone.next_hop.close()
 
     def PutTensors(
         self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext
@@ -371,7 +405,7 @@ class NodeService(pb_grpc.NodeServicer):
         """Check a forward request, wait for its sequences' turn, run the stage: (stage, output,
         compute ms). Raises Refused with the status to answer."""
         loaded, chunks, x, rows = self._prepare(request)
-        loaded.last_used = time.monotonic()
+        loaded.last_used = loaded.last_compute = time.monotonic()
         # a decode step is rehearsed while this node waits for the next (not a prompt's batch)
         self.last_request = request if request.input.ByteSize() <= REHEARSE_MAX_BYTES else None
         stage = loaded.stage
@@ -677,6 +711,13 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Drop(self, request: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropReply:
         loaded = self.plans.get(request.plan_id)
+        if request.release:  # the head is done with the plan: the chain frees it, this node last
+            if loaded is not None and loaded.next_hop is not None:
+                with contextlib.suppress(PotluckError):
+                    loaded.next_hop.drop(request, timeout=2.0)
+            self._free(request.plan_id, "its head is done with it")
+            trim_heap()
+            return pb.DropReply()
         self._forget(request.plan_id, list(request.seq_ids))
         if loaded is not None:
             with self.compute:

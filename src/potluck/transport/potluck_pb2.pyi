@@ -57,7 +57,7 @@ class HelloReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., node_name: _Optional[str] = ..., potluck_version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., physical_cores: _Optional[int] = ..., decode_bytes_per_s: _Optional[float] = ..., model_sha256: _Optional[_Iterable[str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes")
+    __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes", "head_id")
     class TensorSha256Entry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class LoadRequest(_message.Message):
     TENSOR_SHA256_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEAD_ID_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     model_sha256: str
     start: int
@@ -87,7 +88,8 @@ class LoadRequest(_message.Message):
     tensor_sha256: _containers.ScalarMap[str, str]
     wire_dtype: str
     model_bytes: int
-    def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ...) -> None: ...
+    head_id: str
+    def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ..., head_id: _Optional[str] = ...) -> None: ...
 
 class LoadReply(_message.Message):
     __slots__ = ("need_tensors", "missing", "weight_bytes", "load_seconds")
@@ -214,12 +216,14 @@ class ForwardReply(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., stage_ms: _Optional[_Iterable[float]] = ..., hop_ms: _Optional[_Iterable[float]] = ..., request_id: _Optional[int] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class DropRequest(_message.Message):
-    __slots__ = ("plan_id", "seq_ids")
+    __slots__ = ("plan_id", "seq_ids", "release")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, plan_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    release: bool
+    def __init__(self, plan_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class DropReply(_message.Message):
     __slots__ = ()
