@@ -485,6 +485,26 @@ def test_a_worker_on_the_data_port_of_another_says_so() -> None:
         first.wait(timeout=10)
 
 
+def test_a_second_worker_on_a_taken_port_does_not_start() -> None:
+    """gRPC sets SO_REUSEPORT by default: a second worker on the same port used to start and
+    share it (answering some heads in place of the first). It must fail in one line."""
+    first, addr, _ = _start_worker()
+    try:
+        port = int(addr.rpartition(":")[2])
+        env = {**os.environ, "POTLUCK_MDNS": "0"}
+        done = subprocess.run(
+            [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1",
+             "--data-port", "0"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        assert f"cannot listen on 127.0.0.1:{port}: the port is taken" in done.stderr
+        assert "Traceback" not in done.stderr
+    finally:
+        first.terminate()
+        first.wait(timeout=10)
+
+
 def test_a_taken_data_port_given_by_hand_is_one_line() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

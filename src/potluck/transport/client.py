@@ -48,6 +48,9 @@ CHANNEL_OPTIONS = CLIENT_SIZE_OPTIONS + _KEEPALIVE
 NODE_SERVER_OPTIONS = SERVER_OPTIONS + [
     *_KEEPALIVE,
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # gRPC sets SO_REUSEPORT by default on Linux: a second worker on a taken port would share it
+    # (and answer some heads in place of the first) instead of failing to start.
+    ("grpc.so_reuseport", 0),
 ]
 HANDSHAKE_TIMEOUT_S = 10.0
 
