@@ -203,3 +203,47 @@ def test_next_hop_gone_before_first_batch_with_a_secret(smollm2_path: Path) -> N
             if p.poll() is None:
                 p.terminate()
                 p.wait(timeout=10)
+
+
+def test_failover_off_a_hung_worker_ends_the_request(
+    spawn, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--failover-timeout 0 (failover_s=0): no re-plan, but a hung node (SIGSTOP: its sockets stay
+    open) still ends the request with one clear error after OFF_TIMEOUT_S (2 s here), instead of
+    hanging the head forever."""
+    import potluck.engine.failover as failover_mod
+
+    monkeypatch.setattr(failover_mod, "OFF_TIMEOUT_S", 2.0)
+    workers = spawn(2)
+    m = load_model(smollm2_path, n_ctx=256, peers=[a for _, a in workers], failover_s=0)
+    victim, addr = workers[1]
+    t0 = time.monotonic()
+    with pytest.raises(PoolLostError, match=rf"{addr} went away .* failover is off"):
+        _run_with_fault(m, 2, lambda: os.kill(victim.pid, signal.SIGSTOP))
+    assert time.monotonic() - t0 < 15
+    assert not m.pipeline.events  # nothing was re-planned
+
+
+def test_failover_onto_this_machine_alone_then_a_long_generation(spawn, smollm2_path: Path) -> None:
+    """The only worker dies early in a long generation; the re-plan puts every layer on this
+    machine, where follow-up steps (sent ahead while the first stage was a node) now compute in
+    this process. 400 more tokens: the same as one process (they used to nest one call per
+    token and end in RecursionError after ≈ 120)."""
+    workers = spawn(1)
+    victim, addr = workers[0]
+    n_layer = load_model(smollm2_path, n_ctx=64).hp.n_layer
+    single = load_model(smollm2_path, n_ctx=512)
+    ids = _ids(single)
+    want = list(generate(single, ids, 400, Sampler(GREEDY), stop_ids=frozenset()))
+    m = load_model(
+        smollm2_path, n_ctx=512, assignments=[Assignment(addr, 0, n_layer)], failover_s=2.0,
+        replan=lambda alive: [Assignment(LOCAL, 0, n_layer)],
+    )  # fmt: skip
+    assert m.pipeline.chains
+    got = []
+    for i, tok in enumerate(generate(m, ids, 400, Sampler(GREEDY), stop_ids=frozenset())):
+        got.append(tok)
+        if i == 5:
+            victim.kill()
+    assert got == want
+    assert len(m.pipeline.events) == 1 and not m.pipeline.chains

@@ -8,6 +8,10 @@ rebuild the KV caches, and sends the failed batches again. Callers of `submit` s
 error. When the survivors cannot run the model, every waiting batch and every later call fails
 with PoolLostError, within the timeout: nothing hangs.
 
+With no `connect` (failover off) the heartbeat still watches: a node silent for `timeout_s` ends
+every waiting batch and later call with PoolLostError, so that a hung machine never hangs the
+head.
+
 Replay gives the same tokens as a run without the fault for greedy sampling; a seeded sampler on
 the new last stage restarts its random stream (noted in docs/ARCHITECTURE.md).
 """
@@ -36,6 +40,7 @@ from potluck.transport.client import NodeError
 from potluck.transport.codec import PROTOCOL_VERSION
 
 DEFAULT_TIMEOUT_S = 5.0
+OFF_TIMEOUT_S = 30.0  # failover off: how long a node may stay silent before the request ends
 MAX_RECOVERIES_IN_A_ROW = 4  # another node failing during a recovery starts it over, this often
 
 
@@ -102,7 +107,7 @@ class FailoverPipeline:
     def __init__(
         self,
         first: object,
-        connect: Connect,
+        connect: Connect | None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         on_event: Callable[[FailoverEvent], None] | None = None,
     ) -> None:
@@ -331,10 +336,17 @@ class FailoverPipeline:
                 elif hasattr(old, "close"):
                     old.close()
             self.epoch += 1
+            who = ", ".join(dead) or "a node"
+            if self.connect is None:
+                self._failed = PoolLostError(
+                    f"{who} went away ({reason}) and failover is off (--failover-timeout 0): "
+                    f"start the request again, or turn failover on to go on without it"
+                )
+                self._closed.set()
+                return
             try:
                 new = self.connect(frozenset(self.gone), self.epoch)
             except (PotluckError, ValueError, MemoryError) as exc:
-                who = ", ".join(dead) or "a node"
                 self._failed = PoolLostError(
                     f"{who} went away and the machines left cannot run the model: {exc}"
                 )

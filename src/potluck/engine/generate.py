@@ -224,9 +224,11 @@ def load_model(
     exactly the given `assignments` (the planner's, see engine/survey.py). `auth` (the pool secret,
     TLS) is how this machine proves membership to the nodes.
 
-    A pool fails over (engine/failover.py): a node silent for `failover_s` seconds (None: no
-    failover) is dropped, and `replan(surviving nodes)` gives the new assignments (default: the
-    layers evenly over this machine and the survivors)."""
+    A pool fails over (engine/failover.py): a node silent for `failover_s` seconds is dropped, and
+    `replan(surviving nodes)` gives the new assignments (default: the layers evenly over this
+    machine and the survivors). failover_s = 0: no failover, but a node silent for OFF_TIMEOUT_S
+    ends the request with an error (the CLI's --failover-timeout 0); None: a bare pipeline, no
+    heartbeat at all (measurements, tests)."""
     gguf = GGUFFile(path)
     hp = hparams_from_metadata(gguf.metadata, str(path))
     n_ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_CTX)
@@ -278,12 +280,14 @@ def _pool(
     on_transfer: Callable[[str, int, int], None] | None = None,
 ) -> Pipeline:
     """The pool's pipeline for `plan`, wrapped to fail over to the nodes left when one goes away."""
-    from potluck.engine.failover import FailoverPipeline
+    from potluck.engine.failover import OFF_TIMEOUT_S, FailoverPipeline
     from potluck.engine.pipeline import RemotePipeline
 
     first = RemotePipeline(gguf, hp, plan, n_ctx, wire_dtype, auth, on_transfer=on_transfer)
     if failover_s is None:
         return first
+    if failover_s == 0:  # watched, not re-planned: a hung node ends the request, not the head
+        return FailoverPipeline(first, None, OFF_TIMEOUT_S, on_failover)
     remotes = [a.node for a in plan if a.node != LOCAL]
 
     def connect(gone: frozenset[str], epoch: int) -> Pipeline:

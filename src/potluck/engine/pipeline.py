@@ -466,7 +466,10 @@ class RemotePipeline:
         with self._lock:
             self._pos.pop(seq_id, None)
         if self.local is not None:
-            self._local_thread.submit(self.local.drop, seq_id).result()
+            try:
+                self._local_thread.submit(self.local.drop, seq_id).result()
+            except RuntimeError:  # abandoned (a failover): nothing computes here any more
+                self.local.drop(seq_id)
         with contextlib.suppress(PotluckError):  # a node that is gone took its caches with it
             self.clients[0].drop(pb.DropRequest(plan_id=self.plan_id, seq_ids=[seq_id]))
 
