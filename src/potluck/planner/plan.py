@@ -320,7 +320,11 @@ def _verdict(
     if n_nodes == 1:
         return False, f"{alone}: it is the only node"
     if split is not None:
-        return False, f"{alone}: --tensor-split gives every layer to {_route_node(costs, route)}"
+        node = _route_node(costs, route)
+        by_hand = f"--tensor-split gives every layer to {node} ({pool_tps:.1f} tok/s)"
+        if node == name:
+            return False, by_hand
+        return False, f"{by_hand}; {name} alone would be faster ({single_tps:.1f} tok/s)"
     if multi is None:
         return False, f"{alone}: no other node can hold even a part of the model next to it"
     multi_tps = NS / multi.total_ns
