@@ -4,6 +4,7 @@ and `potluck serve` as a subprocess for the command line itself."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -377,6 +378,164 @@ def test_error_shapes(server: Server) -> None:
     assert server.idle()
 
 
+def _post(server: Server, path: str, body: bytes | dict, **headers: str) -> httpx.Response:
+    """A raw POST (the openai client cannot send broken bodies), JSON unless headers say not."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"} | headers
+    return httpx.post(server.url + path, content=raw, headers=h, timeout=60)
+
+
+def _chat(server: Server, **fields: object) -> dict:
+    return {
+        "model": server.model_id,
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 4,
+    } | fields
+
+
+def test_seed_range(server: Server) -> None:
+    """A seed is a 64-bit integer, signed (OpenAI) or unsigned (torch's generator, the wire's
+    uint64); a negative one is its unsigned twin, and seed + j wraps for the n choices."""
+    for seed in (99999999999999999999999, -(2**63) - 1, 2**64):
+        r = _post(server, "/v1/chat/completions", _chat(server, seed=seed))
+        err = _error(r)
+        assert r.status_code == 400 and err["param"] == "seed", r.text
+        assert err["message"].startswith(f"seed: {seed} is out of range")
+        assert "-9223372036854775808 to 18446744073709551615" in err["message"]
+
+    def texts(seed: int, n: int = 1) -> list[str]:
+        body = _chat(server, seed=seed, n=n, temperature=1.0, max_tokens=12)
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        return [c["message"]["content"] for c in r.json()["choices"]]
+
+    assert texts(-5) == texts(2**64 - 5)
+    top = texts(2**64 - 1, n=2)  # the second choice's seed wraps to 0
+    assert top[1] == texts(0)[0]
+    assert server.idle()
+
+
+def test_lone_surrogates_are_400(server: Server) -> None:
+    """A lone surrogate is valid JSON ("\\ud800") but no Unicode text: the answer names the field
+    (json.dumps writes such a str as that escape, and a proper pair as "\\ud83d\\ude00")."""
+    chat = "/v1/chat/completions"
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "\udfff"}]
+    cases = {
+        "messages[0].content": (
+            chat,
+            _chat(server, messages=[{"role": "user", "content": "ok \ud800"}]),
+        ),
+        "messages[0].content[1].text": (
+            chat,
+            _chat(server, messages=[{"role": "user", "content": parts}]),
+        ),
+        "model": (chat, _chat(server, model="\ud83d")),
+        "prompt": ("/v1/completions", {"model": server.model_id, "prompt": "\ud800x"}),
+        "stop[1]": (
+            "/v1/completions",
+            {"model": server.model_id, "prompt": "x", "stop": ["a", "\udc00"]},
+        ),
+    }
+    for where, (path, body) in cases.items():
+        r = _post(server, path, body)
+        err = _error(r)
+        assert r.status_code == 400 and err["param"] == where, (where, r.text)
+        assert err["message"].startswith(f"{where} is not valid Unicode text"), err["message"]
+    r = _post(
+        server, "/v1/chat/completions", _chat(server, messages=[{"role": "user", "content": "😀"}])
+    )
+    assert r.status_code == 200  # a proper pair ("\ud83d\ude00" in JSON) is fine
+    assert server.idle()
+
+
+def test_unreadable_bodies_get_openai_errors(server: Server) -> None:
+    """Bodies FastAPI cannot parse, and methods a route does not take, answer in OpenAI's shape."""
+    r = _post(server, "/v1/chat/completions", b'{"model": "x", "messages": "\xff\xfe"}')
+    err = _error(r)
+    assert r.status_code == 400 and "not valid UTF-8" in err["message"] and "0xff" in err["message"]
+    deep = b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = _post(server, "/v1/chat/completions", deep)
+    assert r.status_code == 400 and "nested too deeply" in _error(r)["message"]
+    r = _post(server, "/v1/models", _chat(server))
+    assert r.status_code == 405 and _error(r)["message"].endswith("it takes GET")
+    for bad in (b'{"temperature": NaN}', b'{"repeat_penalty": Infinity}', b'{"top_p": -Infinity}'):
+        body = json.dumps(_chat(server))[:-1].encode() + b", " + bad[1:]
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 400 and "finite number" in _error(r)["message"], r.text
+
+
+def test_body_must_be_sent_as_json(server: Server) -> None:
+    """Without Content-Type: application/json the body is not read (a web page could otherwise
+    make a browser post text/plain to a local server without asking): 415 says what to send."""
+    body = json.dumps(_chat(server)).encode()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+        h = {"Authorization": f"Bearer {KEY}"} | ({"Content-Type": kind} if kind else {})
+        r = httpx.post(server.url + "/v1/chat/completions", content=body, headers=h)
+        err = _error(r)
+        assert r.status_code == 415 and "Content-Type: application/json" in err["message"]
+        assert (kind or "no Content-Type") in err["message"]
+    ok = _post(server, "/v1/completions", {"model": server.model_id, "prompt": "Hi", "max_tokens": 2},
+               **{"Content-Type": "application/json; charset=utf-8"})  # fmt: skip
+    assert ok.status_code == 200
+    r = httpx.post(
+        server.url + "/v1/completions", content=b"x", headers={"Content-Type": "text/plain"}
+    )
+    assert r.status_code == 401  # the key is asked for first
+
+
+def test_null_content(server: Server) -> None:
+    """Only an assistant message that makes tool_calls may leave content null (as OpenAI)."""
+    hi = {"role": "user", "content": "Hi"}
+    for msgs, where, state in (
+        ([{"role": "user", "content": None}], "messages[0].content", "null"),
+        ([{"role": "user"}], "messages[0].content", "missing"),
+        ([hi, {"role": "assistant", "content": None}, hi], "messages[1].content", "null"),
+        ([{"role": "system", "content": None}, hi], "messages[0].content", "null"),
+    ):
+        r = _post(server, "/v1/chat/completions", _chat(server, messages=msgs))
+        err = _error(r)
+        assert r.status_code == 400 and err["param"] == where, r.text
+        assert err["message"].startswith(f"{where} is {state}:"), err["message"]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [hi, {"role": "assistant", "content": None, "tool_calls": [call]}, hi]
+    r = _post(server, "/v1/chat/completions", _chat(server, messages=msgs))
+    assert r.status_code == 200, r.text
+    parts = [{"type": "text", "text": None}]
+    r = _post(
+        server, "/v1/chat/completions", _chat(server, messages=[{"role": "user", "content": parts}])
+    )
+    err = _error(r)
+    assert r.status_code == 400 and err["param"] == "messages[0].content[0].text", r.text
+    assert server.idle()
+
+
+def test_extreme_sampling_values(server: Server, ref: Model) -> None:
+    """Values at the edges sample or answer 400, never a NaN in the sampler (a 500)."""
+    msgs = [{"role": "user", "content": "Name a color."}]
+    greedy, _, _ = _greedy(ref, _chat_ids(ref, msgs), 6)
+    for t in (1e-45, 5e-324, 1e-6):  # that close to 0 is greedy (logits / t would overflow fp32)
+        r = _post(
+            server,
+            "/v1/chat/completions",
+            _chat(server, messages=msgs, temperature=t, max_tokens=6),
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == greedy
+    for rp in (1e-45, 1e300):
+        r = _post(server, "/v1/chat/completions", _chat(server, repeat_penalty=rp, temperature=1))
+        assert r.status_code == 400 and _error(r)["param"] == "repeat_penalty", r.text
+    for fields in (
+        {"top_k": 2**40},
+        {"max_tokens": 10**30},
+        {"n": 10**30},
+        {"top_logprobs": 10**30, "logprobs": True},
+    ):
+        r = _post(server, "/v1/chat/completions", _chat(server, **fields))
+        assert r.status_code in (200, 400), (fields, r.text)
+        if r.status_code == 400:
+            _error(r)
+    assert server.idle()
+
+
 def test_sixteen_streaming_clients(server: Server, ref: Model) -> None:
     """16 simultaneous streaming chats each get exactly what generate() gives for it alone."""
     topics = ["cats", "rain", "bread", "trains", "the moon", "chess", "tea", "rivers",
@@ -598,4 +757,16 @@ def test_pool_server_dashboard_and_logprobs(pool_server: Server, ref: Model) -> 
     assert head["compute_ms"] > 0
     text = httpx.get(pool_server.url + "/metrics").text
     assert f'potluck_node_network_ms_per_token{{node="{worker["address"]}"' in text
+    assert pool_server.idle()
+
+
+def test_pool_server_takes_any_seed_and_top_k(pool_server: Server) -> None:
+    """The wire carries seed as uint64 and top_k as int32: a negative seed and a top_k past the
+    vocabulary still sample over a pool, as they do in one process."""
+    c = pool_server.client()
+    for kw in ({"seed": -5}, {"seed": 2**64 - 1}, {"extra_body": {"top_k": 2**40}}):
+        r = c.completions.create(
+            model=pool_server.model_id, prompt="Once", max_tokens=3, temperature=1.0, **kw
+        )
+        assert r.usage.completion_tokens == 3
     assert pool_server.idle()

@@ -15,6 +15,14 @@ from potluck.engine.sampling import MAX_LOGPROBS
 
 MAX_STOPS = 4  # stop sequences per request (OpenAI's limit)
 MAX_N = 16  # choices per request
+# Seeds: OpenAI's are int64, torch's generator and the wire's SamplingConfig.seed are uint64; a
+# negative seed is its uint64 twin (seed mod 2**64), as torch.Generator.manual_seed reads it.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+GREEDY_BELOW = 1e-5  # a smaller temperature is greedy: logits / t overflow fp32 (vLLM's eps too)
+TOP_K_ALL = 2**31 - 1  # a top_k past the vocabulary keeps every token; the wire's top_k is int32
+# The repeat penalty divides or multiplies fp32 logits (|logit| < 1e4) before the temperature
+# (>= GREEDY_BELOW) divides them: within these bounds no logit overflows to inf (then NaN).
+REPEAT_PENALTY_MIN, REPEAT_PENALTY_MAX = 1e-6, 1e6
 
 
 class StreamOptions(BaseModel):
@@ -25,7 +33,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # JSON's NaN / Infinity: 400
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -42,7 +50,7 @@ class _Sampling(BaseModel):
     # extensions (llama.cpp server / vLLM names)
     top_k: int = Field(default=40, ge=0)
     min_p: float = Field(default=0.05, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(default=1.0, gt=0.0)
+    repeat_penalty: float = Field(default=1.0, ge=REPEAT_PENALTY_MIN, le=REPEAT_PENALTY_MAX)
 
     @field_validator("stop")
     @classmethod
@@ -54,8 +62,25 @@ class _Sampling(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return v
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not SEED_MIN <= v <= SEED_MAX:
+            raise ValueError(
+                f"{v} is out of range: give an integer from {SEED_MIN} to {SEED_MAX} "
+                f"(64 bits, signed or unsigned)"
+            )
+        return v
+
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def seed_of(self, j: int) -> int | None:
+        """Choice j's seed: seed + j, as a uint64 (wrapping past 2**64 - 1)."""
+        return None if self.seed is None else (self.seed + j) % 2**64
+
+    def sampling_temperature(self) -> float:
+        return self.temperature if self.temperature >= GREEDY_BELOW else 0.0
 
 
 class ChatMessage(BaseModel):

@@ -33,7 +33,9 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.staticfiles import StaticFiles
@@ -44,7 +46,7 @@ from potluck.api import errors
 from potluck.api.errors import ApiError
 from potluck.api.metrics import CONTENT_TYPE, HttpCounters, render
 from potluck.api.pool import PoolInfo
-from potluck.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from potluck.api.schemas import TOP_K_ALL, ChatCompletionRequest, ChatMessage, CompletionRequest
 from potluck.api.text import StopText
 from potluck.engine.generate import Model
 from potluck.engine.sampling import SamplingParams, Token
@@ -196,6 +198,26 @@ class Api:
         ):
             raise errors.unauthorized("Incorrect API key provided")
 
+    async def json_body(self, request: HttpRequest) -> None:
+        """A POST body is JSON, said so by its Content-Type, and every string in it is Unicode.
+
+        Without the header FastAPI does not parse the body (a web page can make a browser post
+        text/plain to a local server without asking first), so every field would be "missing".
+        """
+        kind = request.headers.get("content-type")
+        mime = (kind or "").partition(";")[0].strip().lower()
+        if mime != "application/json" and not (
+            mime.startswith("application/") and mime.endswith("+json")
+        ):
+            got = f"Content-Type: {kind}" if kind else "no Content-Type"
+            raise errors.ApiError(
+                415,
+                f"send the body as JSON with the header 'Content-Type: application/json' "
+                f"(got {got})",
+            )
+        if await request.body():  # (FastAPI has parsed it; an empty one is "body: Field required")
+            _check_unicode(await request.json())
+
     def check_model(self, name: str) -> None:
         if name not in self.aliases:
             raise errors.model_not_found(name, self.config.model_id)
@@ -230,14 +252,14 @@ class Api:
             for p_i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
                 for j in range(body.n):
                     params = SamplingParams(
-                        temperature=body.temperature,
-                        top_k=body.top_k,
+                        temperature=body.sampling_temperature(),
+                        top_k=min(body.top_k, TOP_K_ALL),
                         top_p=body.top_p,
                         min_p=body.min_p,
                         repeat_penalty=body.repeat_penalty,
                         presence_penalty=body.presence_penalty,
                         frequency_penalty=body.frequency_penalty,
-                        seed=None if body.seed is None else body.seed + j,
+                        seed=body.seed_of(j),
                         logprobs=body.logprob_k(),
                     )
                     index = p_i * body.n + j
@@ -366,6 +388,7 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
     app.state.api = api
     app.add_middleware(_StatusCounter, counters=api.http)
     guarded = [Depends(api.auth)]
+    posted = [Depends(api.auth), Depends(api.json_body)]
 
     @app.exception_handler(ApiError)
     async def _on_api_error(_: HttpRequest, exc: ApiError) -> Response:
@@ -379,13 +402,22 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
     async def _on_invalid(_: HttpRequest, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        ctx = first.get("ctx", {})
         if first.get("type") == "json_invalid":
-            msg = (
-                f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
-            )
+            msg = f"the body is not valid JSON: {ctx.get('error', first.get('msg'))}"
             return errors.bad_request(msg).response()
+        if not loc and first.get("type") == "missing":
+            return errors.bad_request(
+                "the body is empty: send a JSON object (Content-Type: application/json)"
+            ).response()
         where = ".".join(loc) or "body"
-        return errors.bad_request(f"{where}: {first.get('msg', 'invalid value')}", where).response()
+        msg = ctx.get("error") if first.get("type") == "value_error" else first.get("msg")
+        return errors.bad_request(f"{where}: {msg or 'invalid value'}", where).response()
+
+    @app.exception_handler(HTTPException)
+    async def _on_http(request: HttpRequest, exc: HTTPException) -> Response:
+        """Starlette's and FastAPI's own errors (405, a body it cannot parse) in OpenAI's shape."""
+        return _http_error(request, exc).response()
 
     @app.exception_handler(404)
     async def _on_404(request: HttpRequest, _: Exception) -> Response:
@@ -421,10 +453,10 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
         await run_in_threadpool(api.pool.refresh_hellos)
         return PlainTextResponse(render(scheduler, api.pool, api.http), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions", dependencies=posted)
     async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) -> Response:
         api.check_model(body.model)
-        msgs = [_message(m) for m in body.messages]
+        msgs = [_message(m, i) for i, m in enumerate(body.messages)]
         try:
             text = await run_in_threadpool(model.chat.render, msgs)
         except ChatTemplateError as exc:
@@ -472,7 +504,7 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
             }
         )
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions", dependencies=posted)
     async def completions(body: CompletionRequest, request: HttpRequest) -> Response:
         api.check_model(body.model)
         prompts, texts0 = await run_in_threadpool(_completion_prompts, api, body.prompt)
@@ -536,21 +568,95 @@ def _model_card(api: Api) -> dict[str, Any]:
     }
 
 
-def _message(m: ChatMessage) -> dict[str, Any]:
+def _http_error(request: HttpRequest, exc: HTTPException) -> ApiError:
+    cause = exc.__cause__
+    if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):
+        return errors.bad_request(f"the body is not valid UTF-8 ({cause}): send JSON in UTF-8")
+    if exc.status_code == 400 and isinstance(cause, RecursionError):
+        return errors.bad_request(f"the body's JSON is nested too deeply to parse ({cause})")
+    if exc.status_code == 400 and cause is not None:
+        return errors.bad_request(f"the body is not valid JSON: {cause}")
+    if exc.status_code == 405:  # (from the static files too, which take every other path)
+        path = request.url.path
+        routes = [r for r in request.app.routes if isinstance(r, APIRoute)]
+        takes = sorted({m for r in routes if r.path_regex.match(path) for m in r.methods or ()})
+        return errors.ApiError(
+            405,
+            f"{request.method} {path} is not supported; it takes {', '.join(takes) or 'GET'}",
+            headers={"Allow": ", ".join(takes or ["GET", "HEAD"])},
+        )
+    kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return errors.ApiError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+
+
+_JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", str: "a string"}
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return _JSON_TYPES.get(type(value), "an array" if isinstance(value, list) else "an object")
+
+
+def _check_unicode(body: Any) -> None:
+    """400 at the first string (or key) in a parsed JSON body that holds a lone surrogate: valid
+    JSON ("\\ud800") that is no Unicode text, so it cannot be tokenized or written as UTF-8."""
+    todo: list[tuple[str, Any]] = [("", body)]  # (path, value), depth-first in document order
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = path or "body"
+                raise errors.bad_request(
+                    f"{where} is not valid Unicode text: character {exc.start} is a lone "
+                    f"surrogate U+{ord(value[exc.start]):04X} (half of a UTF-16 pair); send the "
+                    f"text as UTF-8, or escape such a character as its full pair",
+                    where,
+                ) from None
+        elif isinstance(value, dict):
+            items = list(value.items())
+            for k, v in reversed(items):
+                todo.append((f"{path}.{k}" if path else k, v))
+            todo.extend((f"a key in {path or 'the body'}", k) for k, _ in reversed(items))
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+
+
+def _message(m: ChatMessage, i: int) -> dict[str, Any]:
     """One message for the chat template: OpenAI's "developer" role is the system prompt; a list
-    of content parts becomes its text (images and audio cannot be read by these models)."""
+    of content parts becomes its text (images and audio cannot be read by these models). Content
+    may be null only in an assistant message that makes tool calls (as OpenAI); it is "" then."""
     out = m.model_dump(exclude_none=True)
     if out["role"] == "developer":
         out["role"] = "system"
     content = out.get("content")
+    if content is None:
+        if m.role == "assistant" and ("tool_calls" in out or "function_call" in out):
+            out["content"] = ""
+            return out
+        state = "null" if "content" in m.model_fields_set else "missing"
+        raise errors.bad_request(
+            f"messages[{i}].content is {state}: give the {m.role} message's text, a string or a "
+            f"list of text parts (only an assistant message with tool_calls may leave it null)",
+            f"messages[{i}].content",
+        )
     if isinstance(content, list):
         texts = []
-        for part in content:
+        for j, part in enumerate(content):
             kind = part.get("type")
-            if kind != "text" or not isinstance(part.get("text"), str):
+            if kind != "text":
                 raise errors.bad_request(
-                    f"content part of type {kind!r} is not supported: send text parts only",
-                    "messages",
+                    f"messages[{i}].content[{j}]: content part of type {kind!r} is not "
+                    f"supported: send text parts only",
+                    f"messages[{i}].content[{j}]",
+                )
+            if not isinstance(part.get("text"), str):
+                raise errors.bad_request(
+                    f"messages[{i}].content[{j}].text must be a string, got "
+                    f"{_json_type(part.get('text'))}",
+                    f"messages[{i}].content[{j}].text",
                 )
             texts.append(part["text"])
         out["content"] = "".join(texts)
