@@ -104,3 +104,14 @@ def test_missing_key(smollm2_path: Path) -> None:
     del meta["llama.block_count"]
     with pytest.raises(ModelFileError, match="metadata key llama.block_count is missing"):
         hparams_from_metadata(meta, "x.gguf")
+
+
+def test_newer_gguf_version_is_unsupported_not_corrupt(tmp_path: Path, smollm2_path: Path) -> None:
+    """A sound file in a GGUF version this reader does not know: not "re-download the file"."""
+    data = bytearray(smollm2_path.read_bytes()[:4096])
+    data[4:8] = (99).to_bytes(4, "little")
+    p = tmp_path / "v99.gguf"
+    p.write_bytes(bytes(data))
+    with pytest.raises(UnsupportedError, match="GGUF version 99 is not supported") as err:
+        GGUFFile(p)
+    assert "re-download" not in str(err.value) and "newer Potluck" in str(err.value)

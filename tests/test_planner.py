@@ -509,3 +509,15 @@ def test_large_pool_keeps_the_fastest_nodes() -> None:
     assert {"n0", "n1", "roomy"} <= set(plan.left_out)
     assert plan.best_single is not None and plan.best_single.node == "roomy"
     assert plan.worth_it
+
+
+def test_unsupported_quant_type_is_refused_at_plan_time(smollm2_path: Path) -> None:
+    """`potluck plan` sizes every tensor with the kernels' own rule, which refuses a type the
+    kernels cannot read: the user hears it before a pool loads (IQ4_NL put in by hand)."""
+    f = GGUFFile(smollm2_path)
+    hp = hparams_from_metadata(f.metadata)
+    tensors = dict(f.tensors)
+    name = "blk.0.ffn_down.weight"
+    tensors[name] = replace(tensors[name], qtype=T.IQ4_NL)
+    with pytest.raises(PotluckError, match=rf"tensor {name}: GGML type IQ4_NL is not supported"):
+        footprint_from_gguf(tensors, hp, 256, held=held_bytes)

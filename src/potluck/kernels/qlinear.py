@@ -361,7 +361,9 @@ _HAS_MINS = frozenset({T.Q4_1, T.Q4_K, T.Q5_1, T.Q5_K, T.Q2_K})
 
 def held_bytes(qtype: GGMLQuantizationType, shape: tuple[int, ...], exact: bool = False) -> int:
     """Bytes a weight of logical `shape` (outermost first) occupies once QLinear has built it
-    (vectors: fp32). The planner's memory model (planner/footprint.py) takes this function."""
+    (vectors: fp32). The planner's memory model (planner/footprint.py) takes this function.
+    Raises UnsupportedError for a type the kernels cannot read (as loading would)."""
+    check_supported(qtype)
     n = 1
     for d in shape:
         n *= d

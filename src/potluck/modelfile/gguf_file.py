@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from potluck.errors import ModelFileError
+from potluck.errors import ModelFileError, UnsupportedError
 
 GGUF_MAGIC = b"GGUF"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
@@ -113,6 +113,8 @@ def read_header(
     """
     try:
         meta, infos, data_start = _parse_header(f, size)
+    except UnsupportedError as exc:  # a sound file of a newer format: re-downloading won't help
+        raise UnsupportedError(f"{source}: {exc}") from exc
     except (ValueError, UnicodeDecodeError, struct.error, EOFError) as exc:
         raise ModelFileError(
             f"{source}: GGUF header is corrupt or truncated ({exc}); re-download the file"
@@ -197,7 +199,11 @@ def _parse_header(
     cur.take(4)  # magic, checked by the caller
     version = cur.u32()
     if version not in (2, 3):
-        raise ValueError(f"GGUF version {version} is not supported (2 or 3 are)")
+        raise UnsupportedError(
+            f"GGUF version {version} is not supported (2 and 3 are): a newer Potluck may read it"
+            if version > 3
+            else f"GGUF version {version} is not supported (2 and 3 are): convert the model again"
+        )
     n_tensors, n_kv = cur.count(), cur.count()
     meta: dict[str, Any] = {}
     for _ in range(n_kv):

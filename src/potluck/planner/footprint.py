@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from gguf import QK_K, GGMLQuantizationType
 
+from potluck.errors import UnsupportedError
 from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import HParams
 from potluck.planner.errors import PlanError
@@ -150,14 +151,20 @@ def footprint_from_gguf(
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise PlanError("the model has no token_embd.weight: cannot size its first stage")
+    def held_by(t: TensorInfo) -> int:
+        try:
+            return held(t.qtype, t.shape)
+        except UnsupportedError as exc:  # said at plan time, not after a pool has loaded
+            raise UnsupportedError(f"tensor {t.name}: {exc}") from None
+
     layers = [0] * hp.n_layer
     for t in tensors.values():
         if t.layer is not None and t.layer < hp.n_layer:
-            layers[t.layer] += held(t.qtype, t.shape)
+            layers[t.layer] += held_by(t)
     head_matrix = tensors.get("output.weight", embd)  # tied: the head copies token_embd
-    head = held(head_matrix.qtype, head_matrix.shape)
+    head = held_by(head_matrix)
     if norm := tensors.get("output_norm.weight"):
-        head += held(norm.qtype, norm.shape)
+        head += held_by(norm)
     kv = hp.kv_bytes_per_token(1, F32_BYTES) * n_ctx
     return ModelFootprint(
         n_layer=hp.n_layer,
