@@ -141,6 +141,22 @@ def test_unreachable_peer(smollm2_path: Path) -> None:
         load_model(smollm2_path, n_ctx=256, peers=[f"127.0.0.1:{port}"])
 
 
+def test_a_peer_that_never_answers_says_how_long_it_waited() -> None:
+    """A port where something accepts connections and never speaks (a hung process, another
+    program): the call ends at its deadline, and the line says how long that was."""
+    from potluck.transport.client import NodeClient
+    from potluck.transport.codec import PROTOCOL_VERSION
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        addr = f"127.0.0.1:{srv.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(NodeError, match=rf"node {addr} did not answer within 1.5 s: .* hung"):
+            NodeClient(addr).hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=1.5)
+        assert time.monotonic() - t0 < 10
+
+
 def test_malformed_calls_rejected_worker_stays_up(workers: list[str], smollm2_path: Path) -> None:
     stub = pb_grpc.NodeStub(grpc.insecure_channel(workers[0]))
     with pytest.raises(grpc.RpcError) as bad_version:

@@ -57,7 +57,8 @@ HANDSHAKE_TIMEOUT_S = 10.0
 __all__ = ["CHANNEL_OPTIONS", "NODE_SERVER_OPTIONS", "AuthError", "NodeClient", "NodeError"]
 
 
-def _explain(address: str, exc: grpc.RpcError) -> NodeError:
+def _explain(address: str, exc: grpc.RpcError, timeout: float | None = None) -> NodeError:
+    """One line for a failed call; `timeout`: the call's deadline in seconds, said when it passed."""
     code = exc.code() if hasattr(exc, "code") else None
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -65,8 +66,10 @@ def _explain(address: str, exc: grpc.RpcError) -> NodeError:
             f"node {address} is unreachable ({detail}); is `potluck worker` running there and the port open?"
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        within = f"within {timeout:g} s" if timeout is not None else "in time"
         return NodeError(
-            f"node {address} did not answer in time; it may be overloaded or the link is down"
+            f"node {address} did not answer {within}: it may be overloaded, hung, not a Potluck "
+            "worker, or the link is down (`potluck doctor` checks)"
         )
     if code is not None and (refused := explain_refusal(address, code, detail or "")):
         return refused
@@ -298,7 +301,7 @@ class NodeClient:
                         min(timeout, HANDSHAKE_TIMEOUT_S),
                     )
                 except grpc.RpcError as exc:
-                    raise self._handshake_error(exc) from None
+                    raise self._handshake_error(exc, min(timeout, HANDSHAKE_TIMEOUT_S)) from None
                 self._metadata = ((SESSION_METADATA, session),) if session else ()
                 self._session_made = now
             return self._metadata
@@ -307,7 +310,7 @@ class NodeClient:
         """Prove membership now (else it happens before the first call)."""
         self.metadata()
 
-    def _handshake_error(self, exc: grpc.RpcError) -> NodeError:
+    def _handshake_error(self, exc: grpc.RpcError, timeout: float | None = None) -> NodeError:
         code = exc.code() if hasattr(exc, "code") else None
         if code == grpc.StatusCode.UNIMPLEMENTED:
             return NodeError(
@@ -318,7 +321,7 @@ class NodeClient:
             return NodeError(
                 f"node {self.address} speaks TLS (its worker runs with --tls); pass --tls here too"
             )
-        return _explain(self.address, exc)
+        return _explain(self.address, exc, timeout)
 
     def session_refused(self, exc: BaseException) -> bool:
         """If `exc` is a node's refusal of this client's session, forget the session (the next
@@ -343,7 +346,7 @@ class NodeClient:
             except grpc.RpcError as exc:
                 if self.session_refused(exc) and retry and attempt == 0:
                     continue  # refused before the handler ran: safe to send again
-                raise _explain(self.address, exc) from None
+                raise _explain(self.address, exc, timeout) from None
         raise AssertionError("unreachable")
 
     def hello(
@@ -355,7 +358,7 @@ class NodeClient:
             try:
                 reply = self._connect().Hello(request, timeout=timeout)
             except grpc.RpcError as exc:
-                raise _explain(self.address, exc) from None
+                raise _explain(self.address, exc, timeout) from None
         else:
             reply = self._call("Hello", request, timeout)
         self.data_port = reply.data_port  # type: ignore[attr-defined]
