@@ -199,3 +199,14 @@ def test_a_long_chain_of_follow_up_steps_keeps_the_stack_flat(tmp_path: Path) ->
     got = [first.result()[0]] + [s.result(timeout=60)[0] for s in steps]
     pipe.drop(seq)
     assert got == want
+
+
+def test_tiny_temperatures_are_greedy_and_bad_penalties_are_refused() -> None:
+    """A temperature below GREEDY_BELOW divides logits past fp32's range (inf, then NaN, then a
+    crash): it samples greedily instead. Penalties that would do the same, and NaN, are refused."""
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    for t in (1e-45, 1e-6, 0.0, -1.0):
+        assert Sampler(SamplingParams(temperature=t, seed=1)).sample(logits) == 1
+    for bad in ({"repeat_penalty": 1e-9}, {"repeat_penalty": 1e9}, {"temperature": float("nan")}):
+        with pytest.raises(ValueError, match="must be"):
+            SamplingParams(**bad)

@@ -11,18 +11,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from potluck.engine.sampling import MAX_LOGPROBS
+from potluck.engine.sampling import (
+    GREEDY_BELOW,
+    MAX_LOGPROBS,
+    REPEAT_PENALTY_MAX,
+    REPEAT_PENALTY_MIN,
+)
 
 MAX_STOPS = 4  # stop sequences per request (OpenAI's limit)
 MAX_N = 16  # choices per request
 # Seeds: OpenAI's are int64, torch's generator and the wire's SamplingConfig.seed are uint64; a
 # negative seed is its uint64 twin (seed mod 2**64), as torch.Generator.manual_seed reads it.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-GREEDY_BELOW = 1e-5  # a smaller temperature is greedy: logits / t overflow fp32 (vLLM's eps too)
 TOP_K_ALL = 2**31 - 1  # a top_k past the vocabulary keeps every token; the wire's top_k is int32
-# The repeat penalty divides or multiplies fp32 logits (|logit| < 1e4) before the temperature
-# (>= GREEDY_BELOW) divides them: within these bounds no logit overflows to inf (then NaN).
-REPEAT_PENALTY_MIN, REPEAT_PENALTY_MAX = 1e-6, 1e6
 
 
 class StreamOptions(BaseModel):

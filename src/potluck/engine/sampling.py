@@ -5,6 +5,7 @@ The order follows llama.cpp's default chain: penalties -> top-k -> top-p -> min-
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -35,9 +36,15 @@ class Token(int):
         return f"Token({int(self)}, logprob={self.logprob:.4f})"
 
 
+GREEDY_BELOW = 1e-5  # a smaller temperature is greedy: logits / t overflow fp32 (vLLM's eps too)
+# The repeat penalty divides or multiplies fp32 logits (|logit| < 1e4) before the temperature
+# (>= GREEDY_BELOW) divides them: within these bounds no logit overflows to inf (then NaN).
+REPEAT_PENALTY_MIN, REPEAT_PENALTY_MAX = 1e-6, 1e6
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.8  # ≤ 0 means greedy
+    temperature: float = 0.8  # below GREEDY_BELOW (0 or less too) means greedy
     top_k: int = 40  # ≤ 0 disables
     top_p: float = 0.95  # 1.0 disables
     min_p: float = 0.05  # 0.0 disables
@@ -57,12 +64,18 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repeat_penalty <= 0:
-            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if not REPEAT_PENALTY_MIN <= self.repeat_penalty <= REPEAT_PENALTY_MAX:
+            raise ValueError(
+                f"repeat_penalty must be in [{REPEAT_PENALTY_MIN:g}, {REPEAT_PENALTY_MAX:g}] "
+                f"(1 = off), got {self.repeat_penalty}"
+            )
+        for name in ("temperature", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalizes(self) -> bool:
