@@ -410,7 +410,24 @@ def test_weights_transfer_reports_progress_on_both_sides(
     assert seen and all(node == addr for node, _, _ in seen)
     sent = [s for _, s, _ in seen]
     assert sent == sorted(sent) and sent[-1] == seen[-1][2] > 30 * 2**20
-    assert "received" in log and "MiB (checked, cached)" in log
+    import re
+
+    asked = re.search(
+        r"layers \d+–29: no local copy of the model; receiving (\d+) tensors, ([\d.]+) MiB", log
+    )
+    done = re.search(r"received (\d+) tensors, ([\d.]+) MiB in [\d.]+ s \(checked, cached\)", log)
+    assert asked and done, log
+    assert asked.group(1) == done.group(1) and asked.group(2) == done.group(2)
+    assert float(done.group(2)) == pytest.approx(sent[-1] / 2**20, abs=0.1)
+    assert re.search(r"received [\d.]+ MiB of [\d.]+ MiB \(\d+%\)", log)  # progress on the way
+    # only the stage's own tensors travel, never the whole file
+    from potluck.model.layout import stage_tensor_names
+    from potluck.modelfile.gguf_file import GGUFFile
+
+    f = GGUFFile(smollm2_path)
+    start = int(re.search(r"layers (\d+)–29: no local copy", log).group(1))  # type: ignore[union-attr]
+    names = stage_tensor_names(f.tensors.values(), 30, start, 30)
+    assert sent[-1] == sum(f.tensors[n].nbytes for n in names) < f.size_bytes * 0.7
 
 
 def test_heads_share_a_worker_without_evicting_each_other(

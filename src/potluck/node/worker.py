@@ -120,6 +120,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.auth = auth  # this node proves pool membership to the next hop with it
         self.data_port = 0  # the data port (transport/dataplane.py) once serve() opened it
         self.store = BlobStore()
+        self.expected_bytes = 0  # what the last Load asked the head for (PutTensors' progress)
         self.plans: dict[str, LoadedStage] = {}
         self.compute = threading.Lock()
         self.turn = threading.Condition(self.compute)  # compute, and wait for a sequence's turn
@@ -207,6 +208,13 @@ class NodeService(pb_grpc.NodeServicer):
                 digests = dict(request.tensor_sha256)
                 missing = [n for n in names if n not in digests or not self.store.has(digests[n])]
                 if missing:
+                    total = sum(tensors[n].nbytes for n in missing if n in tensors)
+                    self.expected_bytes = total
+                    log.info(
+                        "layers %d–%d: no local copy of the model; receiving %d tensors, %.1f MiB "
+                        "from the head",
+                        request.start, request.stop - 1, len(missing), total / 2**20,
+                    )  # fmt: skip
                     return pb.LoadReply(need_tensors=True, missing=missing)
                 src = BlobSource(tensors, digests, self.store)
             need = self._check_memory(tensors, hp, request)
@@ -303,7 +311,10 @@ class NodeService(pb_grpc.NodeServicer):
     def PutTensors(
         self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext
     ) -> pb.PutReply:
-        received, got, next_report = 0, 0, REPORT_EVERY_BYTES
+        t0 = time.perf_counter()
+        total = self.expected_bytes
+        step = max(total // 10, 1) if total else REPORT_EVERY_BYTES  # tenths, when it is known
+        received, got, next_report = 0, 0, step
         it = iter(request_iterator)
         pending = next(it, None)
         try:
@@ -328,13 +339,16 @@ class NodeService(pb_grpc.NodeServicer):
                 self.store.put(first.sha256, first.total_bytes, pieces())
                 received += 1
                 got += first.total_bytes
-                if got >= next_report:
-                    log.info(
-                        "received %d tensors, %.1f MiB (checked, cached)", received, got / 2**20
-                    )
-                    next_report = got + REPORT_EVERY_BYTES
+                if got >= next_report and (not total or got < total):
+                    of = f" of {total / 2**20:.1f} MiB ({got / total:.0%})" if total else ""
+                    log.info("received %.1f MiB%s", got / 2**20, of)
+                    next_report = got + step
         except (IntegrityError, WireError) as exc:
             context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        dt = time.perf_counter() - t0
+        log.info(
+            "received %d tensors, %.1f MiB in %.1f s (checked, cached)", received, got / 2**20, dt
+        )
         return pb.PutReply(received=received)
 
     # -- compute -----------------------------------------------------------------------------------
