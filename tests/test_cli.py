@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,61 @@ def test_bad_arguments(args: list[str]) -> None:
     done = potluck(*args)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
+
+
+def _said(done: subprocess.CompletedProcess) -> str:
+    """stderr as one line: rich draws usage errors in a box and wraps them at its width."""
+    return " ".join(done.stderr.replace("│", " ").split())
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["worker", "-p", "70000"], "port must be 1-65535 (or 0: any free one), got 70000"),
+        (["worker", "--data-port", "70000"], "port must be 1-65535 (or 0: any free one), got"),
+        (["serve", "--port", "-1"], "port must be 1-65535 (or 0: any free one), got -1"),
+        (["run", "-t", "-1", "x"], "-t must be ≥ 1 (or 0 = all physical cores), got -1"),
+        (["worker", "-t", "-2"], "-t must be ≥ 1 (or 0 = all physical cores), got -2"),
+        (["run", "-b", "-3", "x"], "-b must be ≥ 1, got -3"),
+        (["chat", "-b", "0"], "-b must be ≥ 1, got 0"),
+        (["run", "-n", "-2", "x"], "-n must be ≥ 0 (or -1 = until the end of text or a full"),
+        (["bench", "-p", "0"], "-p must be ≥ 1, got 0"),
+        (["nodes", "--timeout", "0"], "--timeout must be > 0, got 0"),
+        (["worker", "--mem", "0"], "--mem '0' is 0 bytes: give a size like 4G"),
+    ],
+)
+def test_bad_numbers_say_so_in_one_line(args: list[str], says: str) -> None:
+    """Checked before anything loads or listens: a usage error with the flag and the number."""
+    done = potluck(*args, "--no-mdns", timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert says in _said(done) and "Traceback" not in done.stderr, done.stderr
+
+
+COUNT = ["--raw", "--temp", "0", "-c", "64", "Count: 1, 2, 3, 4, 5,"]  # 17 tokens, never ends
+
+
+@pytest.mark.parametrize("n", ["200", "-1"])
+def test_run_says_the_context_is_full(smollm2_path: Path, n: str) -> None:
+    """-n 200 or -n -1 (until the end of text or a full context) in a context of 64: the same
+    text, and one line on stderr says why it stopped."""
+    done = potluck("run", "-m", str(smollm2_path), "-n", n, *COUNT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(" 6, 7, 8, 9, 10,"), done.stdout
+    said = _said(done)
+    assert "stopped after 47 tokens: the context of 64 tokens is full; raise -c" in said, said
+    assert "prompt 17 tokens" in said and "generated 47 tokens" in said, said
+
+
+def test_chat_says_the_conversation_fills_the_context(smollm2_path: Path) -> None:
+    """The first answer fills the context: said when it stops; the next message is refused as
+    the conversation's length (not the short message's), and /reset makes room again."""
+    done = potluck(
+        "chat", "-m", str(smollm2_path), "--temp", "0", "-c", "96",
+        stdin="Count from 1 to 100.\nHi\n/reset\nSay hi.\n",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    said = _said(done)
+    assert re.search(r"stopped after \d+ tokens: the context of 96 tokens is full; /reset", said)
+    assert re.search(r"error: the conversation is \d+ tokens, the context 96: /reset to", said)
+    assert "shorten the prompt" not in said, said
+    assert said.count("generated") == 2, said  # the first answer and the one after /reset

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,11 @@ def test_default_port(text: str, default: int, want: str) -> None:
         ("[nonsense]:50052", "is not an IPv6 address"),
         ("two words:1", "is not host:port"),
         ("", "is not host:port"),
+        ("http://127.0.0.1:50052", "is a URL: give HOST:PORT without http:// (e.g. 127.0.0.1:"),
+        ("127.0.0.1:50052:1", "has 2 colons: give HOST:PORT with one"),
+        ("desk:50052:1", "has 2 colons: give HOST:PORT with one"),
+        ("fd00::7:50052", "put an IPv6 address in brackets before its port (e.g. [fd00::7]:"),
+        ("fd00::zz", "'fd00::zz' is not an IPv6 address"),
     ],
 )
 def test_bad_addresses_say_why(text: str, says: str) -> None:
@@ -62,11 +69,21 @@ def test_bad_addresses_say_why(text: str, says: str) -> None:
         parse_address(text)
 
 
-def test_flags_in_order_once() -> None:
-    peers = peers_from_flags(["a:1", "b:2"], "c:3, a:1 ,d:4")
+def test_flags_in_order() -> None:
+    peers = peers_from_flags(["a:1", "b:2"], "c:3, d:4")
     assert [p.address for p in peers] == ["a:1", "b:2", "c:3", "d:4"]
     assert {p.source for p in peers} == {STATIC}
     assert split_address("[fd00::7]:9") == ("fd00::7", 9)
+
+
+@pytest.mark.parametrize(
+    ("peer", "rpc"), [(["a:1", "b:2"], "c:3, a:1"), (["b:2", "a:1", " a:1 "], None)]
+)
+def test_a_peer_typed_twice_is_an_error(peer: list[str], rpc: str | None) -> None:
+    """Most likely a typo for another worker: merging it would hide that (and leave a
+    --tensor-split one node short)."""
+    with pytest.raises(PeerAddressError, match="a:1 given twice: name each worker once"):
+        peers_from_flags(peer, rpc)
 
 
 def test_peers_file(tmp_path: Path) -> None:
@@ -142,3 +159,44 @@ def test_cli_bad_pool_name(smollm2_path: Path) -> None:
     r = _potluck("plan", "-m", str(smollm2_path), "--pool", "my pool!", env={})
     assert r.returncode == 2
     assert "pool name 'my pool!'" in r.stderr, r.stderr
+
+
+def test_cli_peer_typed_twice(smollm2_path: Path) -> None:
+    r = _potluck("plan", "-m", str(smollm2_path), "--peer", "desk:1", "--rpc", "desk:1", env={})
+    assert r.returncode == 2
+    assert "peer desk:1 given twice" in " ".join(r.stderr.replace("│", " ").split()), r.stderr
+
+
+def test_cli_tensor_split_names_the_nodes(tmp_path: Path, smollm2_path: Path) -> None:
+    """A worker both in the peers file and typed counts once: a --tensor-split with a share for
+    each is one too long, and the error lists the nodes it counted."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "POTLUCK_MDNS": "0", "POTLUCK_CONFIG": str(tmp_path)}
+    env.pop("POTLUCK_SECRET", None)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1", "--no-mdns"],
+        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert worker.stderr is not None
+        deadline = time.monotonic() + 60
+        while "listening on" not in (line := worker.stderr.readline()):
+            assert worker.poll() is None and time.monotonic() < deadline, line
+        address = f"127.0.0.1:{port}"
+        (tmp_path / "peers").write_text(f"{address}\n")
+        r = _potluck(
+            "plan", "-m", str(smollm2_path), "--peer", address, "--tensor-split", "0,1,1",
+            env={"POTLUCK_CONFIG": str(tmp_path)},
+        )  # fmt: skip
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    assert r.returncode == 1, r.stderr
+    said = " ".join(r.stderr.split())
+    want = (
+        f"error: --tensor-split 0,1,1 has 3 shares but the pool has 2 nodes (this machine, "
+        f"{address}; a worker found twice counts once): give one share per node"
+    )
+    assert want in said, r.stderr

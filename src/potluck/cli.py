@@ -42,21 +42,62 @@ CtxOpt = Annotated[
         "-c", "--ctx-size", help="Context length in tokens (default: min(model's, 4096))."
     ),
 ]
+
+
+def _at_least(low: float, special: tuple[int, str] | None = None):
+    """An option callback: the value (None: not given) must be ≥ low, or special[0], which means
+    special[1]; else a one-line usage error with the flag and the number."""
+
+    def check(param: typer.CallbackParam, value: float | None) -> float | None:
+        if value is not None and value < low and (special is None or value != special[0]):
+            flag = min(param.opts, key=len)
+            note = f" (or {special[0]} = {special[1]})" if special else ""
+            raise typer.BadParameter(f"{flag} must be ≥ {low:g}{note}, got {value:g}")
+        return value
+
+    return check
+
+
+def _positive(param: typer.CallbackParam, value: float | None) -> float | None:
+    """An option callback: a number of seconds that must be more than 0."""
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"{min(param.opts, key=len)} must be > 0, got {value:g}")
+    return value
+
+
+def _port(param: typer.CallbackParam, value: int | None) -> int | None:
+    """An option callback for a port to listen on: 0 (any free one) to 65535."""
+    if value is not None and not 0 <= value <= 65535:
+        raise typer.BadParameter(f"port must be 1-65535 (or 0: any free one), got {value}")
+    return value
+
+
 ThreadsOpt = Annotated[
-    int | None, typer.Option("-t", "--threads", help="CPU threads (default: physical cores).")
+    int | None,
+    typer.Option(
+        "-t",
+        "--threads",
+        callback=_at_least(1, (0, "all physical cores")),
+        help="CPU threads (default, or 0: physical cores).",
+    ),
 ]
 BatchOpt = Annotated[
-    int, typer.Option("-b", "--batch-size", help="Prompt tokens per forward pass.")
+    int,
+    typer.Option(
+        "-b", "--batch-size", callback=_at_least(1), help="Prompt tokens per forward pass."
+    ),
 ]
 PromptBatchOpt = Annotated[
     int | None,
     typer.Option(
         "-b",
         "--batch-size",
+        callback=_at_least(1),
         help="Prompt tokens per forward pass (default: 512 on one machine; 128 over a pool, so "
         "that the machines work on a prompt at once).",
     ),
 ]
+PredictCheck = _at_least(0, (-1, "until the end of text or a full context"))
 
 
 def _physical_cores() -> int:
@@ -344,6 +385,13 @@ def _plan(
     from potluck.modelfile.hparams import hparams_from_metadata
     from potluck.planner import footprint_from_gguf, plan_pool
 
+    if shares and len(shares) != len(peers) + 1:  # the planner says so too, without the names
+        shown, n = ",".join(f"{x:g}" for x in shares), len(peers) + 1
+        raise PotluckError(
+            f"--tensor-split {shown} has {len(shares)} shares but the pool has {n} "
+            f"node{'s' * (n > 1)} ({', '.join(['this machine', *peers])}; a worker found twice "
+            "counts once): give one share per node, this machine first"
+        )
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata, str(path))
     n_ctx = ctx or min(hp.n_ctx_train, DEFAULT_CTX)
@@ -368,8 +416,10 @@ SeedOpt = Annotated[
 ]
 
 
-def _stream(m, ids: list[int], n: int, sampler, n_batch: int) -> list[int]:
-    """Generate and print text as it comes; timing on stderr. Returns the generated ids."""
+def _stream(m, ids: list[int], n: int, sampler, n_batch: int, chat: bool = False) -> list[int]:
+    """Generate up to n tokens (-1: until the end of text or a full context) and print text as it
+    comes; timing on stderr, and a line when the context filled (what to do: in a chat, /reset).
+    Returns the generated ids."""
     from potluck.engine.generate import generate
     from potluck.modelfile.tokenizer import StreamDecoder
 
@@ -377,7 +427,8 @@ def _stream(m, ids: list[int], n: int, sampler, n_batch: int) -> list[int]:
     out: list[int] = []
     t0 = time.perf_counter()
     t_first = None
-    for tok in generate(m, ids, n, sampler, n_batch=n_batch):
+    limit = m.n_ctx if n == -1 else n  # generate stops at a full context anyway
+    for tok in generate(m, ids, limit, sampler, n_batch=n_batch):
         if t_first is None:
             t_first = time.perf_counter()
         out.append(tok)
@@ -387,6 +438,13 @@ def _stream(m, ids: list[int], n: int, sampler, n_batch: int) -> list[int]:
         sys.stdout.flush()
     sys.stdout.write(dec.flush() + "\n")
     t1 = time.perf_counter()
+    ended = bool(out) and out[-1] in m.tokenizer.eot_ids
+    if not ended and len(out) < limit and len(ids) + len(out) >= m.n_ctx:
+        todo = [*(["/reset to start over"] if chat else []), *filter(None, [_more_ctx(m)])]
+        err.print(
+            f"stopped after {len(out)} tokens: the context of {m.n_ctx} tokens is full"
+            + ("; " + ", or ".join(todo) if todo else "")
+        )
     if t_first is not None:
         gen_n = max(len(out) - 1, 0)
         rate = f"{gen_n / (t1 - t_first):.1f} tok/s" if gen_n and t1 > t_first else "-"
@@ -402,7 +460,13 @@ def run(
     prompt: Annotated[str, typer.Argument(help="The prompt.")],
     model: ModelOpt = None,
     n_predict: Annotated[
-        int, typer.Option("-n", "--n-predict", help="Tokens to generate at most.")
+        int,
+        typer.Option(
+            "-n",
+            "--n-predict",
+            callback=PredictCheck,
+            help="Tokens to generate at most (-1: until the end of text or a full context).",
+        ),
     ] = 128,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
@@ -462,7 +526,13 @@ def run(
 def chat(
     model: ModelOpt = None,
     n_predict: Annotated[
-        int, typer.Option("-n", "--n-predict", help="Tokens per answer at most.")
+        int,
+        typer.Option(
+            "-n",
+            "--n-predict",
+            callback=PredictCheck,
+            help="Tokens per answer at most (-1: until the end of text or a full context).",
+        ),
     ] = 512,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
@@ -511,14 +581,37 @@ def chat(
             continue
         msgs.append({"role": "user", "content": line})
         ids = m.tokenizer.encode(m.chat.render(msgs))
+        if len(ids) >= m.n_ctx:
+            err.print(f"[red]error:[/] {_too_long(len(ids), m, len(msgs) > 1 + bool(system))}")
+            msgs.pop()
+            continue
         try:
-            out = _stream(m, ids, n_predict, sampler, prompt_batch(m, batch))
-        except PotluckError as exc:  # e.g. the conversation outgrew the context: say so, keep going
+            out = _stream(m, ids, n_predict, sampler, prompt_batch(m, batch), chat=True)
+        except PotluckError as exc:  # e.g. a pool node that failed for good: say so, keep going
             err.print(f"[red]error:[/] {exc}")
             msgs.pop()
             continue
         reply = m.tokenizer.decode([t for t in out if t not in m.tokenizer.eot_ids])
         msgs.append({"role": "assistant", "content": reply})
+
+
+def _more_ctx(m) -> str:
+    """What raising -c can still give ('' when the context is already the model's longest)."""
+    if m.n_ctx >= m.hp.n_ctx_train:
+        return ""
+    return f"raise -c (the model allows up to {m.hp.n_ctx_train})"
+
+
+def _too_long(n_tokens: int, m, history: bool) -> str:
+    """Why a chat turn cannot be answered: the conversation, or this message alone, fills the
+    context."""
+    more = f", or {_more_ctx(m)}" if _more_ctx(m) else ""
+    if history:
+        return (
+            f"the conversation is {n_tokens} tokens, the context {m.n_ctx}: /reset to start over"
+            + more
+        )
+    return f"this message is {n_tokens} tokens, the context {m.n_ctx}: shorten it" + more
 
 
 @app.command()
@@ -612,7 +705,8 @@ def nodes(
     pool: PoolOpt = DEFAULT_POOL,
     no_mdns: NoMdnsOpt = False,
     timeout: Annotated[
-        float, typer.Option("--timeout", help="Seconds to wait for each node.")
+        float,
+        typer.Option("--timeout", callback=_positive, help="Seconds to wait for each node."),
     ] = 3.0,
     as_json: JsonOpt = False,
     secret: SecretOpt = None,
@@ -682,7 +776,12 @@ def doctor(
         ),
     ] = 60.0,
     timeout: Annotated[
-        float, typer.Option("--timeout", help="Seconds to wait for a connection / an answer.")
+        float,
+        typer.Option(
+            "--timeout",
+            callback=_positive,
+            help="Seconds to wait for a connection / an answer.",
+        ),
     ] = 3.0,
     as_json: JsonOpt = False,
     secret: SecretOpt = None,
@@ -749,7 +848,10 @@ def doctor(
 @app.command()
 def worker(
     host: Annotated[str, typer.Option("-H", "--host", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("-p", "--port", help="Port to listen on.")] = 50052,
+    port: Annotated[
+        int,
+        typer.Option("-p", "--port", callback=_port, help="Port to listen on (0: any free one)."),
+    ] = 50052,
     threads: ThreadsOpt = None,
     model_dir: Annotated[
         list[Path] | None,
@@ -793,6 +895,7 @@ def worker(
         int | None,
         typer.Option(
             "--data-port",
+            callback=_port,
             help="TCP port for hidden states (the fast lane next to gRPC; default: port + 1, or "
             "any free port if that is taken). Open it in the firewall too.",
         ),
@@ -890,7 +993,10 @@ def _size(text: str, flag: str) -> int:
     if m is None:
         raise typer.BadParameter(f"{flag} {text!r}: give a size like 4G, 512M or 1.5GiB")
     scale = 1024 ** "_KMGT".index(m.group(2).upper() or "_") if m.group(2) else 1
-    return int(float(m.group(1)) * scale)
+    size = int(float(m.group(1)) * scale)
+    if size < 1:
+        raise typer.BadParameter(f"{flag} {text!r} is 0 bytes: give a size like 4G, 512M or 1.5GiB")
+    return size
 
 
 def _announce(host: str, port: int, pool: str, no_mdns: bool):
@@ -937,7 +1043,7 @@ def serve(
     tensor_split: SplitOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[
-        int, typer.Option("--port", help="Port to listen on (0: any free one).")
+        int, typer.Option("--port", callback=_port, help="Port to listen on (0: any free one).")
     ] = 8080,
     api_key: Annotated[
         str | None,
@@ -1059,9 +1165,12 @@ def bench(
     model: ModelOpt = None,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to decode.")] = 32,
+    n_predict: Annotated[
+        int, typer.Option("-n", "--n-predict", callback=_at_least(1), help="Tokens to decode.")
+    ] = 32,
     n_prompt: Annotated[
-        int, typer.Option("-p", "--n-prompt", help="Prompt tokens to process.")
+        int,
+        typer.Option("-p", "--n-prompt", callback=_at_least(1), help="Prompt tokens to process."),
     ] = 128,
     peer: PeerOpt = None,
     rpc: RpcOpt = None,

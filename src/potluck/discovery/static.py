@@ -14,6 +14,7 @@ ignored:
 from __future__ import annotations
 
 import ipaddress
+import string
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,11 @@ def parse_address(text: str, default_port: int | None = None) -> str:
     example = "e.g. 192.168.1.20:50052"
     if not s or any(c.isspace() for c in s):
         raise PeerAddressError(f"{text!r} is not host:port ({example})")
+    scheme, sep, rest = s.partition("://")
+    if sep:  # a URL, as browsers and `potluck serve` print them
+        raise PeerAddressError(
+            f"{text!r} is a URL: give HOST:PORT without {scheme}:// (e.g. {rest.rstrip('/')})"
+        )
     if s.startswith("["):  # [IPv6]:port or [IPv6]
         host, sep, rest = s[1:].partition("]")
         if not sep or (rest and not rest.startswith(":")):
@@ -72,7 +78,7 @@ def parse_address(text: str, default_port: int | None = None) -> str:
         port_text = rest[1:] if rest else ""
         _check_ipv6(host, text)
     elif s.count(":") > 1:  # a bare IPv6 address: no port can be told apart from it
-        _check_ipv6(s, text)
+        _check_bare_ipv6(s, text)
         host, port_text = s, ""
     else:
         host, _, port_text = s.partition(":")
@@ -98,10 +104,46 @@ def _check_ipv6(host: str, text: str) -> None:
         raise PeerAddressError(f"{text!r}: {host!r} is not an IPv6 address") from None
 
 
+def _check_bare_ipv6(s: str, text: str) -> None:
+    """More than one colon and no brackets: an IPv6 address, else say which mistake it is."""
+    if _is_ipv6(s):
+        return
+    host, _, port = s.rpartition(":")
+    if _is_ipv6(host):
+        raise PeerAddressError(
+            f"{text!r}: put an IPv6 address in brackets before its port (e.g. [{host}]:{port})"
+        )
+    head = s.split(":", 1)[0]
+    if any(c not in string.hexdigits for c in head):  # a name or an IPv4 address, not IPv6
+        raise PeerAddressError(
+            f"{text!r} has {s.count(':')} colons: give HOST:PORT with one (IPv6 in brackets, "
+            "e.g. [fd00::7]:50052)"
+        )
+    _check_ipv6(s, text)
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def peers_from_flags(peer: Sequence[str] | None, rpc: str | None) -> list[Peer]:
-    """--peer A --peer B and --rpc A,B (llama.cpp's spelling), in the order typed."""
+    """--peer A --peer B and --rpc A,B (llama.cpp's spelling), in the order typed; an address
+    typed twice is an error."""
     texts = list(peer or []) + [p for p in (rpc or "").split(",") if p.strip()]
-    return dedupe(Peer(parse_address(t), STATIC) for t in texts)
+    addresses: list[str] = []
+    for t in texts:
+        address = parse_address(t)
+        if address in addresses:  # most likely a typo for another worker: merging would hide it
+            raise PeerAddressError(
+                f"{address} given twice: name each worker once (workers on one machine listen "
+                "on ports two apart, e.g. 50052 and 50054)"
+            )
+        addresses.append(address)
+    return [Peer(a, STATIC) for a in addresses]
 
 
 def read_peers_file(path: Path) -> list[Peer]:
