@@ -104,13 +104,36 @@ def test_pool_equals_single_process_smollm2(
         assert prompt_batch(load_model(smollm2_path, n_ctx=64)) == DEFAULT_N_BATCH
 
 
-def test_pool_equals_single_process_gemma3(workers: list[str], gemma3_path: Path) -> None:
+@pytest.mark.parametrize("split", ["1,1,2", "3 remote"])
+def test_pool_equals_single_process_gemma3(
+    workers: list[str], gemma3_path: Path, split: str
+) -> None:
+    """This machine and two workers (one without the file), or three workers and no layer here
+    (the first node gets token ids, the last samples)."""
+    from potluck.engine.pipeline import Assignment
+
     want = _single(gemma3_path, "Name three planets.", 12)
-    pool = load_model(gemma3_path, n_ctx=256, peers=workers, tensor_split=(1, 1, 2))
-    ids = pool.tokenizer.encode(
-        pool.chat.render([{"role": "user", "content": "Name three planets."}])
-    )
-    assert list(generate(pool, ids, 12, Sampler(GREEDY))) == want
+    third = None
+    if split == "3 remote":
+        third, addr = start_worker()
+        plan = [
+            Assignment(workers[0], 0, 5),
+            Assignment(workers[1], 5, 11),
+            Assignment(addr, 11, 18),
+        ]
+        pool = load_model(gemma3_path, n_ctx=256, assignments=plan)
+    else:
+        shares = [float(x) for x in split.split(",")]
+        pool = load_model(gemma3_path, n_ctx=256, peers=workers, tensor_split=shares)
+    try:
+        ids = pool.tokenizer.encode(
+            pool.chat.render([{"role": "user", "content": "Name three planets."}])
+        )
+        assert list(generate(pool, ids, 12, Sampler(GREEDY))) == want
+    finally:
+        pool.close()
+        if third is not None:
+            _stop(third)
 
 
 def test_seeded_sampling_through_pool(workers: list[str], smollm2_path: Path) -> None:
