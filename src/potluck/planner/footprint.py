@@ -151,6 +151,7 @@ def footprint_from_gguf(
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise PlanError("the model has no token_embd.weight: cannot size its first stage")
+
     def held_by(t: TensorInfo) -> int:
         try:
             return held(t.qtype, t.shape)
