@@ -222,6 +222,9 @@ def test_failover_off_a_hung_worker_ends_the_request(
         _run_with_fault(m, 2, lambda: os.kill(victim.pid, signal.SIGSTOP))
     assert time.monotonic() - t0 < 15
     assert not m.pipeline.events  # nothing was re-planned
+    from potluck.cli import _failover
+
+    assert _failover(0) == 0  # the CLI's --failover-timeout 0 is this mode, not a bare pipeline
 
 
 def test_failover_onto_this_machine_alone_then_a_long_generation(spawn, smollm2_path: Path) -> None:

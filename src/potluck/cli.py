@@ -126,7 +126,7 @@ FailoverOpt = Annotated[
     float,
     typer.Option(
         "--failover-timeout",
-        help="Seconds a pool node may stay silent before the head drops it and re-plans on the rest (0 = off).",
+        help="Seconds a pool node may stay silent before the head drops it and re-plans on the rest (0 = off: a node silent for 30 s then ends the request).",
     ),
 ]
 SplitOpt = Annotated[
@@ -979,10 +979,11 @@ def worker(
             advertiser.close()  # goodbye packets: heads drop this worker at once
 
 
-def _failover(seconds: float) -> float | None:
-    if seconds < 0:
+def _failover(seconds: float) -> float:
+    """0 = no re-plan, but a node silent for OFF_TIMEOUT_S still ends the request (never a hang)."""
+    if not seconds >= 0:
         raise typer.BadParameter(f"--failover-timeout must be 0 (off) or positive, got {seconds}")
-    return seconds or None
+    return seconds
 
 
 def _size(text: str, flag: str) -> int:
@@ -1216,7 +1217,7 @@ def bench(
         err.print(
             f"[dim]measuring {label}: " + "; ".join(a.describe() for a in assignments) + "[/]"
         )
-        m = load_model(path, ctx, assignments=assignments, auth=auth, failover_s=None)
+        m = load_model(path, ctx, assignments=assignments, auth=auth, failover_s=0)
         try:
             results.append(measure(m, label, n_predict, n_prompt))
         except ValueError as exc:
