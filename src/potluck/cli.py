@@ -122,6 +122,24 @@ RpcOpt = Annotated[
     str | None,
     typer.Option("--rpc", help="Workers as llama.cpp users type them: host:port,host:port."),
 ]
+WIRE_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
+def _wire_dtype(value: str) -> str:
+    if value not in WIRE_DTYPES:
+        raise typer.BadParameter(f"give one of {', '.join(WIRE_DTYPES)}, got {value!r}")
+    return value
+
+
+WireOpt = Annotated[
+    str,
+    typer.Option(
+        "--wire-dtype",
+        callback=_wire_dtype,
+        help="Hidden states between machines: f32 (exact: the pool's output equals one machine's), "
+        "f16 or bf16 (half the bytes, for slow links; outputs may differ slightly).",
+    ),
+]
 FailoverOpt = Annotated[
     float,
     typer.Option(
@@ -283,6 +301,7 @@ def _load(
     auth_flags: tuple[str | None, bool] = (None, False),  # --secret, --tls (see _auth)
     failover_s: float | None = 5.0,
     balance: str = "prompt",
+    wire: str = "f32",
 ):
     """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan).
     Over a pool, a node silent for failover_s seconds is dropped and the planner re-plans on the
@@ -344,7 +363,7 @@ def _load(
         m = load_model(
             path, ctx, splits or (), on_layer, assignments=assignments, auth=auth,
             failover_s=failover_s, replan=replan, on_failover=on_failover,
-            on_transfer=on_transfer,
+            on_transfer=on_transfer, wire_dtype=WIRE_DTYPES[wire],
         )  # fmt: skip
     err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
     for a in getattr(m.pipeline, "assignments", []):
@@ -499,6 +518,7 @@ def run(
     secret: SecretOpt = None,
     tls: TlsOpt = False,
     failover_timeout: FailoverOpt = 5.0,
+    wire_dtype: WireOpt = "f32",
 ) -> None:
     """Generate text from a prompt, streaming it to stdout (over the pool's workers: found on
     mDNS, or --peer)."""
@@ -510,7 +530,7 @@ def run(
     finder = _peers(peer, rpc, pool, no_mdns or splits is not None)  # --split: in-process check
     m = _load(
         model, ctx, threads, splits, finder, _shares(tensor_split), (secret, tls),
-        _failover(failover_timeout),
+        _failover(failover_timeout), wire=wire_dtype,
     )  # fmt: skip
     if raw:
         ids = m.tokenizer.encode(prompt)
@@ -552,6 +572,7 @@ def chat(
     secret: SecretOpt = None,
     tls: TlsOpt = False,
     failover_timeout: FailoverOpt = 5.0,
+    wire_dtype: WireOpt = "f32",
 ) -> None:
     """Chat interactively with the model's chat template. Ctrl-D or /exit to leave."""
     from potluck.engine.generate import prompt_batch
@@ -561,7 +582,7 @@ def chat(
     finder = _peers(peer, rpc, pool, no_mdns)
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
-        _failover(failover_timeout),
+        _failover(failover_timeout), wire=wire_dtype,
     )  # fmt: skip
     sampler = Sampler(params)
     msgs: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -1067,6 +1088,7 @@ def serve(
     no_mdns: NoMdnsOpt = False,
     secret: SecretOpt = None,
     tls: TlsOpt = False,
+    wire_dtype: WireOpt = "f32",
 ) -> None:
     """Serve the model (over a pool with --peer) as an OpenAI-compatible API with a web page."""
     import dataclasses
@@ -1089,9 +1111,11 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     finder = _peers(peer, rpc, pool, no_mdns)
+    # many streams at once: stages even in decode time
     m = _load(
-        model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls), balance="decode"
-    )  # many streams at once: stages even in decode time
+        model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
+        balance="decode", wire=wire_dtype,
+    )  # fmt: skip
     sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, batch))
     scheduler = Scheduler(m, sched_config)
     app_ = create_app(m, scheduler, ServerConfig(model_id=model_id_of(m), api_key=key))
@@ -1180,6 +1204,7 @@ def bench(
     no_mdns: NoMdnsOpt = False,
     secret: SecretOpt = None,
     tls: TlsOpt = False,
+    wire_dtype: WireOpt = "f32",
 ) -> None:
     """Measure the model on the best single machine and on the pool, side by side: tokens/s,
     compute per stage and time on each link, and whether pooling is worth it (measured)."""
@@ -1217,7 +1242,10 @@ def bench(
         err.print(
             f"[dim]measuring {label}: " + "; ".join(a.describe() for a in assignments) + "[/]"
         )
-        m = load_model(path, ctx, assignments=assignments, auth=auth, failover_s=0)
+        m = load_model(
+            path, ctx, assignments=assignments, auth=auth, failover_s=0,
+            wire_dtype=WIRE_DTYPES[wire_dtype],
+        )  # fmt: skip
         try:
             results.append(measure(m, label, n_predict, n_prompt))
         except ValueError as exc:
