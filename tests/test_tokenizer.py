@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -309,3 +312,20 @@ def test_every_known_pre_tokenizer_builds(pre: str) -> None:
         tok = Tokenizer(meta)
     text = "The 12345 thing's\n\tdone!"
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_text_that_is_not_unicode_is_one_clear_error(smollm2_path: Path) -> None:
+    """A lone surrogate (what Python makes of non-UTF-8 bytes in argv) used to reach the Rust
+    tokenizer and raise a bare TypeError."""
+    from potluck.errors import UnicodeTextError
+
+    tok = Tokenizer(GGUFFile(smollm2_path).metadata)
+    with pytest.raises(UnicodeTextError, match=r"character 3 is a lone surrogate U\+DC80"):
+        tok.encode("abc\udc80def")
+    done = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "run", "-m", str(smollm2_path), "-n", "2",
+         os.fsdecode(b"caf\xe9 au lait")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1 and "not valid Unicode" in done.stderr
+    assert "Traceback" not in done.stderr

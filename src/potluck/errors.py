@@ -13,6 +13,10 @@ class UnsupportedError(PotluckError):
     """The model uses an architecture, quantization type or feature we do not support."""
 
 
+class UnicodeTextError(PotluckError, ValueError):
+    """Text that is not valid Unicode (a lone surrogate) given to the tokenizer."""
+
+
 class ContextError(PotluckError):
     """A prompt or requested context does not fit the model's or the session's context."""
 

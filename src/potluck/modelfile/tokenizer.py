@@ -30,7 +30,7 @@ from gguf import Keys, TokenType
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from potluck.errors import ModelFileError, UnsupportedError
+from potluck.errors import ModelFileError, UnicodeTextError, UnsupportedError
 from potluck.modelfile.gguf_file import GGUFFile
 
 _K = Keys.Tokenizer
@@ -217,7 +217,16 @@ class Tokenizer:
         add_bos=None follows the file's `add_bos_token` rule, but adds no second BOS to a text
         that already starts with one (a chat template that writes `{{ bos_token }}`), as llama.cpp
         strips it. parse_special=False reads control tokens in the text as plain characters.
+        Raises UnicodeTextError for text that is not valid Unicode (a lone surrogate: what Python
+        makes of bytes that are not UTF-8 in a command line or a file read with surrogateescape).
         """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise UnicodeTextError(
+                f"the text is not valid Unicode: character {exc.start} is a lone surrogate "
+                f"U+{ord(text[exc.start]):04X} (bytes that are not UTF-8?); give UTF-8 text"
+            ) from None
         with self._lock:
             self._hf.encode_special_tokens = not parse_special
             ids = self._hf.encode(text, add_special_tokens=False).ids
