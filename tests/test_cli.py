@@ -121,6 +121,12 @@ def test_prompt_too_long_for_context(smollm2_path: Path) -> None:
     assert "but the context is 32; shorten the prompt or raise -c" in done.stderr
 
 
+def test_tensor_split_without_workers_is_not_ignored(smollm2_path: Path) -> None:
+    done = potluck("run", "-m", str(smollm2_path), "--no-mdns", "--tensor-split", "1,1", "hi")
+    assert done.returncode == 1
+    assert "--tensor-split 1,1 needs workers, and none was found" in done.stderr
+
+
 def test_chat_session(smollm2_path: Path) -> None:
     done = potluck(
         "chat",

@@ -332,6 +332,11 @@ def _load(
         bar.update(task, total=hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer)
         assignments, auth = [], None
         addresses = _found(peers, lambda: _auth(*auth_flags)) if peers is not None else []
+        if shares and not addresses:  # a split by hand over no pool: say so, don't ignore it
+            raise PotluckError(
+                f"--tensor-split {','.join(f'{x:g}' for x in shares)} needs workers, and none "
+                "was found: name them with --peer HOST:PORT (or start `potluck worker` on them)"
+            )
         if addresses:
             bar.update(task, description=f"{path.name} (asking {len(addresses)} peers, planning)")
             auth = _auth(*auth_flags)
