@@ -200,3 +200,35 @@ def test_cli_tensor_split_names_the_nodes(tmp_path: Path, smollm2_path: Path) ->
         f"{address}; a worker found twice counts once): give one share per node"
     )
     assert want in said, r.stderr
+
+
+def test_a_dead_machine_in_the_peers_file_is_left_out(tmp_path: Path, smollm2_path: Path) -> None:
+    """The peers file is a standing list: a laptop on it that is closed is left out with a line
+    that says so, and the command goes on with the machines that answer. (A peer typed with
+    --peer still fails loudly: test_pool's test_unreachable_peer.)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # nothing listens here once the socket is closed
+    env = {**os.environ, "POTLUCK_MDNS": "0", "POTLUCK_CONFIG": str(tmp_path)}
+    env.pop("POTLUCK_SECRET", None)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1", "--no-mdns"],
+        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert worker.stderr is not None
+        deadline = time.monotonic() + 60
+        while "listening on" not in (line := worker.stderr.readline()):
+            assert worker.poll() is None and time.monotonic() < deadline, line
+        (tmp_path / "peers").write_text(f"127.0.0.1:{dead}\n127.0.0.1:{port}\n")
+        r = _potluck("plan", "-m", str(smollm2_path), env={"POTLUCK_CONFIG": str(tmp_path)})
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 0, r.stderr
+    assert f"left out 127.0.0.1:{dead} (peers file): it is in the peers file but does not" in said
+    assert f"127.0.0.1:{port} (peers file)" in said and "best single machine" in r.stdout + said

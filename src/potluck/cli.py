@@ -238,8 +238,9 @@ def _found(finder, auth_of=None) -> list[str]:
         err.print(f"[dim]pool {finder.pool!r} ({how}): {used}[/]")
     elif browsing:
         err.print(f"[dim]pool {finder.pool!r} ({how}): no workers found, this machine alone[/]")
-    for p, why in found.skipped:
-        err.print(f"[dim]  left out {describe_peer(p)}: {why}[/]")
+    for p, why in found.skipped:  # one of your peers file's machines is worth a yellow line
+        style = "dim" if p.source == "mDNS" else "yellow"
+        err.print(f"[{style}]  left out {describe_peer(p)}: {why}[/]")
     return [p.address for p in found.peers]
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from potluck.discovery.mdns import WorkerAdvert
 from potluck.discovery.measure import REACHED, session_error, tcp_reach
-from potluck.discovery.static import MDNS, Peer, dedupe
+from potluck.discovery.static import CONFIG, MDNS, Peer, dedupe
 from potluck.transport.client import NodeClient
 from potluck.transport.codec import PROTOCOL_VERSION
 
@@ -64,7 +64,8 @@ def reachable(peer: Peer) -> str:
     r = tcp_reach(peer.host, peer.port, REACH_TIMEOUT_S)
     if r.outcome == REACHED:
         return ""
-    return f"it is announced on mDNS but does not accept connections ({r.outcome}: {r.detail})"
+    where = "announced on mDNS" if peer.source == MDNS else "in the peers file"
+    return f"it is {where} but does not accept connections ({r.outcome}: {r.detail})"
 
 
 def member(dial: Callable[[str], NodeClient]) -> Vet:
@@ -89,12 +90,20 @@ def gather(
     pool: str,
     vet: Vet = reachable,
 ) -> Found:
-    """Static peers as given (a bad one fails loudly later, when the head dials it: the user typed
-    it), plus each announced worker of `pool` that speaks this protocol and passes `vet`."""
-    peers = dedupe(static)
+    """Peers typed on the command line as given (a bad one fails loudly later, when the head dials
+    it: the user named it just now); those of the peers file, a standing list (a laptop on it may
+    be closed), and each announced worker of `pool` that speaks this protocol, when they pass
+    `vet`."""
+    peers: list[Peer] = []
+    skipped: list[tuple[Peer, str]] = []
+    for p in dedupe(static):
+        why = vet(p) if p.source == CONFIG else ""
+        if why:
+            skipped.append((p, why))
+        else:
+            peers.append(p)
     known = {(ip, p.port) for p in peers for ip in _ips(p.host)}
     known |= {(p.host, p.port) for p in peers}
-    skipped: list[tuple[Peer, str]] = []
     for a in adverts:
         peer = Peer(a.address, MDNS, a)
         if any((ip, a.port) in known for ip in a.addresses):
