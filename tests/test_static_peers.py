@@ -167,23 +167,33 @@ def test_cli_peer_typed_twice(smollm2_path: Path) -> None:
     assert "peer desk:1 given twice" in " ".join(r.stderr.replace("│", " ").split()), r.stderr
 
 
-def test_cli_tensor_split_names_the_nodes(tmp_path: Path, smollm2_path: Path) -> None:
-    """A worker both in the peers file and typed counts once: a --tensor-split with a share for
-    each is one too long, and the error lists the nodes it counted."""
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "POTLUCK_MDNS": "0", "POTLUCK_CONFIG": str(tmp_path)}
+        return s.getsockname()[1]
+
+
+def _start_worker(config: Path) -> tuple[subprocess.Popen, int]:
+    """A real worker on 127.0.0.1 (mDNS off, no secret, POTLUCK_CONFIG=config), once listening."""
+    port = _free_port()
+    env = {**os.environ, "POTLUCK_MDNS": "0", "POTLUCK_CONFIG": str(config)}
     env.pop("POTLUCK_SECRET", None)
     worker = subprocess.Popen(
         [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1", "--no-mdns"],
         env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
     )  # fmt: skip
+    assert worker.stderr is not None
+    deadline = time.monotonic() + 60
+    while "listening on" not in (line := worker.stderr.readline()):
+        assert worker.poll() is None and time.monotonic() < deadline, line
+    return worker, port
+
+
+def test_cli_tensor_split_names_the_nodes(tmp_path: Path, smollm2_path: Path) -> None:
+    """A worker both in the peers file and typed counts once: a --tensor-split with a share for
+    each is one too long, and the error lists the nodes it counted."""
+    worker, port = _start_worker(tmp_path)
     try:
-        assert worker.stderr is not None
-        deadline = time.monotonic() + 60
-        while "listening on" not in (line := worker.stderr.readline()):
-            assert worker.poll() is None and time.monotonic() < deadline, line
         address = f"127.0.0.1:{port}"
         (tmp_path / "peers").write_text(f"{address}\n")
         r = _potluck(
@@ -206,23 +216,9 @@ def test_a_dead_machine_in_the_peers_file_is_left_out(tmp_path: Path, smollm2_pa
     """The peers file is a standing list: a laptop on it that is closed is left out with a line
     that says so, and the command goes on with the machines that answer. (A peer typed with
     --peer still fails loudly: test_pool's test_unreachable_peer.)"""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]  # nothing listens here once the socket is closed
-    env = {**os.environ, "POTLUCK_MDNS": "0", "POTLUCK_CONFIG": str(tmp_path)}
-    env.pop("POTLUCK_SECRET", None)
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1", "--no-mdns"],
-        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+    dead = _free_port()  # nothing listens there
+    worker, port = _start_worker(tmp_path)
     try:
-        assert worker.stderr is not None
-        deadline = time.monotonic() + 60
-        while "listening on" not in (line := worker.stderr.readline()):
-            assert worker.poll() is None and time.monotonic() < deadline, line
         (tmp_path / "peers").write_text(f"127.0.0.1:{dead}\n127.0.0.1:{port}\n")
         r = _potluck("plan", "-m", str(smollm2_path), env={"POTLUCK_CONFIG": str(tmp_path)})
     finally:
