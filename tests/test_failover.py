@@ -250,3 +250,26 @@ def test_failover_onto_this_machine_alone_then_a_long_generation(spawn, smollm2_
             victim.kill()
     assert got == want
     assert len(m.pipeline.events) == 1 and not m.pipeline.chains
+
+
+def test_failover_off_passes_on_an_answering_nodes_own_error(spawn, smollm2_path: Path) -> None:
+    """Failover off, and a node that still answers refuses a call (here its plan was freed by
+    hand, as another head's Load may free an idle one): the request ends with that node's own
+    error, not "went away", and the pool is not written off for later calls."""
+    from potluck.transport import potluck_pb2 as pb
+    from potluck.transport.client import NodeClient, NodeError
+
+    workers = spawn(1)
+    _, addr = workers[0]
+    n_layer = load_model(smollm2_path, n_ctx=64).hp.n_layer
+    m = load_model(
+        smollm2_path, n_ctx=256, assignments=[Assignment(addr, 0, n_layer)], failover_s=0
+    )
+    assert len(list(generate(m, _ids(m), 2, Sampler(GREEDY)))) == 2
+    client = NodeClient(addr)
+    client.drop(pb.DropRequest(plan_id=m.pipeline.plan_id, release=True))
+    client.close()
+    with pytest.raises(NodeError, match=r"not loaded on this node") as err:
+        list(generate(m, _ids(m), 2, Sampler(GREEDY)))
+    assert "went away" not in str(err.value)
+    assert m.pipeline._failed is None

@@ -468,14 +468,20 @@ def test_heads_share_a_worker_without_evicting_each_other(
     while both compute (it used to evict the oldest plan: a live conversation); a head that
     closes frees its plan at once, and the third head then loads."""
     import potluck.engine.pipeline as pipeline_mod
+    from potluck.engine.pipeline import Assignment
 
     proc, addr = start_worker()
     want = _single(smollm2_path, "Name three planets.", 12)
+    plan = [Assignment(addr, 0, 30)]  # SmolLM2's 30 layers, all on the worker
+
+    def whole_model_on_the_worker():
+        return load_model(smollm2_path, n_ctx=256, assignments=plan)
+
     try:
         heads = []
         for name in ("head-a", "head-b"):
             monkeypatch.setattr(pipeline_mod, "HEAD_ID", name)
-            heads.append(_whole_model_on(addr, smollm2_path))
+            heads.append(whole_model_on_the_worker())
         assert heads[0].pipeline.plan_id != heads[1].pipeline.plan_id
         ids = heads[0].tokenizer.encode(
             heads[0].chat.render([{"role": "user", "content": "Name three planets."}])
@@ -488,9 +494,9 @@ def test_heads_share_a_worker_without_evicting_each_other(
         assert got == [want, want]
         monkeypatch.setattr(pipeline_mod, "HEAD_ID", "head-c")
         with pytest.raises(NodeError, match=r"running the stages of 2 other heads .* at most 2"):
-            _whole_model_on(addr, smollm2_path)
+            whole_model_on_the_worker()  # within LIVE_S (10 s) of both heads' last tokens
         heads[0].close()  # releases its plan on the worker
-        third = _whole_model_on(addr, smollm2_path)
+        third = whole_model_on_the_worker()
         assert list(generate(third, ids, 12, Sampler(GREEDY))) == want
         # head-b's plan was kept (in use): it still decodes, without a failover
         assert list(generate(heads[1], ids, 12, Sampler(GREEDY))) == want
@@ -523,3 +529,21 @@ def test_half_precision_hidden_states_on_the_wire(
     assert not torch.equal(got, want)
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
     assert agree >= 0.9, agree
+
+
+def test_cli_heads_free_their_plans_when_they_exit(smollm2_path: Path) -> None:
+    """Three `potluck run` in a row on one worker: each frees its stage as it exits (the third
+    used to be refused: two finished heads still held the worker's two plans)."""
+    proc, addr = start_worker()
+    try:
+        for _ in range(3):
+            done = _cli(
+                "run", "-m", str(smollm2_path), "-n", "3", "-c", "128", "--peer", addr,
+                "--tensor-split", "1,1", "Hi",
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert proc.stderr is not None
+    assert proc.stderr.read().count("its head is done with it") == 3

@@ -1298,6 +1298,11 @@ def main() -> None:
         if isinstance(exc.code, str):
             err.print(exc.code)
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    # The pools this command used free their stages on the workers now (os._exit skips atexit):
+    # a head that is done must not hold a worker's memory until its idle timeout.
+    if (failover := sys.modules.get("potluck.engine.failover")) is not None:
+        with contextlib.suppress(Exception):  # best effort: the command's work is done
+            failover._close_live()
     # Workaround: end the process without interpreter teardown. gRPC's C++ core aborts
     # ("terminate called without an active exception", SIGABRT) when Python finalizes while its
     # background threads (stream readers, heartbeats of a pool that failed over) still exist;

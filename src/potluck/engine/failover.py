@@ -60,6 +60,13 @@ class PoolLostError(PotluckError):
     """The nodes that are left cannot run the model."""
 
 
+def _off_error(who: str, reason: str) -> PoolLostError:
+    return PoolLostError(
+        f"{who} went away ({reason}) and failover is off (--failover-timeout 0): start the "
+        "request again, or turn failover on to go on without it"
+    )
+
+
 @dataclass(frozen=True)
 class FailoverEvent:
     """One recovery, for the log and bench/RESULTS.md."""
@@ -127,6 +134,7 @@ class FailoverPipeline:
         self._redo: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._health: dict[str, _Health] = {}
         self._closed = threading.Event()
+        self._shut = False  # close() ran
         self._pings = ThreadPoolExecutor(8, thread_name_prefix="potluck-heartbeat")
         self._watch(first)
         _LIVE.add(self)
@@ -232,6 +240,11 @@ class FailoverPipeline:
             inner.drop(seq_id)  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        """Stop watching and let the pool go (the nodes free this plan). Once: later calls do
+        nothing (a command closes its model, and the exit hook closes every pool left)."""
+        if self._shut:
+            return
+        self._shut = True
         self._closed.set()
         self._redo.put(None)
         self._pings.shutdown(wait=False, cancel_futures=True)
@@ -297,6 +310,10 @@ class FailoverPipeline:
                 b.out.set_result(f.result())
             else:  # it finished on the old plan after the replay was taken: run it on the new one
                 self._redo.put(b)
+        elif isinstance(exc, NodeError) and self.connect is None:
+            # failover off: a call's own error is the answer (a node that still answers may have
+            # refused it); only a node the heartbeat declares gone ends the pool for good
+            b.out.set_exception(self._failed or exc)
         elif isinstance(exc, NodeError) and not self._closed.is_set():
             self._redo.put(b)  # a node failed: the recovery thread re-plans and sends it again
         else:
@@ -338,10 +355,7 @@ class FailoverPipeline:
             self.epoch += 1
             who = ", ".join(dead) or "a node"
             if self.connect is None:
-                self._failed = PoolLostError(
-                    f"{who} went away ({reason}) and failover is off (--failover-timeout 0): "
-                    f"start the request again, or turn failover on to go on without it"
-                )
+                self._failed = self._failed or _off_error(who, reason)
                 self._closed.set()
                 return
             try:
@@ -446,6 +460,8 @@ class FailoverPipeline:
                 if now - h.last_ok > self.timeout_s - interval:  # declared within the timeout
                     h.gone = True
                     h.reason = f"node {c.address} did not answer for {now - h.last_ok:.1f} s"
+                    if self.connect is None:  # before the batches fail: they carry this error
+                        self._failed = self._failed or _off_error(c.address, h.reason)
                     with contextlib.suppress(PotluckError):
                         self.inner.fail_pending(NodeError(h.reason))  # type: ignore[attr-defined]
                     self._redo.put(None)  # recover even when nothing is in flight

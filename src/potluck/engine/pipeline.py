@@ -124,11 +124,17 @@ def _soon(fn: Callable[[], None]) -> None:
         queue.append(fn)
         return
     _trampoline.queue = queue = deque([fn])
+    first: BaseException | None = None
     try:
         while queue:
-            queue.popleft()()
+            try:
+                queue.popleft()()
+            except BaseException as exc:  # the others still run (their futures must resolve)
+                first = first or exc
     finally:
         _trampoline.queue = None
+    if first is not None:
+        raise first
 
 
 def follow_inputs(
@@ -208,6 +214,36 @@ class RemotePipeline:
         remotes = [a for a in self.assignments if a.node != LOCAL]
         self.auth = auth  # the pool secret and TLS: how this head proves membership to nodes
         self.clients = [NodeClient(a.node, auth) for a in remotes]
+        loaded: list[NodeClient] = []
+        try:
+            self._load_nodes(file, hp, remotes, n_ctx, wire_dtype, loaded)
+        except BaseException:  # a node refused or failed: the ones loaded so far let it go
+            for client in loaded:
+                with contextlib.suppress(PotluckError):
+                    client.drop(
+                        pb.DropRequest(plan_id=self.plan_id, release=True), timeout=RELEASE_WAIT_S
+                    )
+            for client in self.clients:
+                client.close()
+            raise
+        self.last_stage_ms: list[float] = []
+        self.last_hop_ms: list[float] = []
+        self._lock = threading.Lock()
+        self._pos: dict[int, int] = {}  # tokens of each sequence sent down the chain so far
+        # the local first stage computes on one thread, in submission order
+        self._local_thread = ThreadPoolExecutor(1, thread_name_prefix="potluck-local-stage")
+
+    def _load_nodes(
+        self,
+        file: GGUFFile,
+        hp: HParams,
+        remotes: Sequence[Assignment],
+        n_ctx: int,
+        wire_dtype: str,
+        loaded: list[NodeClient],
+    ) -> None:
+        """Hello every node (protocol, data port), then Load each its stage, shipping the tensors
+        a node lacks; `loaded` collects the nodes that hold the plan."""
         for client in self.clients:
             reply = client.hello(
                 pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="head")
@@ -235,12 +271,7 @@ class RemotePipeline:
                     raise NodeError(
                         f"node {a.node} still lacks {len(reply.missing)} tensors after the transfer"
                     )
-        self.last_stage_ms: list[float] = []
-        self.last_hop_ms: list[float] = []
-        self._lock = threading.Lock()
-        self._pos: dict[int, int] = {}  # tokens of each sequence sent down the chain so far
-        # the local first stage computes on one thread, in submission order
-        self._local_thread = ThreadPoolExecutor(1, thread_name_prefix="potluck-local-stage")
+            loaded.append(client)
 
     def _tensor_chunks(
         self, node: str, names: list[str], digests: Mapping[str, str]
@@ -466,10 +497,10 @@ class RemotePipeline:
         with self._lock:
             self._pos.pop(seq_id, None)
         if self.local is not None:
-            try:
+            # abandoned (a failover): the stage goes with this pipeline; a forward may still be
+            # running on it, so it is not touched from here
+            with contextlib.suppress(RuntimeError):
                 self._local_thread.submit(self.local.drop, seq_id).result()
-            except RuntimeError:  # abandoned (a failover): nothing computes here any more
-                self.local.drop(seq_id)
         with contextlib.suppress(PotluckError):  # a node that is gone took its caches with it
             self.clients[0].drop(pb.DropRequest(plan_id=self.plan_id, seq_ids=[seq_id]))
 
@@ -496,7 +527,7 @@ class RemotePipeline:
         the next plan's Load lets this head's older plans go)."""
         for client in self.clients:
             client.close()
-        self._local_thread.shutdown(wait=False)
+        self._local_thread.shutdown(wait=False, cancel_futures=True)
 
     @property
     def stages(self) -> list[Stage]:

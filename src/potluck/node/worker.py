@@ -122,6 +122,9 @@ class NodeService(pb_grpc.NodeServicer):
         self.store = BlobStore()
         self.expected_bytes = 0  # what the last Load asked the head for (PutTensors' progress)
         self.plans: dict[str, LoadedStage] = {}
+        # Load's room check, insertion and eviction, as one step against concurrent Loads (the
+        # compute lock is held for a whole forward: too long to wait for here)
+        self.plans_lock = threading.Lock()
         self.compute = threading.Lock()
         self.turn = threading.Condition(self.compute)  # compute, and wait for a sequence's turn
         # Follow-up decode steps (a first stage): the last token the pool sampled for each
@@ -149,7 +152,9 @@ class NodeService(pb_grpc.NodeServicer):
         while True:
             time.sleep(max(0.05, self.idle_s / 4))
             now = time.monotonic()
-            stale = [p for p, loaded in self.plans.items() if now - loaded.last_used > self.idle_s]
+            held = list(self.plans.items())  # a snapshot: Load and Drop change the dict meanwhile
+            stale = [p for p, loaded in held if now - loaded.last_used > self.idle_s]
+            del held
             for plan_id in stale:
                 self._free(plan_id, f"unused for {self.idle_s:.0f} s")
                 trim_heap()
@@ -196,7 +201,8 @@ class NodeService(pb_grpc.NodeServicer):
                 raise WireError(
                     f"wire dtype {request.wire_dtype!r} is not one of float32, float16, bfloat16"
                 )
-            self._check_room(request)
+            with self.plans_lock:
+                self._check_room(request)  # early: before seconds of loading
             src: WeightSource
             local = find_local_model(request.model_sha256, request.model_bytes, self.model_dirs)
             if local is not None:
@@ -237,11 +243,21 @@ class NodeService(pb_grpc.NodeServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"this node cannot reach its next stage {request.next_hop}: {exc}",
                 )
-        keep = {p.plan_id for p in self._kept_beside(request)}
-        self.plans[request.plan_id] = LoadedStage(
-            request.plan_id, stage, nxt, wire, reserved_bytes=need, head_id=request.head_id
-        )
-        for plan_id in [p for p in self.plans if p != request.plan_id and p not in keep]:
+        with self.plans_lock:
+            try:
+                self._check_room(request)  # again: another head may have loaded meanwhile
+            except NodeBusyError as exc:
+                if nxt is not None:
+                    nxt.close()
+                del stage
+                trim_heap()
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            keep = {p.plan_id for p in self._kept_beside(request)}
+            self.plans[request.plan_id] = LoadedStage(
+                request.plan_id, stage, nxt, wire, reserved_bytes=need, head_id=request.head_id
+            )
+            evicted = [p for p in self.plans if p != request.plan_id and p not in keep]
+        for plan_id in evicted:
             self._free(plan_id, "room for a new plan")
         trim_heap()  # the replaced plan's stage and the load's buffers go back to the OS
         return pb.LoadReply(
@@ -273,14 +289,20 @@ class NodeService(pb_grpc.NodeServicer):
         """Whether another head loaded `loaded` or computed on it in the last LIVE_S. (A plan
         only named in heartbeats, a chat waiting for its user, may go: its head fails over and
         replays the conversation when it next needs it.)"""
-        mine = bool(request.head_id) and loaded.head_id == request.head_id
-        return not mine and time.monotonic() - loaded.last_compute <= LIVE_S
+        return not self._mine(loaded, request) and time.monotonic() - loaded.last_compute <= LIVE_S
+
+    def _mine(self, loaded: LoadedStage, request: pb.LoadRequest) -> bool:
+        return bool(request.head_id) and loaded.head_id == request.head_id
 
     def _kept_beside(self, request: pb.LoadRequest) -> list[LoadedStage]:
-        """The plans that stay when `request`'s loads: those other heads use, then the most
-        recently computed, MAX_PLANS - 1 in all. The rest go (this head's older plans first)."""
-        others = [p for p in self.plans.values() if p.plan_id != request.plan_id]
-        others.sort(key=lambda p: (self._in_use(p, request), p.last_compute), reverse=True)
+        """The plans that stay when `request`'s loads: those other heads use, then other heads'
+        idle ones, then this head's older ones, the most recently computed first, MAX_PLANS - 1
+        in all. The rest go."""
+        others = [p for p in list(self.plans.values()) if p.plan_id != request.plan_id]
+        others.sort(
+            key=lambda p: (self._in_use(p, request), not self._mine(p, request), p.last_compute),
+            reverse=True,
+        )
         return others[: MAX_PLANS - 1]
 
     def _check_room(self, request: pb.LoadRequest) -> None:
@@ -288,13 +310,13 @@ class NodeService(pb_grpc.NodeServicer):
         evict a live conversation (which would fail over, and evict another...)."""
         if request.plan_id in self.plans:
             return
-        busy = [p for p in self.plans.values() if self._in_use(p, request)]
+        busy = [p for p in list(self.plans.values()) if self._in_use(p, request)]
         if len(busy) >= MAX_PLANS:
-            ago = ", ".join(f"{time.monotonic() - p.last_used:.1f} s" for p in busy)
+            ago = ", ".join(f"{time.monotonic() - p.last_compute:.1f} s" for p in busy)
             raise NodeBusyError(
-                f"node {self.name} is running the stages of {len(busy)} other heads (last "
-                f"computed {ago} ago) and holds at most {MAX_PLANS} plans: try again when one of them "
-                f"ends, or leave this node out"
+                f"it is running the stages of {len(busy)} other heads (last computed {ago} ago) "
+                f"and holds at most {MAX_PLANS} plans: try again when one of them ends, or leave "
+                "this node out"
             )
 
     def _free(self, plan_id: str, why: str) -> None:

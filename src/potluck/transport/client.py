@@ -217,6 +217,7 @@ class NodeClient:
         self.address = address
         self.auth = auth if auth is not None else PoolAuth()
         self._lock = threading.Lock()
+        self._closed = False  # for good: a closed client never opens its channel again
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.NodeStub | None = None
         self._cert_sha256 = b""
@@ -251,6 +252,8 @@ class NodeClient:
     def _connect(self) -> pb_grpc.NodeStub:
         """The stub, opening the channel on first use (with TLS: fetch the node's certificate)."""
         with self._lock:
+            if self._closed:
+                raise NodeError(f"the connection to node {self.address} was closed")
             if self._stub is None:
                 if self.auth.tls:
                     try:
@@ -381,6 +384,10 @@ class NodeClient:
         return self._call("Drop", request, timeout)  # type: ignore[return-value]
 
     def close(self) -> None:
+        """Hang up for good: later calls and sends fail at once (a freed plan's relay, a pool
+        after a failover) instead of opening a new connection that nobody would close."""
+        with self._lock:
+            self._closed = True
         self._stream_link.close()
         if self._data_link is not None:
             self._data_link.close()

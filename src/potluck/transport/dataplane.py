@@ -325,6 +325,7 @@ class DataLink:
         self._lock = threading.Lock()  # the connection and its pending replies
         self._write = threading.Lock()  # one frame at a time, in the order requests are numbered
         self._conn: _Conn | None = None
+        self._closed = False  # for good: no reconnecting after close()
         self._next_id = 0
         # frames the writer thread still has to send, in order (see send)
         self._backlog: collections.deque[tuple[_Conn, bytes]] = collections.deque()
@@ -450,6 +451,9 @@ class DataLink:
         fut: Future[pb.ForwardReply] = Future()
         with self._write:
             with self._lock:
+                if self._closed:
+                    fut.set_exception(NodeError(f"the link to node {self.address} was closed"))
+                    return fut
                 if self._conn is None:
                     try:
                         self._conn = self._connect(CONNECT_TIMEOUT_S)
@@ -499,6 +503,8 @@ class DataLink:
                 self._backlog.popleft()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         with self._write:
             self._stopping = True
             self._more.notify()
