@@ -172,5 +172,8 @@ if __name__ == "__main__":
     # Workaround (as cli.main): gRPC's C++ core sometimes aborts in its static destructors when
     # the interpreter finalizes with its channels' threads alive ("terminate called without an
     # active exception", exit 134) after the result is printed; skip finalization.
+    from potluck.engine.failover import _close_live
+
+    _close_live()  # free this head's stages on the workers (os._exit skips atexit), as cli.main
     sys.stderr.flush()
     os._exit(0)
