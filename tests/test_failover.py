@@ -176,6 +176,9 @@ def test_cli_run_survives_a_killed_worker(spawn, smollm2_path: Path) -> None:
     assert proc.returncode == 0, log
     assert (first + rest).decode() == alone.stdout
     assert f"{addr} went away" in log and "re-planned and replayed" in log
+    # the re-plan keeps --tensor-split's shares for the machines left, and says where layers went
+    after = log.split("re-planned and replayed")[1]
+    assert "layers 0–14 → this machine (cpu)" in after and f"→ {workers[0][1]} (cpu)" in after
 
 
 def test_next_hop_gone_before_first_batch_with_a_secret(smollm2_path: Path) -> None:

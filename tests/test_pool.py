@@ -547,3 +547,34 @@ def test_cli_heads_free_their_plans_when_they_exit(smollm2_path: Path) -> None:
         proc.wait(timeout=10)
     assert proc.stderr is not None
     assert proc.stderr.read().count("its head is done with it") == 3
+
+
+def test_serve_stopped_by_sigterm_frees_its_plan(smollm2_path: Path) -> None:
+    """`potluck serve` over a worker, stopped as systemd or docker stop it (SIGTERM): the worker
+    frees the head's stage at once (uvicorn re-raised the signal under the default handler, which
+    killed the process before it could say so; the stage waited for the idle timeout)."""
+    import signal
+
+    proc, addr = start_worker()
+    env = {**os.environ, "POTLUCK_MDNS": "0"}
+    cmd = [
+        sys.executable, "-m", "potluck.cli", "serve", "-m", str(smollm2_path), "-c", "128",
+        "--peer", addr, "--tensor-split", "1,1", "--port", "0",
+    ]  # fmt: skip
+    head = subprocess.Popen(
+        cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert head.stderr is not None
+        deadline = time.monotonic() + 120
+        while "listening on" not in (line := head.stderr.readline()):
+            assert head.poll() is None and time.monotonic() < deadline, line
+        head.send_signal(signal.SIGTERM)
+        head.wait(timeout=30)
+    finally:
+        if head.poll() is None:
+            head.kill()
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert proc.stderr is not None
+    assert "its head is done with it" in proc.stderr.read()

@@ -349,6 +349,16 @@ def _load(
         from potluck.engine.survey import assignments_of
 
         def replan(alive: list[str]):
+            """The plan on the nodes left; a --tensor-split keeps the shares of those left."""
+            if shares and len(shares) == len(addresses) + 1:
+                kept = [shares[0]] + [
+                    x for a, x in zip(addresses, shares[1:], strict=True) if a in alive
+                ]
+                if any(kept):
+                    with contextlib.suppress(
+                        PotluckError
+                    ):  # e.g. they no longer fit: the planner's choice
+                        return assignments_of(_plan(path, ctx, alive, kept, auth, balance))
             return assignments_of(_plan(path, ctx, alive, None, auth, balance))
 
         def on_failover(ev) -> None:
@@ -356,7 +366,7 @@ def _load(
                 f"[yellow]{', '.join(ev.gone) or 'a node'} went away ({ev.reason}); re-planned and "
                 f"replayed {ev.replayed_tokens} tokens in {ev.recover_s:.1f} s:[/]"
             )
-            for line in ev.assignments:
+            for line in ev.assignments or ["every layer → this machine (cpu)"]:
                 err.print(f"[dim]  {line}[/]")
 
         def on_transfer(node: str, sent: int, total: int) -> None:
@@ -1138,6 +1148,7 @@ def serve(
         run_server(app_, host, port, on_listen)
     finally:
         scheduler.close()
+        m.close()  # the workers free this head's stages now
 
 
 def _loopback_only(host: str) -> bool:

@@ -23,7 +23,9 @@ import asyncio
 import hmac
 import json
 import logging
+import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -807,4 +809,17 @@ def serve(app: FastAPI, host: str, port: int, on_listen: Callable[[str], None]) 
     sock, url = bind(host, port)
     server = uvicorn_server(app)
     on_listen(url)
-    server.run(sockets=[sock])
+    # uvicorn shuts down on SIGTERM, then raises the signal again under the handler it found: the
+    # default one would kill the process before the caller lets its pool go (workers would hold
+    # its stages until their idle timeout). Ours ends the run as Ctrl-C does.
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

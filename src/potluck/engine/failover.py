@@ -313,7 +313,9 @@ class FailoverPipeline:
         elif isinstance(exc, NodeError) and self.connect is None:
             # failover off: a call's own error is the answer (a node that still answers may have
             # refused it); only a node the heartbeat declares gone ends the pool for good
-            b.out.set_exception(self._failed or exc)
+            b.out.set_exception(
+                self._failed or NodeError(f"{exc} (failover is off: --failover-timeout 0)")
+            )
         elif isinstance(exc, NodeError) and not self._closed.is_set():
             self._redo.put(b)  # a node failed: the recovery thread re-plans and sends it again
         else:
@@ -361,9 +363,13 @@ class FailoverPipeline:
             try:
                 new = self.connect(frozenset(self.gone), self.epoch)
             except (PotluckError, ValueError, MemoryError) as exc:
-                self._failed = PoolLostError(
-                    f"{who} went away and the machines left cannot run the model: {exc}"
+                lost = (
+                    f"{who} went away and the machines left cannot run the model"
+                    if dead
+                    else "this head's stages were lost on a node that still answers (another head "
+                    "may have taken its place while this one was idle) and re-planning failed"
                 )
+                self._failed = PoolLostError(f"{lost}: {exc}")
                 self._closed.set()  # nothing left to watch
                 return
             self.inner = new
