@@ -1146,7 +1146,7 @@ def serve(
 
     try:
         run_server(app_, host, port, on_listen)
-    finally:
+    finally:  # Ctrl-C or SIGTERM: uvicorn stopped gracefully and run_server returned
         scheduler.close()
         m.close()  # the workers free this head's stages now
 

@@ -809,17 +809,20 @@ def serve(app: FastAPI, host: str, port: int, on_listen: Callable[[str], None]) 
     sock, url = bind(host, port)
     server = uvicorn_server(app)
     on_listen(url)
-    # uvicorn shuts down on SIGTERM, then raises the signal again under the handler it found: the
-    # default one would kill the process before the caller lets its pool go (workers would hold
-    # its stages until their idle timeout). Ours ends the run as Ctrl-C does.
+    # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again under the
+    # handler it found: the default ones would kill the process (SIGTERM) or interrupt whatever
+    # runs next (SIGINT) before the caller lets its pool go, and workers would hold its stages
+    # until their idle timeout. Under ours the run returns. (Ours also stops a server that has
+    # not installed its own handlers yet: a signal right after `on_listen`.)
+
+    def stop(signum: int, frame: object) -> None:
+        server.should_exit = True
+
+    stops = (signal.SIGINT, signal.SIGTERM)
     main_thread = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    old = {sig: signal.signal(sig, stop) for sig in stops} if main_thread else {}
     try:
         server.run(sockets=[sock])
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, old)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
