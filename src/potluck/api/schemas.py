@@ -12,7 +12,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from potluck.engine.sampling import (
-    GREEDY_BELOW,
     MAX_LOGPROBS,
     REPEAT_PENALTY_MAX,
     REPEAT_PENALTY_MIN,
@@ -79,9 +78,6 @@ class _Sampling(BaseModel):
     def seed_of(self, j: int) -> int | None:
         """Choice j's seed: seed + j, as a uint64 (wrapping past 2**64 - 1)."""
         return None if self.seed is None else (self.seed + j) % 2**64
-
-    def sampling_temperature(self) -> float:
-        return self.temperature if self.temperature >= GREEDY_BELOW else 0.0
 
 
 class ChatMessage(BaseModel):

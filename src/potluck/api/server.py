@@ -254,7 +254,7 @@ class Api:
             for p_i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
                 for j in range(body.n):
                     params = SamplingParams(
-                        temperature=body.sampling_temperature(),
+                        temperature=body.temperature,  # below GREEDY_BELOW: greedy (Sampler)
                         top_k=min(body.top_k, TOP_K_ALL),
                         top_p=body.top_p,
                         min_p=body.min_p,

@@ -152,9 +152,8 @@ class NodeService(pb_grpc.NodeServicer):
         while True:
             time.sleep(max(0.05, self.idle_s / 4))
             now = time.monotonic()
-            held = list(self.plans.items())  # a snapshot: Load and Drop change the dict meanwhile
-            stale = [p for p, loaded in held if now - loaded.last_used > self.idle_s]
-            del held
+            # a snapshot (Load and Drop change the dict meanwhile) that keeps no stage alive
+            stale = [p for p, lo in list(self.plans.items()) if now - lo.last_used > self.idle_s]
             for plan_id in stale:
                 self._free(plan_id, f"unused for {self.idle_s:.0f} s")
                 trim_heap()
