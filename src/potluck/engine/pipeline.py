@@ -219,10 +219,7 @@ class RemotePipeline:
             self._load_nodes(file, hp, remotes, n_ctx, wire_dtype, loaded)
         except BaseException:  # a node refused or failed: the ones loaded so far let it go
             for client in loaded:
-                with contextlib.suppress(PotluckError):
-                    client.drop(
-                        pb.DropRequest(plan_id=self.plan_id, release=True), timeout=RELEASE_WAIT_S
-                    )
+                self._release(client)
             for client in self.clients:
                 client.close()
             raise
@@ -515,12 +512,15 @@ class RemotePipeline:
             client.link.fail_all(exc)
 
     def close(self) -> None:
-        """Free the plan's stages on the nodes (best effort, at most RELEASE_WAIT_S) and hang up."""
-        with contextlib.suppress(PotluckError):  # a node that is gone frees them by itself
-            self.clients[0].drop(
-                pb.DropRequest(plan_id=self.plan_id, release=True), timeout=RELEASE_WAIT_S
-            )
+        """Free the plan's stages on the nodes (the first passes it down the chain) and hang up."""
+        self._release(self.clients[0])
         self.abandon()
+
+    def _release(self, client: NodeClient) -> None:
+        """Ask a node to free this plan (best effort, at most RELEASE_WAIT_S: a node that is gone
+        frees it by itself after its idle timeout)."""
+        with contextlib.suppress(PotluckError):
+            client.drop(pb.DropRequest(plan_id=self.plan_id, release=True), timeout=RELEASE_WAIT_S)
 
     def abandon(self) -> None:
         """Hang up without a word to the nodes (a failover: the first may be the one that hangs;
