@@ -1,15 +1,17 @@
 """Our stages against Hugging Face `transformers` (which dequantizes the GGUF to fp32) on tiny
 random models of every architecture, and every quantization type.
 
-Two precisions are checked: the exact path (weights dequantized to fp32; must agree to float
-round-off, which proves the model code) and the fast path that `potluck run` uses (packed int4 /
-bf16 weights with bf16 activations; agrees within a tolerance set by bf16's 8-bit mantissa).
+Two precisions are checked: the exact path (weights dequantized to fp32 and an fp32 KV cache;
+must agree to float round-off, which proves the graph) and the path that `potluck run` uses
+(ggml's quantized kernels on the file's own blocks, activations rounded to 8 bits for the
+quantized dot products, an f16 KV cache; agrees within a tolerance set by that rounding).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -64,11 +66,11 @@ def _ours(path: Path, exact: bool, splits: tuple[int, ...] = ()) -> torch.Tensor
     hp = hparams_from_metadata(f.metadata)
     bounds = [0, *splits, hp.n_layer]
     stages = [Stage(hp, f, a, b, 64, exact=exact) for a, b in zip(bounds, bounds[1:], strict=False)]
-    x: torch.Tensor = torch.tensor(TOKENS)
+    x = np.array(TOKENS)
     chunks = [SeqChunk(0, len(TOKENS))]
     for s in stages[:-1]:
         x = s(x, chunks)
-    return stages[-1](x, chunks, torch.arange(len(TOKENS))).double()
+    return torch.from_numpy(stages[-1](x, chunks, np.arange(len(TOKENS)))).double()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -87,9 +89,12 @@ def test_exact_path_matches_transformers(tiny) -> None:
 def test_fast_path_close_to_transformers(tiny) -> None:
     path, ref = tiny
     ours = _ours(path, exact=False)
-    # bf16 activations and weights round at 2^-9 relative; through 2 random layers the logits
-    # move by a few 1e-3 of their range. A wrong kernel (e.g. a swapped nibble) moves them by O(1).
-    assert _rel(ours, ref) < 3e-2, f"max rel err {_rel(ours, ref):.2e}"
+    # 8-bit activations (ggml's q8 dot products) and the f16 cache round at 2^-8..2^-11 relative;
+    # through 2 random layers the logits move by ~1e-3..1e-2 of their range on average (random
+    # K-quant attention is peaked: the max reaches 0.17 where a near-tie flips). A wrong graph (a
+    # rope, a mask, a norm) moves them by O(1) everywhere; the exact path above proves the graph.
+    mean = float((ours - ref).abs().mean() / ref.abs().max())
+    assert mean < 1.5e-2, f"mean rel err {mean:.2e} (max {_rel(ours, ref):.2e})"
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean()
     assert agree >= 0.9, f"argmax agrees on only {agree:.0%} of positions"
 

@@ -107,9 +107,9 @@ def _physical_cores() -> int:
 
 
 def _setup_threads(threads: int | None) -> None:
-    import torch
+    from potluck.model.stage import set_threads
 
-    torch.set_num_threads(threads or _physical_cores())
+    set_threads(threads or _physical_cores())
 
 
 PeerOpt = Annotated[
@@ -431,7 +431,7 @@ def _plan(
     hp = hparams_from_metadata(f.metadata, str(path))
     n_ctx = ctx or min(hp.n_ctx_train, DEFAULT_CTX)
     nodes, links = survey(peers, auth=auth)
-    from potluck.kernels.qlinear import held_bytes
+    from potluck.planner import held_bytes
 
     fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes)
     return plan_pool(fp, nodes, links, shares or None, balance)
@@ -753,8 +753,6 @@ def nodes(
     bandwidth, version, and whether this head can use it (and if not, why)."""
     import json
 
-    import torch
-
     from potluck.discovery.mdns import Browser, DiscoveryError
     from potluck.discovery.nodes import (
         NODE_COLUMNS,
@@ -764,7 +762,7 @@ def nodes(
         report_json,
     )
     from potluck.discovery.static import MDNS, Peer, dedupe
-    from potluck.node.probe import physical_cores, usable_memory_bytes
+    from potluck.node.probe import default_threads, physical_cores, usable_memory_bytes
 
     static = _static_peers(peer, rpc)
     adverts = []
@@ -775,7 +773,7 @@ def nodes(
             err.print(f"[yellow]mDNS unavailable:[/] {exc}; static peers only")
     peers = dedupe([*static, *(Peer(a.address, MDNS, a) for a in adverts)])
     dial = _dialer(secret, tls)
-    reports = [local_report(usable_memory_bytes(), physical_cores(), torch.get_num_threads())]
+    reports = [local_report(usable_memory_bytes(), physical_cores(), default_threads())]
     with err.status("measuring") as status:
         for p in peers:
             status.update(f"measuring {p.address}")

@@ -53,14 +53,15 @@ class PoolInfo:
     def _planned_bytes(self, a: int, b: int) -> int:
         """Weights + KV cache a remote node holds for layers [a, b), by the planner's model."""
         if self._footprint is None:
-            from potluck.kernels.qlinear import held_bytes
-            from potluck.planner import footprint_from_gguf
+            from potluck.planner import footprint_from_gguf, held_bytes
 
             m = self.model
             self._footprint = footprint_from_gguf(m.file.tensors, m.hp, m.n_ctx, held=held_bytes)
         fp = self._footprint
-        extra = (fp.head_bytes if b == self.model.hp.n_layer else 0) + (
-            fp.embd_bytes if a == 0 else 0
+        extra = (
+            (fp.head_bytes if b == self.model.hp.n_layer else 0)
+            + (fp.embd_bytes if a == 0 else 0)
+            - fp.shared_bytes(a, b)
         )
         return int(fp.weights(a, b) + fp.kv(a, b) + extra)
 

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from potluck.engine.pipeline import follow_inputs
 from potluck.engine.sampling import Sampler
@@ -81,7 +81,7 @@ class FailoverEvent:
 
 @dataclass
 class _Batch:
-    tokens: torch.Tensor
+    tokens: np.ndarray
     chunks: list[SeqChunk]
     samplers: Mapping[int, Sampler]
     histories: Mapping[int, Sequence[int]]
@@ -177,7 +177,7 @@ class FailoverPipeline:
 
     def submit(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
@@ -199,7 +199,7 @@ class FailoverPipeline:
         stop_ids: Collection[int] = frozenset(),
     ) -> Future[list[int]]:
         out: Future[list[int]] = Future()
-        placeholder = torch.zeros(len(chunks), dtype=torch.long)
+        placeholder = np.zeros(len(chunks), np.int64)
         self._launch(
             _Batch(
                 placeholder, list(chunks), samplers, histories, out, prev=prev, stop_ids=stop_ids
@@ -209,7 +209,7 @@ class FailoverPipeline:
 
     def step(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
@@ -218,10 +218,10 @@ class FailoverPipeline:
 
     def forward(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
-        logits_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        logits_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Logits (perplexity) are not replayed: a node going away ends the call with an error."""
         with self._lock:
             self._raise_if_failed()
@@ -298,7 +298,7 @@ class FailoverPipeline:
             if not b.prev.done() or b.prev.exception() is not None:
                 exc = PotluckError("internal: a follow-up step finished before the step it follows")
             else:
-                b.tokens = torch.tensor([int(t) for t in b.prev.result()])
+                b.tokens = np.array([int(t) for t in b.prev.result()], np.int64)
         if exc is None:
             with self._lock:
                 current = b.epoch == self.epoch
@@ -402,7 +402,7 @@ class FailoverPipeline:
             ids = [t for _, part in batch for t in part]
             n += len(ids)
             chunks = [c for c, _ in batch]
-            pending.append(pipe.submit(torch.tensor(ids), chunks, {}, {}))  # type: ignore[attr-defined]
+            pending.append(pipe.submit(np.array(ids, np.int64), chunks, {}, {}))  # type: ignore[attr-defined]
         for fut in pending:
             try:
                 fut.result(timeout=max(60.0, 10 * self.timeout_s))
@@ -489,7 +489,7 @@ class FailoverPipeline:
             h.probing = False
 
 
-def _split(tokens: torch.Tensor, chunks: Sequence[SeqChunk]) -> list[list[int]]:
+def _split(tokens: np.ndarray, chunks: Sequence[SeqChunk]) -> list[list[int]]:
     out, i = [], 0
     ids = tokens.tolist()
     for c in chunks:

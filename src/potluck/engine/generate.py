@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-import torch
+import numpy as np
 
 from potluck.engine.failover import DEFAULT_TIMEOUT_S
 from potluck.engine.pipeline import LOCAL, Assignment, submit_after
@@ -55,10 +55,10 @@ class LocalPipeline:
 
     def forward(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
-        logits_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        logits_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
         x = tokens
         for stage in self.stages[:-1]:
             x = stage(x, chunks)
@@ -66,7 +66,7 @@ class LocalPipeline:
 
     def step(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
@@ -74,7 +74,7 @@ class LocalPipeline:
         """One forward of the chunks; one sampled token per chunk (from its last row), -1 for a
         chunk whose sequence has no sampler here (an earlier prompt micro-batch)."""
         if not any(c.seq_id in samplers for c in chunks):  # an early prompt micro-batch
-            self.forward(tokens, chunks, torch.empty(0, dtype=torch.long))  # no output head
+            self.forward(tokens, chunks, np.empty(0, np.int64))  # no output head
             return [-1] * len(chunks)
         logits = self.forward(tokens, chunks)
         return [
@@ -86,7 +86,7 @@ class LocalPipeline:
 
     def submit(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
@@ -125,7 +125,7 @@ class Pipeline(Protocol):
 
     def step(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
@@ -133,7 +133,7 @@ class Pipeline(Protocol):
 
     def submit(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
@@ -163,10 +163,10 @@ class Pipeline(Protocol):
 
     def forward(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
-        logits_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
+        logits_rows: np.ndarray | None = None,
+    ) -> np.ndarray: ...
 
     def drop(self, seq_id: int) -> None: ...
 
@@ -341,7 +341,7 @@ def prefill(
     history = {seq_id: list(ids)}
     pending = []
     for i in range(0, len(ids), n_batch):
-        part = torch.tensor(ids[i : i + n_batch], dtype=torch.long)
+        part = np.array(ids[i : i + n_batch], np.int64)
         last = i + n_batch >= len(ids)
         samplers = {seq_id: sampler} if last else {}
         pending.append(pipeline.submit(part, [SeqChunk(seq_id, len(part))], samplers, history))
@@ -390,7 +390,10 @@ def generate(
             if not ahead:
                 ahead.append(
                     pipe.submit(
-                        torch.tensor([tok]), [SeqChunk(seq, 1)], {seq: sampler}, {seq: history}
+                        np.array([tok], np.int64),
+                        [SeqChunk(seq, 1)],
+                        {seq: sampler},
+                        {seq: history},
                     )
                 )
             if pipe.chains and i + 2 < max_tokens and len(history) + 1 < model.n_ctx:

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk
@@ -57,15 +57,17 @@ def perplexity(
         try:
             rows_logits = []
             for i in range(0, n_ctx, n_batch):
-                part = torch.tensor(chunk[i : i + n_batch], dtype=torch.long)
-                rows = torch.arange(len(part))
+                part = np.array(chunk[i : i + n_batch], np.int64)
+                rows = np.arange(len(part))
                 logits = model.pipeline.forward(part, [SeqChunk(seq, len(part))], rows)
                 rows_logits.append(logits)
         finally:
             model.pipeline.drop(seq)
-        logits = torch.cat(rows_logits)[first : n_ctx - 1].double()  # [n_ctx-1-first, V]
-        targets = torch.tensor(chunk[first + 1 : n_ctx])
-        nll = -torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
+        logits = np.concatenate(rows_logits)[first : n_ctx - 1].astype(np.float64)  # [n, V]
+        targets = np.array(chunk[first + 1 : n_ctx])
+        m = logits.max(axis=1)
+        log_z = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
+        nll = log_z - logits[np.arange(len(targets)), targets]
         total_nll += float(nll.sum())
         count += len(targets)
         running.append(math.exp(total_nll / count))

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
+import numpy as np
 
 from potluck.engine.sampling import Sampler, Token
 from potluck.errors import PotluckError
@@ -32,6 +32,7 @@ from potluck.transport.client import NodeClient, NodeError
 from potluck.transport.codec import (
     PROTOCOL_VERSION,
     TENSOR_CHUNK_BYTES,
+    WIRE_DTYPES,
     sampling_to_proto,
     tensor_from_proto,
     tensor_to_proto,
@@ -142,7 +143,7 @@ def follow_inputs(
     chunks: Sequence[SeqChunk],
     histories: Mapping[int, Sequence[int]],
     stop_ids: Collection[int],
-) -> tuple[torch.Tensor, dict[int, list[int]]] | None:
+) -> tuple[np.ndarray, dict[int, list[int]]] | None:
     """A follow-up step made ordinary once the tokens of the step before it are known: its input
     ids and the histories with those ids added; None when the generation ended there (no token,
     or a stop id)."""
@@ -152,7 +153,7 @@ def follow_inputs(
         c.seq_id: [*histories.get(c.seq_id, ()), int(t)]
         for c, t in zip(chunks, tokens, strict=True)
     }
-    return torch.tensor([int(t) for t in tokens]), hist
+    return np.array([int(t) for t in tokens], np.int64), hist
 
 
 def _copy(src: Future[list[int]], dst: Future[list[int]]) -> None:
@@ -166,7 +167,7 @@ def _copy(src: Future[list[int]], dst: Future[list[int]]) -> None:
 class Submitter(Protocol):
     def submit(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
@@ -199,11 +200,9 @@ class RemotePipeline:
         if assignments[0].node == LOCAL and len(assignments) == 1:
             raise ValueError("a plan with no remote node is a LocalPipeline")
         self.file, self.hp, self.assignments, self.n_ctx = file, hp, list(assignments), n_ctx
-        self.wire = {
-            "float32": torch.float32,
-            "float16": torch.float16,
-            "bfloat16": torch.bfloat16,
-        }[wire_dtype]
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire dtype {wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
+        self.wire = wire_dtype
         self.model_sha = sha256_file(file.path)
         self.head_id = head_id or HEAD_ID
         self.plan_id = plan_id_of(self.model_sha, self.assignments, n_ctx, epoch, self.head_id)
@@ -290,7 +289,7 @@ class RemotePipeline:
 
     def _start(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         wire_chunks: list[pb.SeqChunk],
         want_logits: bool,
@@ -307,7 +306,7 @@ class RemotePipeline:
                 self._pos[c.seq_id] = c.pos + c.n
         out: Future[pb.ForwardReply] = Future()
 
-        def remote(x: torch.Tensor, local_ms: list[float]) -> None:
+        def remote(x: np.ndarray, local_ms: list[float]) -> None:
             req = pb.ForwardRequest(
                 plan_id=self.plan_id,
                 chunks=wire_chunks,
@@ -386,7 +385,7 @@ class RemotePipeline:
 
     def submit(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
@@ -420,7 +419,7 @@ class RemotePipeline:
         if len(chunks) != 1 or chunks[0].n != 1:
             raise ValueError(f"a follow-up step is one chunk of one token, got {list(chunks)}")
         wire = self._wire_chunks(chunks, samplers, histories, follow=True)
-        placeholder = torch.zeros(1, dtype=torch.long)
+        placeholder = np.zeros(1, np.int64)
         return self._tokens_of(
             self._start(placeholder, chunks, wire, False, after=prev, stop_ids=sorted(stop_ids)),
             wire,
@@ -462,7 +461,7 @@ class RemotePipeline:
 
     def step(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
@@ -476,18 +475,16 @@ class RemotePipeline:
 
     def forward(
         self,
-        tokens: torch.Tensor,
+        tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
-        logits_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        logits_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Logits of every row (perplexity), selected by logits_rows (default: last of each chunk)."""
         wire = [pb.SeqChunk(seq_id=c.seq_id, n=c.n) for c in chunks]
         reply = self._start(tokens, chunks, wire, True).result()
         logits = tensor_from_proto(reply.logits, max_elements=1 << 31)
         if logits_rows is None:
-            logits_rows = torch.tensor(
-                [sum(c.n for c in chunks[: i + 1]) - 1 for i in range(len(chunks))]
-            )
+            logits_rows = np.cumsum([c.n for c in chunks]) - 1
         return logits[logits_rows]
 
     def drop(self, seq_id: int) -> None:

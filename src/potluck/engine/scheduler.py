@@ -8,9 +8,9 @@ prompt micro-batch of one sequence (`n_batch` tokens) or one decode step of up t
 sequences; prompt and decode batches take turns, so a long prompt does not stall the others.
 
 Batches are kept homogeneous on purpose: a sequence's prompt goes through in the same micro-batches
-as `engine.generate.generate` uses alone, and decode steps stay at most `max_rows` rows (the
-quantized matvec kernel's range, kernels/qlinear.GEMV_MAX_ROWS), so greedy output through the
-scheduler is bit-identical to one request alone.
+as `engine.generate.generate` uses alone, and decode steps stay at most `max_rows` rows (ggml
+computes each row of a small batch as it computes one row alone; tests/test_scheduler.py holds
+that), so greedy output through the scheduler is bit-identical to one request alone.
 
 Callers on other threads (the HTTP server's asyncio loop) submit and cancel; events reach them
 through the sink they gave, called on the compute thread (it must be quick and thread-safe, e.g.
@@ -31,12 +31,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
+import numpy as np
 
 from potluck.engine.generate import LocalPipeline, Pipeline
 from potluck.engine.sampling import Sampler, SamplingParams
 from potluck.errors import ContextError, PotluckError, UnsupportedError
-from potluck.kernels.qlinear import GEMV_MAX_ROWS
 from potluck.model.stage import SeqChunk
 
 log = logging.getLogger(__name__)
@@ -50,12 +49,15 @@ class SchedulerClosedError(PotluckError):
     """The scheduler was shut down."""
 
 
+MAX_DECODE_ROWS = 8  # sequences in one decode step by default
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     n_batch: int = 512  # prompt tokens per micro-batch (llama.cpp's -b)
     max_queue: int = 64  # requests waiting for a slot; one more is refused (QueueFullError)
     max_active: int = 16  # sequences generating at once (each holds a KV cache up to n_ctx)
-    max_rows: int = GEMV_MAX_ROWS  # decode rows per forward: stays on the exact matvec kernel
+    max_rows: int = MAX_DECODE_ROWS  # decode rows (sequences) per forward
 
     def __post_init__(self) -> None:
         for name in ("n_batch", "max_active", "max_rows"):
@@ -440,7 +442,7 @@ class Scheduler:
                     ids = [s.history[-1] for s in batch.seqs]
                 histories = {s.seq_id: s.history for s in batch.seqs}
                 fut = self.pipeline.submit(
-                    torch.tensor(ids, dtype=torch.long), list(batch.chunks), samplers, histories
+                    np.array(ids, np.int64), list(batch.chunks), samplers, histories
                 )
         except Exception as exc:  # a pipeline that fails before returning a future
             fut = Future()

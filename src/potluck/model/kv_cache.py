@@ -1,29 +1,128 @@
-"""Per-sequence KV cache of one stage: fp32 buffers per layer, grown by doubling up to n_ctx.
+"""Per-sequence KV cache of one stage, in ggml tensors: K and V per layer, grown by doubling.
 
-Token-major ([position, kv head, dim]): a step appends whole rows (one contiguous copy per tensor)
-and decode attention reads each key as one dense row; prefill attention takes a transposed view.
+Layout per layer (ggml order, innermost first): K is [head_dim * n_kv_heads, capacity] and V is
+[head_dim_v * n_kv_heads, capacity], one row per position, so that a step writes its rows with
+`ggml_set_rows` and attention reads a strided view [head_dim, n_kv, n_kv_heads] of the first n_kv
+rows (graph.py). f16 by default as llama.cpp; f32 for exactness checks (`--cache-type f32`).
+The buffers are zeroed when allocated: attention reads padded rows beyond `length` (masked out),
+and a masked row must hold finite numbers (0 * NaN is NaN).
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+
+import numpy as np
 
 from potluck.errors import ContextError
+from potluck.model.ggml_lib import TYPE_F16, TYPE_F32, lib
+from potluck.model.ggml_lib import context as new_context
+
+CACHE_TYPES = {"f16": TYPE_F16, "f32": TYPE_F32}
+_ELEMENT = {TYPE_F16: np.float16, TYPE_F32: np.float32}
+MIN_CAPACITY = 256  # positions a new sequence gets first; also the padding of attention's n_kv
 
 
 class SeqCache:
-    """K and V of one sequence for the layers of one stage. `length` counts committed tokens."""
+    """K and V of one sequence for the layers of one stage. `length` counts committed tokens;
+    `generation` changes whenever the buffers move (a graph that points into them is stale)."""
 
-    def __init__(self, layers: range, n_kv: int, hd: int, hdv: int, n_ctx: int) -> None:
-        self.layers, self.n_ctx = layers, n_ctx
+    def __init__(
+        self,
+        layers: range,
+        n_kv_heads: int,
+        head_dim: int,
+        head_dim_v: int,
+        n_ctx: int,
+        cache_type: int,
+        buffer_type: Callable[[int], int],
+    ) -> None:
+        """buffer_type(layer): the ggml buffer type that layer's cache lives in (its device)."""
+        self.layers, self.n_ctx, self.cache_type = layers, n_ctx, cache_type
+        self.row_k, self.row_v = n_kv_heads * head_dim, n_kv_heads * head_dim_v
+        self._buffer_type = buffer_type
         self.length = 0
-        cap = min(64, n_ctx)
-        self.k = {i: torch.empty(cap, n_kv, hd) for i in layers}  # [cap, Hkv, hd]
-        self.v = {i: torch.empty(cap, n_kv, hdv) for i in layers}
+        self.generation = 0
+        self.capacity = 0
+        self.k: dict[int, int] = {}  # layer -> ggml tensor [row_k, capacity]
+        self.v: dict[int, int] = {}
+        self._ctx: int | None = None
+        self._buffers: list[int] = []
+        self._allocate(min(MIN_CAPACITY, n_ctx))
 
-    @property
-    def capacity(self) -> int:
-        return next(iter(self.k.values())).shape[0] if self.k else self.n_ctx
+    def _allocate(self, capacity: int) -> None:
+        old = (self.k, self.v, self._ctx, self._buffers)
+        ctx = new_context(2 * len(self.layers))
+        k, v = {}, {}
+        by_buft: dict[int, list[int]] = {}
+        for i in self.layers:
+            k[i] = lib.ggml_new_tensor_2d(ctx, self.cache_type, self.row_k, capacity)
+            v[i] = lib.ggml_new_tensor_2d(ctx, self.cache_type, self.row_v, capacity)
+            by_buft.setdefault(self._buffer_type(i), []).append(i)
+        buffers = []
+        if len(by_buft) == 1:
+            buft = next(iter(by_buft))
+            buf = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+            if not buf:
+                lib.ggml_free(ctx)
+                raise ContextError(
+                    f"no memory for a KV cache of {capacity} positions "
+                    f"({self._bytes(capacity) / 2**20:.0f} MiB); lower -c or -np"
+                )
+            buffers.append(buf)
+        else:  # layers on several devices: one buffer per device
+            buffers = self._alloc_split(ctx, k, v, by_buft, capacity)
+        for buf in buffers:
+            lib.ggml_backend_buffer_clear(buf, 0)
+        if old[2] is not None and self.length:
+            for i in self.layers:  # copy the positions held so far
+                for src, dst, row in ((old[0][i], k[i], self.row_k), (old[1][i], v[i], self.row_v)):
+                    n = self.length * row * np.dtype(_ELEMENT[self.cache_type]).itemsize
+                    tmp = np.empty(n, np.uint8)
+                    lib.ggml_backend_tensor_get(src, tmp.ctypes.data, 0, n)
+                    lib.ggml_backend_tensor_set(dst, tmp.ctypes.data, 0, n)
+        self.k, self.v, self._ctx, self._buffers = k, v, ctx, buffers
+        self.capacity = capacity
+        self.generation += 1
+        if old[2] is not None:
+            for buf in old[3]:
+                lib.ggml_backend_buffer_free(buf)
+            lib.ggml_free(old[2])
+
+    def _alloc_split(
+        self,
+        ctx: int,
+        k: dict[int, int],
+        v: dict[int, int],
+        by_buft: dict[int, list[int]],
+        cap: int,
+    ) -> list[int]:
+        """Tensors of several devices in one context: allocate each device's tensors in a buffer
+        of its own (ggml_backend_alloc_ctx_tensors_from_buft takes a whole context)."""
+        buffers = []
+        for buft, layers in by_buft.items():
+            size = sum(
+                lib.ggml_nbytes(t) + 256 for i in layers for t in (k[i], v[i])
+            )  # 256: alignment slack per tensor
+            buf = lib.ggml_backend_buft_alloc_buffer(buft, size)
+            if not buf:
+                raise ContextError(
+                    f"no memory for a KV cache of {cap} positions on a device "
+                    f"({size / 2**20:.0f} MiB); lower -c or -np, or put fewer layers there (-ngl)"
+                )
+            base = lib.ggml_backend_buffer_get_base(buf)
+            at = 0
+            for i in layers:
+                for t in (k[i], v[i]):
+                    at = -(-at // 256) * 256
+                    lib.ggml_backend_tensor_alloc(buf, t, base + at)
+                    at += lib.ggml_nbytes(t)
+            buffers.append(buf)
+        return buffers
+
+    def _bytes(self, capacity: int) -> int:
+        item = np.dtype(_ELEMENT[self.cache_type]).itemsize
+        return len(self.layers) * capacity * (self.row_k + self.row_v) * item
 
     def reserve(self, n_new: int) -> None:
         need = self.length + n_new
@@ -33,28 +132,7 @@ class SeqCache:
                 f"({self.length} used + {n_new} new); raise -c or shorten the prompt"
             )
         if need > self.capacity:
-            cap = min(self.n_ctx, max(need, 2 * self.capacity))
-            for store in (self.k, self.v):
-                for i, buf in store.items():
-                    grown = torch.empty(cap, buf.shape[1], buf.shape[2])
-                    grown[: self.length] = buf[: self.length]
-                    store[i] = grown
-
-    def write(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v [T, Hkv, hd] at positions [length, length+T); return all keys/values so far,
-        [length + T, Hkv, hd] each."""
-        end = self.length + k.shape[0]
-        kbuf, vbuf = self.k[layer], self.v[layer]
-        kbuf[self.length : end] = k
-        vbuf[self.length : end] = v
-        return kbuf[:end], vbuf[:end]
-
-    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole K and V buffers of `layer`, [capacity, Hkv, hd]: for kernels that store the
-        new positions themselves (reserve first)."""
-        return self.k[layer], self.v[layer]
+            self._allocate(min(self.n_ctx, max(need, 2 * self.capacity)))
 
     def commit(self, n_new: int) -> None:
         self.length += n_new
@@ -64,4 +142,14 @@ class SeqCache:
         self.length = min(self.length, length)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * 4 for store in (self.k, self.v) for t in store.values())
+        return self._bytes(self.capacity)
+
+    def free(self) -> None:
+        for buf in self._buffers:
+            lib.ggml_backend_buffer_free(buf)
+        if self._ctx is not None:
+            lib.ggml_free(self._ctx)
+        self._buffers, self._ctx, self.k, self.v = [], None, {}, {}
+
+    def __del__(self) -> None:
+        self.free()

@@ -69,8 +69,8 @@ class HParams:
             return self.rules.local_rope_base
         return self.rope_base
 
-    def kv_bytes_per_token(self, n_layers: int | None = None, dtype_bytes: int = 4) -> int:
-        """KV-cache bytes one token costs over `n_layers` layers (default all)."""
+    def kv_bytes_per_token(self, n_layers: int | None = None, dtype_bytes: int = 2) -> int:
+        """KV-cache bytes one token costs over `n_layers` layers (default all), f16 by default."""
         n = self.n_layer if n_layers is None else n_layers
         return n * self.n_head_kv * (self.head_dim + self.head_dim_v) * dtype_bytes
 

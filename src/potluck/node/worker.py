@@ -1,6 +1,6 @@
 """`potluck worker`: a gRPC service that loads its stage of a plan and computes forward passes.
 
-One compute lock: the stage runs one forward at a time (torch already uses every core it is given);
+One compute lock: the stage runs one forward at a time (ggml already uses every core it is given);
 gRPC's thread pool only does I/O around it. A stage forwards its hidden states straight to the next
 stage's node and passes the reply (token ids) back up the chain.
 """
@@ -20,18 +20,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import torch
+import numpy as np
 
 from potluck import __version__
 from potluck.engine.sampling import Sampler, Token
 from potluck.errors import ContextError, PotluckError
-from potluck.kernels.native import computing, trim_heap
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage, WeightSource
 from potluck.modelfile.gguf_file import GGUFFile, read_header
 from potluck.modelfile.hparams import HParams, hparams_from_metadata
 from potluck.node import doctor as node_doctor
-from potluck.node.probe import decode_bytes_per_s, physical_cores, usable_memory_bytes
+from potluck.node.probe import (
+    decode_bytes_per_s,
+    physical_cores,
+    trim_heap,
+    usable_memory_bytes,
+)
 from potluck.node.weights import BlobSource, BlobStore, IntegrityError, find_local_model
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
@@ -49,7 +53,7 @@ from potluck.transport.dataplane import Answer, DataServer
 from potluck.transport.guard import Guard
 from potluck.transport.limits import check_message
 from potluck.transport.linkprobe import quick_link
-from potluck.transport.spin import DEFAULT_SPIN_S, spin_wait
+from potluck.transport.spin import DEFAULT_SPIN_S, computing, spin_wait
 from potluck.transport.tls import server_credentials, server_ssl_context
 
 ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
@@ -60,12 +64,7 @@ REHEARSE_MAX_BYTES = 64 << 10  # largest input rehearsed while waiting (_rehears
 ORDER_WAIT_S = 30.0  # longest a batch waits for an earlier batch of its sequence (seconds)
 MAX_PLANS = 2  # stages a node holds at once: two heads, or one head's old and new plan
 LIVE_S = 10.0  # a plan used or named in a heartbeat this recently is in use: never evicted
-_WIRE = {
-    "": torch.float32,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+_WIRE = {"": "float32", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
 class Refused(Exception):
@@ -93,7 +92,7 @@ class LoadedStage:
     plan_id: str
     stage: Stage
     next_hop: NodeClient | None
-    wire_dtype: torch.dtype
+    wire_dtype: str  # hidden states to the next node: float32, float16 or bfloat16
     samplers: dict[int, Sampler] = field(default_factory=dict)
     reserved_bytes: int = 0  # weights + full-context KV of one sequence, counted against --mem
     last_used: float = field(default_factory=time.monotonic)
@@ -135,9 +134,9 @@ class NodeService(pb_grpc.NodeServicer):
         self.sampled: dict[tuple[str, int], tuple[int, int]] = {}
         self.parked: dict[tuple[str, int, int], tuple[pb.ForwardRequest, Answer]] = {}
         with self.compute:
-            if threads:
-                torch.set_num_threads(threads)
-            self.speed = decode_bytes_per_s()  # measured once, before any stage is loaded
+            self.speed = decode_bytes_per_s(
+                threads=threads
+            )  # measured once, before any stage is loaded
             trim_heap()  # the probe's buffers go back to the OS
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
 
@@ -224,9 +223,9 @@ class NodeService(pb_grpc.NodeServicer):
                 src = BlobSource(tensors, digests, self.store)
             need = self._check_memory(tensors, hp, request)
             with self.compute:
-                if self.threads:
-                    torch.set_num_threads(self.threads)
-                stage = Stage(hp, src, request.start, request.stop, request.n_ctx)
+                stage = Stage(
+                    hp, src, request.start, request.stop, request.n_ctx, threads=self.threads
+                )
         except (NodeMemoryError, NodeBusyError) as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except (PotluckError, ValueError) as exc:
@@ -248,7 +247,7 @@ class NodeService(pb_grpc.NodeServicer):
             except NodeBusyError as exc:
                 if nxt is not None:
                     nxt.close()
-                del stage
+                stage.close()
                 trim_heap()
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             keep = {p.plan_id for p in self._kept_beside(request)}
@@ -385,7 +384,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     def _prepare(
         self, request: pb.ForwardRequest
-    ) -> tuple[LoadedStage, list[SeqChunk], torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[LoadedStage, list[SeqChunk], np.ndarray, np.ndarray | None]:
         """Check a forward request against its stage: (stage, chunks, input, logits rows). Changes
         nothing. Raises Refused with the status to answer."""
         loaded = self._loaded(request.plan_id)
@@ -406,20 +405,19 @@ class NodeService(pb_grpc.NodeServicer):
                 raise WireError(f"recent token ids (for penalties) must be in [0, {n_vocab})")
             x = tensor_from_proto(request.input)
             if stage.is_first:
-                if x.dtype != torch.int64 or x.shape != (total,):
+                if x.dtype != np.int64 or x.shape != (total,):
                     raise WireError(
                         f"the first stage takes int64 token ids [{total}], got {x.dtype} {tuple(x.shape)}"
                     )
-                lo, hi = torch.aminmax(x)
-                if int(lo) < 0 or int(hi) >= stage.hp.n_vocab:
+                if int(x.min()) < 0 or int(x.max()) >= stage.hp.n_vocab:
                     raise WireError(f"token ids must be in [0, {stage.hp.n_vocab})")
-            elif x.dtype != torch.float32 or x.shape != (total, stage.hp.n_embd):
+            elif x.dtype != np.float32 or x.shape != (total, stage.hp.n_embd):
                 raise WireError(
                     f"expected hidden states [{total}, {stage.hp.n_embd}], got {x.dtype} {tuple(x.shape)}"
                 )
-            rows = torch.arange(total) if request.want_logits else None
+            rows = np.arange(total) if request.want_logits else None
             if stage.is_last and rows is None and not any(c.sample for c in request.chunks):
-                rows = torch.empty(0, dtype=torch.long)  # an early prompt micro-batch: no head
+                rows = np.empty(0, np.int64)  # an early prompt micro-batch: no head
             return loaded, chunks, x, rows
         except WireError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
@@ -436,7 +434,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     def _compute(
         self, request: pb.ForwardRequest, wait_s: float
-    ) -> tuple[LoadedStage, torch.Tensor, float]:
+    ) -> tuple[LoadedStage, np.ndarray, float]:
         """Check a forward request, wait for its sequences' turn, run the stage: (stage, output,
         compute ms). Raises Refused with the status to answer."""
         loaded, chunks, x, rows = self._prepare(request)
@@ -462,7 +460,7 @@ class NodeService(pb_grpc.NodeServicer):
             raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)) from None
 
     def _downstream(
-        self, loaded: LoadedStage, request: pb.ForwardRequest, y: torch.Tensor
+        self, loaded: LoadedStage, request: pb.ForwardRequest, y: np.ndarray
     ) -> pb.ForwardRequest:
         return pb.ForwardRequest(
             plan_id=request.plan_id,
@@ -483,7 +481,7 @@ class NodeService(pb_grpc.NodeServicer):
         return reply
 
     def _finish(
-        self, loaded: LoadedStage, request: pb.ForwardRequest, y: torch.Tensor, stage_ms: float
+        self, loaded: LoadedStage, request: pb.ForwardRequest, y: np.ndarray, stage_ms: float
     ) -> pb.ForwardReply:
         """The last stage's answer: logits of every row, or one sampled token per chunk."""
         if request.want_logits:

@@ -110,6 +110,7 @@ class CostModel:
             gpu += m.head_bytes
         ram = self._held[s] - self._held[start] + m.buffer_bytes
         ram += (m.embd_bytes if first else 0) + (m.head_bytes if last and not head_on_gpu else 0)
+        ram -= 0 if head_on_gpu else m.shared_bytes(start, stop)
         cpu_read = self._read[s] - self._read[start] + (m.embd_read_bytes if first else 0)
         gpu_read = self._read[stop] - self._read[s]
         if last:
@@ -125,6 +126,7 @@ class CostModel:
             prompt += _ns(self._read[stop] - self._read[s], node.gpu_bytes_per_s)
         weights = self._weights[stop] - self._weights[start]
         weights += (m.embd_bytes if first else 0) + (m.head_bytes if last else 0)
+        weights -= m.shared_bytes(start, stop)
         return StageCost(
             node=node,
             start=start,

@@ -1,17 +1,12 @@
-"""What a model costs, per layer, as Potluck's kernels hold it: bytes in memory, bytes read per
+"""What a model costs, per layer, as Potluck's engine holds it: bytes in memory, bytes read per
 decoded token, KV cache and activation buffers. Pure: numbers from the tensor index in, numbers out.
 
-The in-memory rule mirrors kernels/qlinear.py and model/stage.py (tests/test_planner.py loads real
-stages and compares their bytes):
-  Q4_0 / Q4_1 / Q4_K matrix with n_out % 16 == 0 and n_in % 32 == 0: torch's packed int4,
-      n_out * n_in / 2 bytes, plus a bf16 scale and zero per group of 32: n_in / 32 * n_out * 2 * 2
-  F32 matrix: 4 bytes per weight; any other matrix type: dense bf16, 2 bytes per weight
-  1-D tensors (norms, biases): fp32, whatever the file stores
-  token_embd on the first stage: the raw GGUF rows (QEmbedding dequantizes only the rows it looks up)
-  output head on the last stage: output.weight by the matrix rule; with tied embeddings (no
-      output.weight) a second copy of token_embd by the matrix rule
-  KV cache: fp32 K and V for n_ctx positions in every layer (model/kv_cache.py keeps all n_ctx
-      positions in sliding-window layers too)
+The in-memory rule mirrors model/weights.py (tests/test_planner.py loads real stages and compares
+their bytes): every tensor is the file's own bytes, mapped in place, whatever its type.
+  token_embd on the first stage: its bytes are mapped, but decode reads one row per token
+  output head on the last stage: output.weight, or token_embd itself when the head is tied
+  KV cache: f16 K and V for n_ctx positions in every layer (model/kv_cache.py grows it by
+      doubling up to n_ctx; sliding-window layers keep all n_ctx positions too)
 
 Activation buffers, per stage (they are reused layer after layer, so they do not grow with the
 number of layers): one micro-batch of n_batch tokens in one block holds in fp32 the residual and
@@ -31,20 +26,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gguf import QK_K, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from potluck.errors import UnsupportedError
+from potluck.model.weights import SUPPORTED_TYPES
 from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import HParams
 from potluck.planner.errors import PlanError
 
-# The int4 path of kernels/qlinear.py (a test checks these against kernels/ and qlinear.py).
-INT4_TYPES = frozenset(
-    {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
-)
-INT4_GROUP = QK_K // 8  # values per scale/zero pair: a Q4_0/Q4_1 block, a Q4_K sub-block
-INT4_N_TILE = 16  # torch packs int4 weights in tiles of 16 output rows
-BF16_BYTES, F32_BYTES, FP16_BYTES = 2, 4, 2
+F32_BYTES, FP16_BYTES = 4, 2
+KV_BYTES = FP16_BYTES  # the KV cache's element (f16, as llama.cpp's default)
 
 DEFAULT_BATCH = 512  # -b: prompt tokens per micro-batch (llama.cpp's default)
 # gRPC framing + protobuf fields (shape, dtype, sequence ids, plan id) around one message.
@@ -52,23 +43,17 @@ WIRE_HEADER_BYTES = 128
 TOKEN_ID_BYTES = 4
 
 
-def _int4_fits(qtype: GGMLQuantizationType, n_out: int, n_in: int) -> bool:
-    return qtype in INT4_TYPES and n_out % INT4_N_TILE == 0 and n_in % INT4_GROUP == 0
-
-
 def held_bytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
-    """Bytes a weight of logical `shape` (outermost first) occupies once loaded by the kernels."""
+    """Bytes a weight of logical `shape` (outermost first) occupies once loaded: its bytes in the
+    file (ggml computes on them in place). UnsupportedError for a type ggml cannot compute."""
+    if qtype not in SUPPORTED_TYPES:
+        names = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise UnsupportedError(f"quantization {qtype.name} is not supported; supported: {names}")
+    block, type_size = GGML_QUANT_SIZES[qtype]
     n = 1
     for d in shape:
         n *= d
-    if len(shape) == 1 or qtype == GGMLQuantizationType.F32:
-        return n * F32_BYTES
-    if len(shape) == 2 and _int4_fits(qtype, shape[0], shape[1]):
-        n_out, n_in = shape
-        packed = n_out * n_in // 2  # two 4-bit values per byte
-        scales_and_zeros = n_in // INT4_GROUP * n_out * 2 * BF16_BYTES
-        return packed + scales_and_zeros
-    return n * BF16_BYTES
+    return n // block * type_size
 
 
 HeldBytes = Callable[[GGMLQuantizationType, tuple[int, ...]], int]
@@ -93,6 +78,7 @@ class ModelFootprint:
     buffer_bytes: int  # activations of one micro-batch, once per stage
     wire_bytes: int  # one token's fp16 hidden state between two stages, with its header
     token_wire_bytes: int  # one token id from the last stage back to the first
+    tied: bool = False  # the head is token_embd itself: a stage that is first and last maps it once
 
     def __post_init__(self) -> None:
         per_layer = (self.layer_weight_bytes, self.layer_kv_bytes, self.layer_read_bytes)
@@ -105,6 +91,11 @@ class ModelFootprint:
     def weights(self, start: int, stop: int) -> int:
         return sum(self.layer_weight_bytes[start:stop])
 
+    def shared_bytes(self, start: int, stop: int) -> int:
+        """Bytes counted in both embd_bytes and head_bytes that the stage [start, stop) maps once
+        (a tied head on a stage that is first and last)."""
+        return self.embd_bytes if self.tied and start == 0 and stop == self.n_layer else 0
+
     def kv(self, start: int, stop: int) -> int:
         return sum(self.layer_kv_bytes[start:stop])
 
@@ -116,6 +107,7 @@ class ModelFootprint:
             + self.weights(0, self.n_layer)
             + self.kv(0, self.n_layer)
             + self.head_bytes
+            - self.shared_bytes(0, self.n_layer)
             + self.buffer_bytes
         )
 
@@ -142,9 +134,8 @@ def footprint_from_gguf(
 ) -> ModelFootprint:
     """The footprint of the model whose tensor index is `tensors` (GGUFFile.tensors) at `n_ctx`.
 
-    held(qtype, shape) gives the bytes a weight occupies once loaded; pass the kernels' own
-    (`potluck.kernels.qlinear.held_bytes`, which knows the formats this CPU gets) — the default is
-    the portable torch-kernel rule above (int4 for Q4 types, bf16 otherwise)."""
+    held(qtype, shape) gives the bytes a weight occupies once loaded (default: `held_bytes`, the
+    file's own bytes)."""
     held = held or held_bytes
     if n_ctx < 1 or n_batch < 1:
         raise PlanError(f"context ({n_ctx}) and batch ({n_batch}) must be at least 1 token")
@@ -162,11 +153,11 @@ def footprint_from_gguf(
     for t in tensors.values():
         if t.layer is not None and t.layer < hp.n_layer:
             layers[t.layer] += held_by(t)
-    head_matrix = tensors.get("output.weight", embd)  # tied: the head copies token_embd
+    head_matrix = tensors.get("output.weight", embd)  # tied: the head reads token_embd
     head = held_by(head_matrix)
     if norm := tensors.get("output_norm.weight"):
         head += held_by(norm)
-    kv = hp.kv_bytes_per_token(1, F32_BYTES) * n_ctx
+    kv = hp.kv_bytes_per_token(1, KV_BYTES) * n_ctx
     return ModelFootprint(
         n_layer=hp.n_layer,
         n_embd=hp.n_embd,
@@ -183,4 +174,5 @@ def footprint_from_gguf(
         buffer_bytes=activation_bytes(hp, n_ctx, n_batch),
         wire_bytes=hp.n_embd * FP16_BYTES + WIRE_HEADER_BYTES,
         token_wire_bytes=TOKEN_ID_BYTES + WIRE_HEADER_BYTES,
+        tied="output.weight" not in tensors,
     )

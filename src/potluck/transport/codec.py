@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+import numpy as np
 
 from potluck.engine.sampling import SamplingParams
 from potluck.errors import PotluckError
@@ -20,33 +20,46 @@ MAX_MESSAGE_BYTES = (
 TENSOR_CHUNK_BYTES = 4 * 2**20  # weights travel in pieces of this size
 MAX_TENSOR_ELEMENTS = 1 << 28
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
+# wire name -> numpy dtype of the bytes; bfloat16 travels as the upper 16 bits of an fp32
+_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "int64": np.dtype("<i8"),
 }
-_NAMES = {v: k for k, v in _DTYPES.items()}
 _ITEMSIZE = {k: v.itemsize for k, v in _DTYPES.items()}  # bytes per element
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class WireError(PotluckError):
     """A message from a peer that is malformed, oversized or of the wrong version."""
 
 
-def tensor_to_proto(t: torch.Tensor, wire_dtype: torch.dtype | None = None) -> pb.Tensor:
-    """Raw little-endian bytes + shape + dtype. wire_dtype casts floating tensors (e.g. to fp16)."""
-    if wire_dtype is not None and t.is_floating_point() and t.dtype != wire_dtype:
-        t = t.to(wire_dtype)
-    t = t.contiguous()
-    # (few ops: on a node this runs right after a stage streamed its weights through the
-    # caches, where each torch op costs 10-30 µs instead of 1-3)
-    raw = t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
-    return pb.Tensor(data=raw.tobytes(), shape=list(t.shape), dtype=_NAMES[t.dtype])
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """fp32 -> the bits of bf16 (uint16), rounded to nearest even (NaN stays NaN)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
 
-def tensor_from_proto(msg: pb.Tensor, max_elements: int = MAX_TENSOR_ELEMENTS) -> torch.Tensor:
-    """Check dtype, shape and byte count, then build the tensor (a copy; fp32 for floats)."""
+def from_bf16_bits(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def tensor_to_proto(t: np.ndarray, wire_dtype: str | None = None) -> pb.Tensor:
+    """Raw little-endian bytes + shape + dtype. wire_dtype ("float16", "bfloat16") casts floating
+    arrays for the wire; integer arrays travel as int64."""
+    t = np.asarray(t)
+    if t.dtype.kind == "f":
+        name = wire_dtype or "float32"
+        raw = to_bf16_bits(t) if name == "bfloat16" else t.astype(_DTYPES[name], copy=False)
+    else:
+        name, raw = "int64", t.astype(np.int64, copy=False)
+    return pb.Tensor(data=np.ascontiguousarray(raw).tobytes(), shape=list(t.shape), dtype=name)
+
+
+def tensor_from_proto(msg: pb.Tensor, max_elements: int = MAX_TENSOR_ELEMENTS) -> np.ndarray:
+    """Check dtype, shape and byte count, then build the array (a copy; fp32 for floats)."""
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise WireError(f"tensor dtype {msg.dtype!r} is not one of {', '.join(_DTYPES)}")
@@ -61,10 +74,12 @@ def tensor_from_proto(msg: pb.Tensor, max_elements: int = MAX_TENSOR_ELEMENTS) -
         raise WireError(
             f"tensor {shape} {msg.dtype} needs {n * itemsize:,} bytes, got {len(msg.data):,}"
         )
-    if n == 0:  # (a zero-length buffer cannot be viewed as a wider dtype)
-        return torch.empty(shape, dtype=torch.float32 if dtype.is_floating_point else dtype)
-    t = torch.frombuffer(bytearray(msg.data), dtype=dtype).view(shape)  # one copy, writable
-    return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
+    raw = np.frombuffer(msg.data, dtype=dtype).reshape(shape)
+    if msg.dtype == "bfloat16":
+        return from_bf16_bits(raw)
+    if msg.dtype == "int64":
+        return raw.copy()
+    return raw.astype(np.float32)  # (a copy: the message's buffer is read-only)
 
 
 def sampling_to_proto(p: SamplingParams, seed: int) -> pb.SamplingConfig:

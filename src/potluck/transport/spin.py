@@ -6,22 +6,68 @@ blocks, the core goes idle and waking it costs: on this project's 2-vCPU VM a st
 signal each other over a pipe reached 0.84–0.93× of one process's SmolLM2 decode blocking and
 0.97–1.02× polling (bench_ceiling.py, bench/RESULTS.md). So a node
 polls its data connections for a while before it blocks, as llama.cpp's threads poll for work
-(its --poll). The polling is native code with the GIL released (kernels/native.spin_readable):
-one thread per process at a time, never while a stage of this process computes, and it yields the
-core to any other thread or process that wants it.
+(its --poll). One thread per process polls at a time, never while a stage of this process
+computes (`computing`), and each round yields the core to any other thread or process that wants
+it (`os.sched_yield`; the poll and the yield both release the GIL).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import socket
 import ssl
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from potluck.transport.dataplane import Wait
 
 DEFAULT_SPIN_S = 0.02  # how long a node polls a data connection for the next frame (seconds)
 REHEARSE_EVERY_S = 250e-6  # while polling, how often the node rehearses its receive path
+READABLE, TIMED_OUT, NOT_POLLING = 1, 0, -1  # what poll_readable says
+
+_computing = [0]  # threads of this process inside a stage's compute
+_spinning = threading.Lock()  # held by the one thread that polls
+
+
+@contextlib.contextmanager
+def computing() -> Iterator[None]:
+    """`with computing():` around a stage's compute: no thread of this process polls meanwhile
+    (a polling thread would take the core from the compute on a single-core worker)."""
+    _computing[0] += 1
+    try:
+        yield
+    finally:
+        _computing[0] -= 1
+
+
+def poll_readable(fd: int, budget_s: float) -> int:
+    """Wait for `fd` to be readable by polling it in a loop for at most `budget_s`: READABLE
+    (data, its end, or an error), TIMED_OUT, or NOT_POLLING (no budget, another thread of this
+    process polls already, or a stage computes here), after which the caller blocks as usual."""
+    if budget_s <= 0 or not _spinning.acquire(blocking=False):
+        return NOT_POLLING
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        end = time.monotonic() + budget_s
+        while True:
+            if poller.poll(0):
+                return READABLE  # data, end of stream or an error
+            if _computing[0]:
+                return NOT_POLLING
+            if time.monotonic() >= end:
+                return TIMED_OUT
+            os.sched_yield()  # whatever else wants this core (the head, a reply's reader) first
+    finally:
+        _spinning.release()
+
+
+def spin_readable(fd: int, budget_s: float) -> bool:
+    """`poll_readable(fd, budget_s) == READABLE`."""
+    return poll_readable(fd, budget_s) == READABLE
 
 
 def spin_wait(budget_s: float, rehearse: Callable[[], None] | None = None) -> Wait | None:
@@ -36,7 +82,6 @@ def spin_wait(budget_s: float, rehearse: Callable[[], None] | None = None) -> Wa
     core had nothing else to do."""
     if budget_s <= 0:
         return None
-    from potluck.kernels.native import TIMED_OUT, poll_readable, spin_readable
 
     def wait(sock: socket.socket) -> None:
         if isinstance(sock, ssl.SSLSocket) and sock.pending():

@@ -1,0 +1,254 @@
+"""ggml through ctypes: the library that `ggml-python` builds, with our own declarations.
+
+`ggml-python` (pinned in pyproject.toml) builds ggml from source with CMake (`CMAKE_ARGS` picks
+GPU backends, as for llama-cpp-python) and loads the shared libraries. Its own declarations give
+some functions a 32-bit return type for 64-bit pointers (`ggml_backend_cpu_buffer_from_ptr`,
+`ggml_backend_cpu_buffer_type`, `ggml_backend_alloc_buffer`, ...), so this module declares every
+function Potluck calls itself, pointers as `c_void_p`, on the library handle ggml-python loaded.
+Everything else in Potluck calls ggml through `lib` below, never through `ggml.ggml`.
+
+Tensors, contexts, graphs, backends and buffers are plain ints (addresses) here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from ctypes import POINTER, c_bool, c_char_p, c_float, c_int, c_int64, c_size_t, c_uint8, c_void_p
+from dataclasses import dataclass
+from typing import Any
+
+from potluck.errors import PotluckError
+
+
+class BackendError(PotluckError):
+    """ggml is missing, or a backend (device) could not be started or ran out of memory."""
+
+
+P = c_void_p
+
+# name: (argument types, return type); None = void
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    # contexts, tensors, graphs
+    "ggml_init": ([], P),  # argtypes set below (a struct by value)
+    "ggml_free": ([P], None),
+    "ggml_tensor_overhead": ([], c_size_t),
+    "ggml_graph_overhead_custom": ([c_size_t, c_bool], c_size_t),
+    "ggml_new_tensor_1d": ([P, c_int, c_int64], P),
+    "ggml_new_tensor_2d": ([P, c_int, c_int64, c_int64], P),
+    "ggml_new_tensor_3d": ([P, c_int, c_int64, c_int64, c_int64], P),
+    "ggml_new_tensor_4d": ([P, c_int, c_int64, c_int64, c_int64, c_int64], P),
+    "ggml_set_name": ([P, c_char_p], P),
+    "ggml_set_input": ([P], None),
+    "ggml_set_output": ([P], None),
+    "ggml_nbytes": ([P], c_size_t),
+    "ggml_row_size": ([c_int, c_int64], c_size_t),
+    "ggml_blck_size": ([c_int], c_int64),
+    "ggml_type_size": ([c_int], c_size_t),
+    "ggml_new_graph_custom": ([P, c_size_t, c_bool], P),
+    "ggml_build_forward_expand": ([P, P], None),
+    "ggml_graph_n_nodes": ([P], c_int),
+    # operations
+    "ggml_get_rows": ([P, P, P], P),
+    "ggml_set_rows": ([P, P, P, P], P),
+    "ggml_mul_mat": ([P, P, P], P),
+    "ggml_add": ([P, P, P], P),
+    "ggml_mul": ([P, P, P], P),
+    "ggml_scale": ([P, P, c_float], P),
+    "ggml_rms_norm": ([P, P, c_float], P),
+    "ggml_rope_ext": (
+        [P, P, P, P, c_int, c_int, c_int, c_float, c_float, c_float, c_float, c_float, c_float],
+        P,
+    ),
+    "ggml_flash_attn_ext": ([P, P, P, P, P, c_float, c_float, c_float], P),
+    "ggml_flash_attn_ext_set_prec": ([P, c_int], None),
+    "ggml_swiglu_split": ([P, P, P], P),
+    "ggml_geglu_split": ([P, P, P], P),
+    "ggml_view_1d": ([P, P, c_int64, c_size_t], P),
+    "ggml_view_2d": ([P, P, c_int64, c_int64, c_size_t, c_size_t], P),
+    "ggml_view_3d": ([P, P, c_int64, c_int64, c_int64, c_size_t, c_size_t, c_size_t], P),
+    "ggml_reshape_2d": ([P, P, c_int64, c_int64], P),
+    "ggml_reshape_3d": ([P, P, c_int64, c_int64, c_int64], P),
+    "ggml_permute": ([P, P, c_int, c_int, c_int, c_int], P),
+    "ggml_cont": ([P, P], P),
+    "ggml_concat": ([P, P, P, c_int], P),
+    "ggml_cpy": ([P, P, P], P),
+    "ggml_cast": ([P, P, c_int], P),
+    # backends, buffers
+    "ggml_backend_cpu_init": ([], P),
+    "ggml_backend_cpu_set_n_threads": ([P, c_int], None),
+    "ggml_backend_free": ([P], None),
+    "ggml_backend_name": ([P], c_char_p),
+    "ggml_backend_get_device": ([P], P),
+    "ggml_backend_get_default_buffer_type": ([P], P),
+    "ggml_backend_cpu_buffer_from_ptr": ([P, c_size_t], P),
+    "ggml_backend_cpu_buffer_type": ([], P),
+    "ggml_backend_tensor_alloc": ([P, P, P], c_int),
+    "ggml_backend_alloc_ctx_tensors": ([P, P], P),
+    "ggml_backend_alloc_ctx_tensors_from_buft": ([P, P], P),
+    "ggml_backend_buffer_free": ([P], None),
+    "ggml_backend_buffer_clear": ([P, c_uint8], None),
+    "ggml_backend_buffer_get_size": ([P], c_size_t),
+    "ggml_backend_buffer_get_base": ([P], P),
+    "ggml_backend_buft_alloc_buffer": ([P, c_size_t], P),
+    "ggml_backend_buft_name": ([P], c_char_p),
+    "ggml_backend_tensor_set": ([P, P, c_size_t, c_size_t], None),
+    "ggml_backend_tensor_get": ([P, P, c_size_t, c_size_t], None),
+    "ggml_backend_tensor_copy": ([P, P], None),
+    "ggml_backend_graph_compute": ([P, P], c_int),
+    "ggml_backend_sched_new": ([POINTER(P), POINTER(P), c_int, c_size_t, c_bool, c_bool], P),
+    "ggml_backend_sched_free": ([P], None),
+    "ggml_backend_sched_reset": ([P], None),
+    "ggml_backend_sched_reserve": ([P, P], c_bool),
+    "ggml_backend_sched_alloc_graph": ([P, P], c_bool),
+    "ggml_backend_sched_graph_compute": ([P, P], c_int),
+    "ggml_backend_sched_get_buffer_size": ([P, P], c_size_t),
+    # devices and registries
+    "ggml_backend_dev_count": ([], c_size_t),
+    "ggml_backend_dev_get": ([c_size_t], P),
+    "ggml_backend_dev_name": ([P], c_char_p),
+    "ggml_backend_dev_description": ([P], c_char_p),
+    "ggml_backend_dev_memory": ([P, POINTER(c_size_t), POINTER(c_size_t)], None),
+    "ggml_backend_dev_type": ([P], c_int),
+    "ggml_backend_dev_init": ([P, c_char_p], P),
+    "ggml_backend_dev_backend_reg": ([P], P),
+    "ggml_backend_reg_name": ([P], c_char_p),
+    "ggml_backend_reg_get_proc_address": ([P, c_char_p], P),
+}
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", c_size_t), ("mem_buffer", c_void_p), ("no_alloc", c_bool)]
+
+
+class _Feature(ctypes.Structure):  # struct ggml_backend_feature
+    _fields_ = [("name", c_char_p), ("value", c_char_p)]
+
+
+class _Lib:
+    """The declared functions as attributes: `lib.ggml_mul_mat(ctx, a, b)`."""
+
+    def __init__(self) -> None:
+        try:
+            from ggml import ggml as ggml_python  # builds/loads libggml (ggml-python)
+        except (ImportError, OSError) as exc:
+            raise BackendError(
+                f"ggml could not be loaded ({exc}); reinstall it with "
+                "`pip install --force-reinstall --no-cache-dir ggml-python==0.0.45` "
+                "(it compiles ggml; a C/C++ compiler and CMake are needed)"
+            ) from exc
+        handle: ctypes.CDLL = ggml_python.lib
+        for name, (args, res) in _SIGNATURES.items():
+            fn = getattr(handle, name)
+            fn.argtypes, fn.restype = args, res
+            setattr(self, name, fn)
+        self.ggml_init.argtypes = [_InitParams]
+        self.handle = handle
+
+    def __getattr__(self, name: str) -> Any:  # only for names not declared above
+        raise AttributeError(f"ggml function {name} is not declared in potluck.model.ggml_lib")
+
+
+@functools.cache
+def _lib() -> _Lib:
+    return _Lib()
+
+
+class _Proxy:
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_lib(), name)
+
+
+lib: Any = _Proxy()
+
+# ggml enums (ggml.h) that the gguf package has no table for
+PREC_F32 = 10  # GGML_PREC_F32
+ROPE_NORMAL, ROPE_NEOX = 0, 2  # GGML_ROPE_TYPE_*
+DEV_CPU, DEV_GPU, DEV_IGPU, DEV_ACCEL = 0, 1, 2, 3  # enum ggml_backend_dev_type
+TYPE_F32, TYPE_F16, TYPE_I32, TYPE_I64 = 0, 1, 26, 27  # enum ggml_type (= gguf's numbering)
+STATUS_SUCCESS = 0
+
+
+def context(n_tensors: int, graph_nodes: int = 0) -> int:
+    """A ggml context that holds only tensor and graph metadata (no_alloc: data lives in buffers)."""
+    size = n_tensors * lib.ggml_tensor_overhead()
+    if graph_nodes:
+        size += lib.ggml_graph_overhead_custom(graph_nodes, False)
+    ctx = lib.ggml_init(_InitParams(size, None, True))
+    if not ctx:
+        raise BackendError(f"ggml_init failed for a context of {size:,} bytes")
+    return ctx
+
+
+@dataclass(frozen=True)
+class Device:
+    """One ggml device: `index` in ggml's device list, its kind, and memory as ggml measures it."""
+
+    index: int
+    name: str  # e.g. "CPU", "Vulkan0", "CUDA0"
+    description: str
+    kind: str  # "cpu" | "gpu" | "igpu" | "accel"
+    free_bytes: int
+    total_bytes: int
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind in ("gpu", "igpu")
+
+
+_KINDS = {DEV_CPU: "cpu", DEV_GPU: "gpu", DEV_IGPU: "igpu", DEV_ACCEL: "accel"}
+
+
+def devices() -> list[Device]:
+    """Every device this machine's ggml can use, CPU included."""
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = c_size_t(0), c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append(
+            Device(
+                i,
+                lib.ggml_backend_dev_name(dev).decode(),
+                lib.ggml_backend_dev_description(dev).decode(),
+                _KINDS.get(lib.ggml_backend_dev_type(dev), "accel"),
+                int(free.value),
+                int(total.value),
+            )
+        )
+    return out
+
+
+def cpu_features() -> dict[str, str]:
+    """The CPU backend's compiled-in and detected features (AVX2, AVX512, FMA, OPENMP, ...)."""
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        if lib.ggml_backend_dev_type(dev) != DEV_CPU:
+            continue
+        reg = lib.ggml_backend_dev_backend_reg(dev)
+        addr = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_get_features")
+        if not addr:
+            return {}
+        get = ctypes.CFUNCTYPE(POINTER(_Feature), c_void_p)(addr)
+        feats, out = get(reg), {}
+        k = 0
+        while feats[k].name:
+            out[feats[k].name.decode()] = feats[k].value.decode()
+            k += 1
+        return out
+    return {}
+
+
+def describe() -> str:
+    """One line for the startup log and `potluck doctor`: devices and CPU features."""
+    feats = cpu_features()
+    flags = [k for k, v in feats.items() if v == "1" and k not in ("OPENMP", "REPACK")]
+    extras = [k.lower() for k in ("OPENMP", "REPACK") if feats.get(k) == "1"]
+    devs = ", ".join(
+        f"{d.name}"
+        + (f" ({d.description}, {d.free_bytes / 2**30:.1f} GiB free)" if d.is_gpu else "")
+        for d in devices()
+    )
+    return f"ggml: {devs}; CPU {' '.join(flags) or 'baseline'}" + (
+        f" ({', '.join(extras)})" if extras else ""
+    )

@@ -1,0 +1,203 @@
+"""A stage's weights as ggml tensors over the model file's own bytes, mapped in place.
+
+Each tensor of a `WeightSource` is a read-only view of a memory map (the GGUF file, or a worker's
+blob of a received tensor); ggml gets a CPU buffer over exactly those bytes
+(`ggml_backend_cpu_buffer_from_ptr`) and the tensor points into it: nothing is copied or
+re-encoded, processes that map the same file share its pages, and "weights in memory" is the
+stage's tensor bytes. A tensor meant for another device (a GPU layer, `-ngl`) is uploaded once
+into that device's buffer instead. `exact=True` (tests only) dequantizes every tensor to f32 in
+ordinary memory: ggml then multiplies in f32 throughout, the reference precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from potluck.errors import ModelFileError, UnsupportedError
+from potluck.model.ggml_lib import STATUS_SUCCESS, TYPE_F32, BackendError, lib
+from potluck.model.ggml_lib import context as new_context
+from potluck.modelfile.gguf_file import TensorInfo
+
+# Every type ggml's CPU backend multiplies (mul_mat and get_rows), by the gguf package's names.
+SUPPORTED_TYPES = frozenset(
+    GGMLQuantizationType[n]
+    for n in [
+        "F32",
+        "F16",
+        "BF16",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ2_S",
+        "IQ3_XXS",
+        "IQ3_S",
+        "IQ1_S",
+        "IQ1_M",
+        "IQ4_NL",
+        "IQ4_XS",
+        "TQ1_0",
+        "TQ2_0",
+        "MXFP4",
+    ]
+    if n in GGMLQuantizationType.__members__
+)
+
+
+class WeightSource(Protocol):
+    """Where a stage's tensors come from: a GGUFFile, or tensors received over the network."""
+
+    tensors: dict[str, TensorInfo]
+
+    def raw(self, name: str) -> np.ndarray: ...
+
+
+def check(src: WeightSource, name: str, shape: tuple[int, ...]) -> TensorInfo:
+    """The tensor's index entry, after checking it exists with `shape` and a type ggml computes."""
+    info = src.tensors.get(name)
+    if info is None:
+        raise ModelFileError(f"tensor {name} is missing from the model file")
+    if info.shape != shape:
+        raise ModelFileError(
+            f"tensor {name} has shape {info.shape}, expected {shape} from the metadata"
+        )
+    if info.qtype not in SUPPORTED_TYPES:
+        names = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise UnsupportedError(
+            f"tensor {name} uses quantization {info.qtype.name}, not supported; supported: {names}"
+        )
+    return info
+
+
+class Weights:
+    """Named ggml tensors for a stage. `tensor(name)` gives the ggml tensor (an address).
+
+    placement(name) -> None (this CPU, mapped in place) or a ggml buffer type to upload into."""
+
+    def __init__(
+        self,
+        src: WeightSource,
+        shapes: Iterable[tuple[str, tuple[int, ...]]],
+        exact: bool = False,
+        placement: Callable[[str], int | None] = lambda name: None,
+    ) -> None:
+        wanted = list(dict.fromkeys(shapes))
+        self._ctx = new_context(len(wanted))
+        self._tensors: dict[str, int] = {}
+        self._keep: list[np.ndarray] = []  # the arrays the CPU buffers point into
+        self._buffers: list[int] = []
+        self.nbytes = 0  # bytes of weights this stage holds (in RAM or device memory)
+        self.device_bytes: dict[int, int] = {}  # buffer type -> bytes uploaded there
+        uploads: dict[int, list[tuple[str, int, np.ndarray]]] = {}
+        try:
+            for name, shape in wanted:
+                info = check(src, name, shape)
+                raw = src.raw(name)
+                qtype = int(info.qtype)
+                if exact and info.qtype != GGMLQuantizationType.F32:
+                    from gguf.quants import dequantize
+
+                    raw = np.ascontiguousarray(dequantize(np.asarray(raw), info.qtype), np.float32)
+                    qtype = TYPE_F32
+                t = _new_tensor(self._ctx, qtype, info.shape)
+                lib.ggml_set_name(t, name.encode())
+                self._tensors[name] = t
+                buft = placement(name)
+                if buft is None:
+                    self._map(t, raw, name)
+                else:
+                    uploads.setdefault(buft, []).append((name, t, raw))
+            for buft, items in uploads.items():
+                self._upload(buft, items)
+        except BaseException:
+            self.free()
+            raise
+
+    def _map(self, t: int, raw: np.ndarray, name: str) -> None:
+        if not raw.flags.c_contiguous:
+            raw = np.ascontiguousarray(raw)  # (never for a memory map's view; defensive)
+        n = raw.nbytes
+        if n != lib.ggml_nbytes(t):
+            raise ModelFileError(
+                f"tensor {name} has {n:,} bytes, its type and shape need {lib.ggml_nbytes(t):,}"
+            )
+        addr = raw.ctypes.data
+        buf = cpu_buffer_over(addr, n)
+        if not buf or lib.ggml_backend_tensor_alloc(buf, t, addr) != STATUS_SUCCESS:
+            raise BackendError(f"ggml could not map tensor {name} in place")
+        self._buffers.append(buf)
+        self._keep.append(raw)
+        self.nbytes += n
+
+    def _upload(self, buft: int, items: list[tuple[str, int, np.ndarray]]) -> None:
+        align = 256
+        size = sum(-(-lib.ggml_nbytes(t) // align) * align for _, t, _ in items)
+        buf = lib.ggml_backend_buft_alloc_buffer(buft, size)
+        if not buf:
+            name = lib.ggml_backend_buft_name(buft).decode()
+            raise BackendError(
+                f"{name}: out of device memory for {len(items)} tensors ({size / 2**20:.0f} MiB); "
+                "put fewer layers on the GPU (-ngl)"
+            )
+        self._buffers.append(buf)
+        base, at = lib.ggml_backend_buffer_get_base(buf), 0
+        for _, t, raw in items:
+            n = lib.ggml_nbytes(t)
+            lib.ggml_backend_tensor_alloc(buf, t, base + at)
+            data = np.ascontiguousarray(raw)
+            lib.ggml_backend_tensor_set(t, data.ctypes.data, 0, n)
+            at += -(-n // align) * align
+        self.nbytes += size
+        self.device_bytes[buft] = self.device_bytes.get(buft, 0) + size
+
+    def tensor(self, name: str) -> int:
+        return self._tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def free(self) -> None:
+        for buf in self._buffers:
+            lib.ggml_backend_buffer_free(buf)
+        self._buffers = []
+        if self._ctx:
+            lib.ggml_free(self._ctx)
+            self._ctx = 0
+        self._keep = []
+
+    def __del__(self) -> None:
+        self.free()
+
+
+def cpu_buffer_over(addr: int, nbytes: int) -> int:
+    """A ggml CPU buffer that covers the bytes [addr, addr + nbytes) of memory we keep alive.
+
+    ggml wants a buffer's base aligned to 32 bytes; a tensor inside may lie anywhere (GGUF aligns
+    tensor data to `general.alignment` from the data section, numpy to 16). So the buffer starts
+    at the page boundary below `addr`: a buffer is only a range to ggml (it never frees or clears
+    one made from a pointer), and the tensor's own bytes are the only ones read."""
+    base = addr & ~4095
+    return lib.ggml_backend_cpu_buffer_from_ptr(base, addr + nbytes - base)
+
+
+def _new_tensor(ctx: int, qtype: int, shape: tuple[int, ...]) -> int:
+    ne = list(reversed(shape))  # ggml: innermost dimension first
+    if len(ne) == 1:
+        return lib.ggml_new_tensor_1d(ctx, qtype, *ne)
+    if len(ne) == 2:
+        return lib.ggml_new_tensor_2d(ctx, qtype, *ne)
+    if len(ne) == 3:
+        return lib.ggml_new_tensor_3d(ctx, qtype, *ne)
+    return lib.ggml_new_tensor_4d(ctx, qtype, *ne)
