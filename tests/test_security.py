@@ -403,11 +403,8 @@ def test_proof_must_cover_the_nodes_own_certificate(tmp_path: Path) -> None:
 def test_client_proves_again_after_the_worker_restarts(auth: PoolAuth) -> None:
     """A node that restarted forgot its sessions: the client proves again and the call goes
     through (it was refused before its handler ran, so sending it again is safe)."""
-    import torch
-
     from potluck.node.worker import serve
 
-    threads = torch.get_num_threads()  # serve() sets the process's torch threads
     port = _free_port()
     server, _ = serve("127.0.0.1", port, threads=1, auth=auth)
     client = NodeClient(f"127.0.0.1:{port}", auth)
@@ -436,18 +433,14 @@ def test_client_proves_again_after_the_worker_restarts(auth: PoolAuth) -> None:
     finally:
         client.close()
         server.stop(0)
-        torch.set_num_threads(threads)
 
 
 def test_forward_stream_proves_again_when_its_session_is_gone(auth: PoolAuth) -> None:
     """A node that dropped this head's session (here: 266 other heads proved since, and it keeps
     256) refuses the next ForwardStream at its start, before reading a request: the link proves
     again and sends the queued requests on a new stream, so they are answered, not failed."""
-    import torch
-
     from potluck.node.worker import serve
 
-    threads = torch.get_num_threads()
     server, port = serve("127.0.0.1", 0, threads=1, auth=auth)
     address = f"127.0.0.1:{port}"
     client = NodeClient(address, auth)
@@ -464,7 +457,6 @@ def test_forward_stream_proves_again_when_its_session_is_gone(auth: PoolAuth) ->
     finally:
         client.close()
         server.stop(0)
-        torch.set_num_threads(threads)
 
 
 # -- bounds --------------------------------------------------------------------------------------

@@ -382,6 +382,7 @@ def _load(
             on_transfer=on_transfer, wire_dtype=WIRE_DTYPES[wire],
         )  # fmt: skip
     err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
+    err.print(f"[dim]{_backends()}[/]")
     for a in getattr(m.pipeline, "assignments", []):
         err.print(f"[dim]  {a.describe()}[/]")
     return m
@@ -858,7 +859,7 @@ def doctor(
         checks = run_doctor(
             list(found.peers) + [p for p, _ in found.skipped], cfg, _dialer(secret, tls),
             this_machine, cores,
-            local_load, on_progress=status.update,
+            local_load, on_progress=status.update, backends=_backends(),
         )  # fmt: skip
     if as_json:
         print(json.dumps([dataclasses.asdict(c) for c in checks], indent=1))
@@ -1005,6 +1006,7 @@ def worker(
         f"potluck worker {__version__} listening on {host}:{bound} · {lanes} · "
         f"{_physical_cores()} cores · {guard} · Ctrl-C to stop"
     )
+    err.print(f"[dim]{_backends()}[/]")
     try:
         server.wait_for_termination()
     except KeyboardInterrupt:
@@ -1012,6 +1014,13 @@ def worker(
     finally:
         if advertiser is not None:
             advertiser.close()  # goodbye packets: heads drop this worker at once
+
+
+def _backends() -> str:
+    """One line: the devices and CPU features of this machine's ggml."""
+    from potluck.model.ggml_lib import describe
+
+    return describe()
 
 
 def _failover(seconds: float) -> float:

@@ -332,9 +332,11 @@ def run_doctor(
     local_cores: tuple[int, int],
     local_load: Callable[[float, float], list[tuple[float, float]]],
     on_progress: Callable[[str], None] = lambda _: None,
+    backends: str = "",
 ) -> list[Check]:
     """Every check, in order: per peer (reach, handshake/version, secret, threads, link), this
-    machine's threads, the model (with -m), then the load probes (all nodes at once)."""
+    machine's ggml (backends: its devices and CPU features) and threads, the model (with -m),
+    then the load probes (all nodes at once)."""
     checks: list[Check] = []
     alive: list[_Node] = []
     for peer in peers:
@@ -371,6 +373,8 @@ def run_doctor(
         finally:
             client.close()
     phys, logical = local_cores
+    if backends:
+        checks.append(Check("backend", THIS_MACHINE, OK, backends))
     checks.append(threads_check(THIS_MACHINE, cfg.threads or phys, phys, logical))
     if cfg.model is not None:
         on_progress(f"sizing {cfg.model.name}")

@@ -10,6 +10,7 @@ One graph is built per step shape and reused while the shape repeats (model/grap
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from collections.abc import Callable, Sequence
@@ -176,6 +177,9 @@ class Stage:
         total = sum(c.n for c in chunks)
         if x.shape[0] != total:
             raise ValueError(f"input has {x.shape[0]} rows but the chunks add up to {total}")
+        if self.is_first and x.size and (int(x.min()) < 0 or int(x.max()) >= self.hp.n_vocab):
+            bad = x[(x < 0) | (x >= self.hp.n_vocab)][0]
+            raise ValueError(f"token id {int(bad)} is outside the vocabulary [0, {self.hp.n_vocab})")
         if not self.is_first and x.shape[1:] != (self.hp.n_embd,):
             raise ValueError(f"hidden states have shape {x.shape}, expected [T, {self.hp.n_embd}]")
         caches = [self.cache(c.seq_id) for c in chunks]
@@ -223,7 +227,5 @@ class Stage:
         self.weights.free()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(AttributeError, ModelFileError):  # a half-built stage
             self.close()
-        except (AttributeError, ModelFileError):  # a half-built stage
-            pass
