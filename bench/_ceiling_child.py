@@ -21,13 +21,13 @@ import statistics
 import sys
 import time
 
-import torch
+import numpy as np
 
 from potluck.engine.sampling import GREEDY, Sampler
-from potluck.kernels.native import spin_readable
-from potluck.model.stage import SeqChunk, Stage
+from potluck.model.stage import SeqChunk, Stage, set_threads
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.transport.spin import spin_readable
 
 N_STREAMS = 4
 PROMPT_WARMUP = 8  # tokens per sequence before timing (as bench_pool's prefill)
@@ -42,11 +42,13 @@ class Side:
         self.hp = hparams_from_metadata(f.metadata)
         self.stage = Stage(self.hp, f, start, stop, n_ctx)
         self.sampler = Sampler(GREEDY)
+        self.rng = np.random.default_rng(0)
 
-    def input(self, rows: int) -> torch.Tensor:
+    def input(self, rows: int) -> np.ndarray:
+        """Token ids [rows] (int64) for the first stage, else hidden states [rows, n_embd] (f32)."""
         if self.stage.is_first:
-            return torch.full((rows,), 42, dtype=torch.long)
-        return torch.randn(rows, self.hp.n_embd)
+            return np.full(rows, 42, np.int64)
+        return self.rng.standard_normal((rows, self.hp.n_embd), dtype=np.float32)
 
     def run(self, chunks: list[SeqChunk], sample: bool) -> None:
         x = self.input(sum(c.n for c in chunks))
@@ -54,7 +56,7 @@ class Side:
             self.stage(x, chunks)
             return
         if not sample:  # an early prompt micro-batch: the output head is skipped
-            self.stage(x, chunks, torch.empty(0, dtype=torch.long))
+            self.stage(x, chunks, np.empty(0, np.int64))
             return
         for row in self.stage(x, chunks):
             self.sampler.sample(row, [])
@@ -64,7 +66,7 @@ def main() -> None:
     path, role, task = sys.argv[1], sys.argv[2], sys.argv[3]
     start, stop, n = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
     rfd, wfd = (int(sys.argv[7]), int(sys.argv[8])) if role != "single" else (-1, -1)
-    torch.set_num_threads(1)
+    set_threads(1)  # before the stage is built: it takes its thread count then
     n_seqs = N_STREAMS if task == "streams" else 1
     side = Side(path, start, stop, max(1024, n + 2 * PROMPT_WARMUP + 64))
     seqs = list(range(1, n_seqs + 1))

@@ -1,4 +1,5 @@
-"""Shared bits of the bench scripts: model paths, machine/run info, medians and the table printer."""
+"""Shared bits of the bench scripts: model paths, llama.cpp's tools, machine/run info, medians and
+the table printer."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = Path.home() / ".cache" / "potluck" / "models"
 GEMMA_FILE = "gemma-3-270m-Q4_K_M.gguf"
 MODEL_NAMES = ("smollm2", "gemma3")
+# llama.cpp's own C++ tools (BENCHMARKS.md's reference build); bench_single.py uses the same rule
+DEFAULT_LLAMA_BIN = Path("/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
+LLAMA_BUILD_HINT = """\
+{tool} not found in {bin} (--llama-bin DIR or LLAMA_CPP_BIN). Build llama.cpp as BENCHMARKS.md's
+reference, from the llama-cpp-python 0.3.36 sdist:
+  pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+  cd llama_cpp_python-0.3.36/vendor/llama.cpp && cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON
+  cmake --build build -j --target llama-bench llama-completion llama-perplexity ggml-rpc-server"""
 
 
 def model_path(name: str) -> Path:
@@ -34,13 +43,47 @@ def model_path(name: str) -> Path:
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
 
 
-def llama_cpp_version() -> str | None:
-    """llama_cpp's version, or None when it is not importable (then llama.cpp runs are skipped)."""
-    try:
-        import llama_cpp
-    except ImportError:
+def llama_bin_default() -> Path:
+    """Where llama.cpp's tools are looked for when --llama-bin is not given: $LLAMA_CPP_BIN, else
+    the vendored build."""
+    return Path(os.environ.get("LLAMA_CPP_BIN") or DEFAULT_LLAMA_BIN)
+
+
+def llama_tools(bin_dir: Path | None, *tools: str) -> Path | None:
+    """bin_dir when every one of `tools` is in it, else None after saying how to build them (the
+    caller then runs potluck alone)."""
+    for tool in tools:
+        if bin_dir is None or not (bin_dir / tool).is_file():
+            print(LLAMA_BUILD_HINT.format(tool=tool, bin=bin_dir))
+            return None
+    return bin_dir
+
+
+def llama_cpp_version(bin_dir: Path | None, tool: str = "llama-bench") -> str | None:
+    """The first line of `tool --version` ("version: 0.5.0-dev (build 1, commit 0c1e570)"), or
+    None without the tool."""
+    if bin_dir is None or not (bin_dir / tool).is_file():
         return None
-    return str(llama_cpp.__version__)
+    try:
+        done = subprocess.run([str(bin_dir / tool), "--version"], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unavailable: {e}"
+    lines = (done.stdout + done.stderr).strip().splitlines()  # it prints to stderr
+    return lines[0] if lines else None
+
+
+def ggml_description() -> str:
+    """potluck.model.ggml_lib.describe(): ggml's devices and CPU features as potluck sees them."""
+    try:
+        from potluck.model.ggml_lib import BackendError, describe
+
+        try:
+            return describe()
+        except BackendError as e:
+            return f"unavailable: {e}"
+    except ImportError as e:
+        return f"unavailable: {e}"
 
 
 def _cpu_model() -> str:
@@ -54,15 +97,31 @@ def _cpu_model() -> str:
 
 
 def _cpu_flags() -> list[str]:
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+    """The SIMD flags that decide which ggml kernels run (as bench_single.py records them)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in wanted if f in have]
+                have = line.split(":", 1)[1].split()
+                return [f for f in have if f in ("avx2", "fma", "f16c")
+                        or f.startswith(("avx512", "avx_vnni", "amx"))]  # fmt: skip
     except OSError:
         pass
     return []
+
+
+def _cpu_family_model() -> str:
+    """ "family/model" from /proc/cpuinfo (BENCHMARKS.md names CPUs by them)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("cpu family", "model") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
+            if not line.strip():
+                break  # the first processor is enough
+    except OSError:
+        pass
+    return f"{fields.get('cpu family')}/{fields.get('model')}"
 
 
 def _git(*args: str) -> str:
@@ -70,21 +129,22 @@ def _git(*args: str) -> str:
     return done.stdout.rstrip("\n")  # keep porcelain's leading status columns
 
 
-def run_info() -> dict:
-    """Where and when: machine, versions, commit, and whether the tree had uncommitted changes."""
-    import torch
-
+def run_info(llama_bin: Path | None = None, llama_tool: str = "llama-bench") -> dict:
+    """Where and when: machine, ggml as potluck sees it, llama.cpp's build (`llama_tool --version`
+    in llama_bin, when given), commit, and whether the tree had uncommitted changes."""
     dirty = [line[3:] for line in _git("status", "--porcelain").splitlines()]
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "cpu_model": _cpu_model(),
+        "cpu_family_model": _cpu_family_model(),
         "cpu_flags": _cpu_flags(),
         "n_cpus": os.cpu_count(),
         "mem_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "loadavg_start": list(os.getloadavg()),
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "llama_cpp": llama_cpp_version(),
+        "ggml": ggml_description(),
+        "llama_cpp_bin": str(llama_bin) if llama_bin else None,
+        "llama_cpp": llama_cpp_version(llama_bin, llama_tool),
         "git_commit": _git("rev-parse", "--short", "HEAD").strip(),
         "git_dirty": bool(dirty),
         "git_dirty_paths": dirty,

@@ -17,12 +17,12 @@ import statistics
 import sys
 import time
 
-import torch
+import numpy as np
 
 from potluck.engine.generate import POOL_N_BATCH, generate, load_model, prefill
 from potluck.engine.pipeline import Assignment
 from potluck.engine.sampling import GREEDY, Sampler
-from potluck.model.stage import SeqChunk
+from potluck.model.stage import SeqChunk, set_threads
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 
@@ -37,8 +37,7 @@ def balanced_cuts(path: str, n_nodes: int, balance: str) -> list[int]:
     the slowest stage, as the planner does between splits of equal one-stream time."""
     from functools import cache
 
-    from potluck.kernels.qlinear import held_bytes
-    from potluck.planner import footprint_from_gguf
+    from potluck.planner import footprint_from_gguf, held_bytes
     from potluck.planner.cost import CostModel
     from potluck.planner.nodes import NodeInfo
 
@@ -88,7 +87,7 @@ class Timings:
 def main() -> None:
     path, mode, task, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     peers = sys.argv[5:]
-    torch.set_num_threads(1)
+    set_threads(1)  # before load_model: a stage takes its thread count when it is built
     n_ctx = max(512, n + 64)
     if mode == "single":
         m = load_model(path, n_ctx=n_ctx)
@@ -146,7 +145,7 @@ def main() -> None:
         groups = [seqs[i::depth] for i in range(depth)]
 
         def launch(g: list[int]):
-            toks = torch.tensor([last[s] for s in g])
+            toks = np.array([last[s] for s in g], np.int64)
             return pipe.submit(toks, [SeqChunk(s, 1) for s in g], samplers, {})
 
         t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """What two single-core stages can reach on this machine at all: one process vs a pool that sends
 nothing vs the real pool, side by side.
 
-    python bench/bench_ceiling.py [--models smollm2,gemma3] [--tasks decode,pp,streams] [--reps 3] [--out bench/out/ceiling.json]
+    python bench/bench_ceiling.py [--models smollm2,gemma3] [--tasks decode,pp,streams] [--reps 3]
+        [--quick] [--out bench/out/ceiling.json]
 
 "zero-transport pool": two processes pinned to core 0 and core 1, each holding its stage (the
 engine's own `Stage`, split as bench_pool.py splits), scheduled exactly as bench_pool.py's pool
@@ -27,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import MODEL_NAMES, median, model_path, print_table, run_info, write_json  # noqa: E402
 from _pool_child import balanced_cuts  # noqa: E402
-from bench_pool import TASKS, child, start_worker  # noqa: E402
+from bench_pool import QUICK_TASKS, TASKS, child, start_worker  # noqa: E402
 
 CEILING_CHILD = Path(__file__).resolve().parent / "_ceiling_child.py"
 
@@ -72,13 +73,18 @@ def main() -> None:
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench/out/ceiling.json"))
+    ap.add_argument("--quick", action="store_true",
+                    help="smollm2, 1 rep, bench_pool.py's quick task sizes: a smoke test")  # fmt: skip
     args = ap.parse_args()
+    tasks = dict(TASKS)
+    if args.quick:
+        args.models, args.reps, tasks = "smollm2", 1, dict(QUICK_TASKS)
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs two cores")
     from potluck.modelfile.gguf_file import GGUFFile
     from potluck.modelfile.hparams import hparams_from_metadata
 
-    result: dict = {"info": run_info(), "models": {}}
+    result: dict = {"info": run_info(), "tasks": tasks, "models": {}}
     rows = []
     for name in args.models.split(","):
         path = model_path(name)
@@ -87,7 +93,7 @@ def main() -> None:
         entry: dict = {}
         try:
             for task in args.tasks.split(","):
-                n = TASKS[task]
+                n = tasks[task]
                 cut = balanced_cuts(str(path), 2, "prompt" if task == "pp" else "decode")[1]
                 samples: dict[str, list[float]] = {"single": [], "zero": [], "pool": []}
                 batch_ms: dict[str, list] = {"single": [], "zero": []}

@@ -1,7 +1,8 @@
 """What a machine going away costs: detection time, recovery time and tokens/s before and after,
 for each fault (SIGKILL, SIGSTOP, and a cut network link between namespaces when root).
 
-    python bench/bench_failover.py [--model smollm2] [--tokens 96] [--at 24] [--timeout 5] [--out bench/out/failover.json]
+    python bench/bench_failover.py [--model smollm2] [--tokens 96] [--at 24] [--timeout 5]
+        [--no-netns] [--quick] [--out bench/out/failover.json]
 
 A head (this machine's first third of the layers) and two workers on loopback (for the cut: each in
 its own network namespace behind a pass-through proxy, the head in a third). At token --at the
@@ -93,7 +94,14 @@ def main() -> None:
     ap.add_argument("--at", type=int, default=24)
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--out", type=Path, default=Path("bench/out/failover.json"))
+    ap.add_argument(
+        "--no-netns", action="store_true", help="skip the link cut (network namespaces)"
+    )
+    ap.add_argument("--quick", action="store_true",
+                    help="32 tokens, fault at token 8, timeout 2 s: a smoke test")  # fmt: skip
     args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.at, args.timeout = 32, 8, 2.0
     path = model_path(args.model)
     result: dict = {"info": run_info(), "args": vars(args) | {"out": str(args.out)}, "faults": {}}
     procs: list[subprocess.Popen] = []
@@ -119,7 +127,7 @@ def main() -> None:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
                 p.kill()
-    if os.geteuid() == 0:
+    if os.geteuid() == 0 and not args.no_netns:
         from netns import netns_lan
 
         with netns_lan(3) as (h, w1, w2):

@@ -2,7 +2,7 @@
 hidden states on the workers' data ports (transport/dataplane.py) vs on gRPC streams only
 (`potluck worker --no-data-port`), side by side.
 
-    python bench/bench_hop.py [--reps 3] [--tokens 300] [--out bench/out/hop.json]
+    python bench/bench_hop.py [--reps 3] [--tokens 300] [--quick] [--out bench/out/hop.json]
 
 The model is a random 2-layer llama with SmolLM2's width (576), written with gguf.GGUFWriter (the
 tests' generator), one layer per worker, so per-token time is almost all transport: the head's
@@ -26,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _common import print_table, run_info, write_json  # noqa: E402
 
 CHILD = r"""
-import json, sys, time, torch
+import json, sys, time
+import numpy as np
 from potluck.engine.generate import load_model, prefill
 from potluck.engine.pipeline import Assignment
 from potluck.engine.sampling import GREEDY, Sampler
-from potluck.model.stage import SeqChunk
+from potluck.model.stage import SeqChunk, set_threads
 path, a, b, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-torch.set_num_threads(1)
+set_threads(1)
 m = load_model(path, n_ctx=512, assignments=[Assignment(a, 0, 1), Assignment(b, 1, 2)])
 pipe = m.pipeline
 links = [type(c.link).__name__ for c in pipe.inner.clients]
@@ -41,7 +42,7 @@ tok = prefill(pipe, seq, [1, 2, 3], s)
 walls, hops = [], []
 for _ in range(n):
     t = time.perf_counter()
-    tok = pipe.step(torch.tensor([tok]), [SeqChunk(seq, 1)], {seq: s}, {})[0]
+    tok = pipe.step(np.array([tok], np.int64), [SeqChunk(seq, 1)], {seq: s}, {})[0]
     walls.append((time.perf_counter() - t) * 1e3)
     hops.append(sum(pipe.last_hop_ms))
 walls.sort(); hops.sort()
@@ -91,7 +92,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--out", type=Path, default=Path("bench/out/hop.json"))
+    ap.add_argument("--quick", action="store_true", help="1 rep, 50 tokens: a smoke test")
     args = ap.parse_args()
+    if args.quick:
+        args.reps, args.tokens = 1, 50
     from ggufgen import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,7 @@
 """Decode over links with latency: steps sent ahead of their token vs the head in the loop.
 
-    python bench/bench_latency.py [--models smollm2,gemma3] [--delays 0,1,2] [--reps 3] [--out bench/out/latency.json]
+    python bench/bench_latency.py [--models smollm2,gemma3] [--delays 0,1,2] [--reps 3]
+        [--tokens 64] [--quick] [--out bench/out/latency.json]
 
 Two `potluck worker -t 1` pinned to core 0 and core 1 (standing in for two single-core machines),
 all layers on them, and every link (head → first node, first → second node) through
@@ -68,9 +69,14 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODEL_NAMES))
     ap.add_argument("--delays", default="0,1,2", help="one-way delay per link, ms")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=N_TOKENS, help="decoded tokens per run")
     ap.add_argument("--out", type=Path, default=Path("bench/out/latency.json"))
+    ap.add_argument("--quick", action="store_true",
+                    help="smollm2, delays 0 and 2 ms, 1 rep, 16 tokens: a smoke test")  # fmt: skip
     args = ap.parse_args()
-    result: dict = {"info": run_info(), "models": {}}
+    if args.quick:
+        args.models, args.delays, args.reps, args.tokens = "smollm2", "0,2", 1, 16
+    result: dict = {"info": run_info(), "tokens": args.tokens, "models": {}}
     rows = []
     for name in args.models.split(","):
         path = model_path(name)
@@ -89,10 +95,10 @@ def main() -> None:
                 try:
                     for _ in range(args.reps):  # A B C A B C ...
                         samples["single"].append(
-                            child(path, "single", "decode", N_TOKENS, [])["tok_s"]
+                            child(path, "single", "decode", args.tokens, [])["tok_s"]
                         )
                         for mode, env in (("ahead", {}), ("loop", {"POOL_AHEAD": "0"})):
-                            got = child(path, "pool", "decode", N_TOKENS, peers, env)
+                            got = child(path, "pool", "decode", args.tokens, peers, env)
                             samples[mode].append(got["tok_s"])
                 finally:
                     for p in proxies:

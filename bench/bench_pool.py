@@ -1,12 +1,17 @@
-"""Two single-core workers vs one single-core process: decode, pp512 and 4 streams, side by side.
+"""Two single-core workers vs one single-core process vs llama.cpp RPC: decode, pp512 and 4
+streams, side by side.
 
-    python bench/bench_pool.py [--models smollm2,gemma3] [--tasks decode,pp,streams] [--reps 3] [--out bench/out/pool.json]
+    python bench/bench_pool.py [--models smollm2,gemma3] [--tasks decode,pp,streams] [--reps 3]
+        [--llama-bin DIR | --no-llama] [--head-cpus 0,1] [--quick] [--out bench/out/pool.json]
 
 Each worker is its own OS process pinned to one core with `taskset` (standing in for two
 single-core machines on a LAN; here the "network" is loopback). The single-core baseline is a
-child process pinned to core 0 running the whole model in process. Alternates A B A B ... and
-reports medians; also worker start-to-ready time, bytes on the wire per decoded token, and the
-peak RSS of each worker against its share of the weights. Never asserts a time.
+child process pinned to core 0 running the whole model in process. llama.cpp's RPC mode (two
+`ggml-rpc-server -t 1` pinned to core 0 and core 1, `llama-bench --rpc a,b -ngl 99`, as
+BENCHMARKS.md's reference) runs in the same rotation when its tools are found. Alternates
+A B C A B C ... and reports medians; also worker start-to-ready time, bytes on the wire per
+decoded token, and the peak RSS of each worker against its share of the weights. Never asserts a
+time.
 """
 
 from __future__ import annotations
@@ -21,10 +26,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import MODEL_NAMES, median, model_path, print_table, run_info, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    MODEL_NAMES,
+    llama_bin_default,
+    llama_tools,
+    median,
+    model_path,
+    print_table,
+    run_info,
+    write_json,
+)
 
 CHILD = Path(__file__).resolve().parent / "_pool_child.py"
 TASKS = {"decode": 64, "pp": 512, "streams": 32}  # task -> tokens (per stream)
+QUICK_TASKS = {"decode": 16, "pp": 128, "streams": 8}  # --quick: a smoke test
 
 
 def free_port() -> int:
@@ -143,10 +158,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench/out/pool.json"))
     ap.add_argument(
-        "--llamacpp-bin", type=Path, default=os.environ.get("LLAMACPP_BIN"),
-        help="folder with llama.cpp's llama-bench and ggml-rpc-server (built with GGML_RPC=ON); "
-        "adds llama.cpp RPC over two pinned servers to the same run",
+        "--llama-bin", "--llamacpp-bin", type=Path, default=llama_bin_default(),
+        help="llama.cpp's build/bin with llama-bench and ggml-rpc-server (built with GGML_RPC=ON; "
+        "default: $LLAMA_CPP_BIN, else the vendored build): adds llama.cpp RPC over two pinned "
+        "servers to the same run",
     )  # fmt: skip
+    ap.add_argument("--no-llama", action="store_true", help="potluck only, no llama.cpp RPC")
+    ap.add_argument("--quick", action="store_true",
+                    help="smollm2, 1 rep, decode 16, pp 128, 4 streams × 8: a smoke test")  # fmt: skip
     ap.add_argument(
         "--head-cpus", default=HEAD_CPUS,
         help="cores the pool's head may run on (taskset -c); 0 = beside the first worker, the "
@@ -154,9 +173,22 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     HEAD_CPUS = args.head_cpus
+    tasks = dict(TASKS)
+    if args.quick:
+        args.models, args.reps, tasks = "smollm2", 1, dict(QUICK_TASKS)
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs two cores to pin two workers")
-    result: dict = {"info": run_info(), "head_cpus": HEAD_CPUS, "models": {}}
+    llama_bin = (
+        None if args.no_llama else llama_tools(args.llama_bin, "llama-bench", "ggml-rpc-server")
+    )
+    if llama_bin is None and not args.no_llama:
+        print("Skipping llama.cpp RPC: potluck figures only.")
+    result: dict = {
+        "info": run_info(llama_bin),
+        "head_cpus": HEAD_CPUS,
+        "tasks": tasks,
+        "models": {},
+    }
     rows = []
     for name in args.models.split(","):
         path = model_path(name)
@@ -168,14 +200,14 @@ def main() -> None:
             child(path, "pool", "decode", 16, [a0, a1])
             entry["worker_one_plan_peak_rss_mib"] = [rss_mib(w0.pid), rss_mib(w1.pid)]
             for task in args.tasks.split(","):
-                n = TASKS[task]
+                n = tasks[task]
                 samples: dict[str, list[float]] = {"single": [], "pool": [], "llama_rpc": []}
                 last: dict = {}
                 for _ in range(args.reps):  # A B C A B C ...
                     samples["single"].append(child(path, "single", task, n, [])["tok_s"])
                     last = child(path, "pool", task, n, [a0, a1])
                     samples["pool"].append(last["tok_s"])
-                    if args.llamacpp_bin and (r := llama_rpc(args.llamacpp_bin, path, task, n)):
+                    if llama_bin and (r := llama_rpc(llama_bin, path, task, n)):
                         samples["llama_rpc"].append(r)
                 single, pool = median(samples["single"]), median(samples["pool"])
                 lrpc = median(samples["llama_rpc"]) if samples["llama_rpc"] else None

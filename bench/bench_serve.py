@@ -1,7 +1,7 @@
 """Total tokens/s through `potluck serve` with 4 concurrent streams vs 1 (continuous batching).
 
     python bench/bench_serve.py [--setups single,pool] [--model smollm2] [--tokens 64] [--reps 3]
-                                [--threads 1] [--out bench/out/serve.json]
+                                [--threads 1] [--quick] [--out bench/out/serve.json]
 
 Each setup starts a real `potluck serve --port 0` child and drives it with the official `openai`
 client over loopback: k streaming completions at once (k = 1 and 4, alternating over the reps),
@@ -132,7 +132,7 @@ def bench_setup(name: str, path: Path, args: argparse.Namespace) -> dict:
     workers = [start_worker(args.threads) for _ in range(2)] if name == "pool" else []
     server, url = start_server(path, args.threads, [a for _, a in workers], args.ctx)
     try:
-        run_round(url, 1, 8, 99)  # warm-up (native kernels, caches)
+        run_round(url, 1, 8, 99)  # warm-up (graphs per step shape, caches, connections)
         rounds = []
         for rep in range(args.reps):
             order = STREAMS if rep % 2 == 0 else STREAMS[::-1]
@@ -182,7 +182,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--out", type=Path, default=Path("bench/out/serve.json"))
+    ap.add_argument("--quick", action="store_true",
+                    help="both setups, 1 rep, 16 tokens per stream: a smoke test")  # fmt: skip
     args = ap.parse_args()
+    if args.quick:
+        args.reps, args.tokens = 1, 16
     path = model_path(args.model)
     info = run_info()
     results = []

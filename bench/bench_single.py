@@ -282,7 +282,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="processes per engine (alternating order)")
     ap.add_argument("--pp", type=int, help="prompt tokens for every model (default: per model)")
     ap.add_argument("--tg", type=int, help="decode steps for every model (default: per model)")
-    ap.add_argument("--llama-bin", type=Path,
+    ap.add_argument("--llama-bin", type=Path, help="llama.cpp's build/bin (default: $LLAMA_CPP_BIN, else the vendored build)",
                     default=Path(os.environ.get("LLAMA_CPP_BIN") or DEFAULT_LLAMA_BIN))  # fmt: skip
     ap.add_argument("--llama-repack", choices=("0", "1", "both"), default="1",
                     help="llama-bench --repack (1 = its default, BENCHMARKS.md's reference)")  # fmt: skip

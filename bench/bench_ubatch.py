@@ -13,10 +13,12 @@ what the engine computes today).
 
 With `--baseline REF` (a git ref, e.g. HEAD) the children alternate between that tree
 (`git archive REF src/potluck`) and the current one (frozen copy), A B, B A, ...: before / after in
-one run. Nothing here asserts a time; the machine is shared, so the load average is recorded.
+one run. REF must be on the ggml engine (0da8902 or later): the child feeds numpy arrays and calls
+`set_threads`, which the PyTorch engine before it did not have. Nothing here asserts a time; the
+machine is shared, so the load average is recorded.
 
     python bench/bench_ubatch.py [--models smollm2,gemma3] [--threads 1,2] [--sizes 16,...,512]
-                                 [--reps 2] [--rounds 3] [--baseline HEAD] [--pin]
+                                 [--reps 2] [--rounds 3] [--baseline HEAD] [--pin] [--quick]
                                  [--out bench/out/ubatch.json]
 """
 
@@ -39,19 +41,23 @@ SEED = 1234
 
 # -- child side ------------------------------------------------------------------------------------
 def child_main(spec: dict) -> dict:
-    import torch
+    import numpy as np
 
     if spec["pin"]:
         os.sched_setaffinity(0, set(range(spec["threads"])))
-    torch.set_num_threads(spec["threads"])
     import potluck
     from potluck.engine.generate import load_model
-    from potluck.model.stage import SeqChunk
 
+    try:
+        from potluck.model.stage import SeqChunk, set_threads
+    except ImportError as e:  # a --baseline from before the ggml engine
+        raise SystemExit(f"{potluck.__file__}: not the ggml engine (needs set_threads): {e}") from e
+
+    set_threads(spec["threads"])  # before load_model: a stage takes its thread count when built
     m = load_model(spec["path"], n_ctx=N_CTX)
-    pipe, toks = m.pipeline, torch.tensor(spec["tokens"])
+    pipe, toks = m.pipeline, np.array(spec["tokens"], np.int64)
 
-    none = torch.empty(0, dtype=torch.long)
+    none = np.empty(0, np.int64)  # no logits rows: the output head is skipped
 
     def prompt(size: int) -> tuple[float, float]:
         """(tokens per wall second, tokens per CPU second of this process)"""
@@ -72,16 +78,15 @@ def child_main(spec: dict) -> dict:
     sizes = [str(s) for s in spec["sizes"]]
     out: dict = {"potluck_from": potluck.__file__, "tok_s": {s: [] for s in sizes},
                  "tok_cpu_s": {s: [] for s in sizes}}  # fmt: skip
-    with torch.inference_mode():
-        prompt(64)  # warm-up: kernels compiled, first-call allocations, page faults
-        c0, w0 = os.times(), time.perf_counter()
-        for r in range(spec["rounds"]):
-            k = r % len(sizes)
-            for size in sizes[k:] + sizes[:k]:
-                wall, cpu = prompt(int(size))
-                out["tok_s"][size].append(wall)
-                out["tok_cpu_s"][size].append(cpu)
-        c1, w1 = os.times(), time.perf_counter()
+    prompt(64)  # warm-up: first graphs, first-call allocations, page faults
+    c0, w0 = os.times(), time.perf_counter()
+    for r in range(spec["rounds"]):
+        k = r % len(sizes)
+        for size in sizes[k:] + sizes[:k]:
+            wall, cpu = prompt(int(size))
+            out["tok_s"][size].append(wall)
+            out["tok_cpu_s"][size].append(cpu)
+    c1, w1 = os.times(), time.perf_counter()
     cpu = (c1.user - c0.user) + (c1.system - c0.system)
     out["cpu_share"] = cpu / ((w1 - w0) * spec["threads"])
     return out
@@ -132,11 +137,21 @@ def main() -> None:
                     help="logits of every micro-batch's last row (the engine today), not only the "
                          "prompt's last token")  # fmt: skip
     ap.add_argument("--out", default="bench/out/ubatch.json")
+    ap.add_argument("--quick", action="store_true",
+                    help="smollm2, 1 thread, sizes 16,128,512, 1 child, 1 round: a smoke test")  # fmt: skip
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child_main(json.loads(args.child))), flush=True)
         return
+    if args.quick:
+        args.models, args.threads, args.sizes, args.reps, args.rounds = (
+            "smollm2",
+            "1",
+            "16,128,512",
+            1,
+            1,
+        )
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import median, model_path, print_table, run_info, snapshot_src, write_json

@@ -12,6 +12,9 @@ from potluck.modelfile.sources import cache_dir, default_model_path
 # Tests name their peers. mDNS stays off in every process they start unless a test turns it on
 # (tests/test_discovery.py does): a head would otherwise also find other test runs' workers.
 os.environ["POTLUCK_MDNS"] = "0"
+# ggml's Vulkan backend hides CPU-type devices (Mesa's lavapipe) unless named: the GPU tests run on
+# that software device here (tests/test_gpu.py), and on a machine's first GPU where there is one.
+os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
 
 
 @pytest.fixture(scope="session")

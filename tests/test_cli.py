@@ -38,7 +38,9 @@ def test_run_default_model_greedy_equals_engine(smollm2_path: Path) -> None:
     )
     out = [t for t in generate(m, ids, 24, Sampler(GREEDY)) if t not in m.tokenizer.eot_ids]
     assert done.stdout == m.tokenizer.decode(out) + "\n"
-    assert "Paris" in done.stdout
+    # (what the text says is not checked: here SmolLM2 Q4_1 greedy answers "L'Étoile, la
+    # Marseillaise, …", exactly as llama-completion does; the exact path opens with "The" —
+    # a near-tie at the first token, 0.08 nats)
     assert "(llama) · Q4_1 ×210, Q8_0 ×1 · 30 layers" in done.stderr  # the one-line summary
     assert "generated" in done.stderr and "tok/s" in done.stderr
 

@@ -572,10 +572,6 @@ def test_a_worker_polls_after_a_frame_only_when_asked() -> None:
     """After answering a frame, a worker with --spin-ms 1000 keeps polling its connection (CPU
     time while nothing arrives); with --spin-ms 0 it sleeps. Generous bounds: a shared machine
     may give the poller only part of a core."""
-    from potluck.kernels import native
-
-    if native.library() is None:
-        pytest.skip(f"no native kernels here: {native.unavailable_reason()}")
     used = {}
     for spin in ("1000", "0"):
         proc, addr, data = _start_worker("--spin-ms", spin)

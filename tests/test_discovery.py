@@ -355,7 +355,7 @@ def _claim_context(path: Path, n_ctx: int) -> None:
 
 
 def test_doctor_model_that_does_not_fit(lan: Lan, tmp_path: Path) -> None:
-    """A tiny model that claims a context of 2^30 tokens: its KV cache alone is 512 GiB."""
+    """A tiny model that claims a context of 2^30 tokens: its KV cache alone is 256 GiB (f16)."""
     path = write_tiny_model(tmp_path / "huge-ctx.gguf", "llama")
     n_ctx = 1 << 30
     _claim_context(path, n_ctx)
@@ -366,7 +366,7 @@ def test_doctor_model_that_does_not_fit(lan: Lan, tmp_path: Path) -> None:
     assert code == 1, out
     model = next(c for c in table if c[0] == "model")
     assert model[2] == "fail", model
-    kv = 2 * 2 * (16 + 16) * 4 * n_ctx  # layers x kv heads x (k + v dims) x fp32 x positions
+    kv = 2 * 2 * (16 + 16) * 2 * n_ctx  # layers x kv heads x (k + v dims) x f16 x positions
     assert f"KV cache {fmt_bytes(kv)}" in model[3], model
     m = re.search(r"use -c (\d+) \(the longest context that fits\)", model[4])
     assert m and 0 < int(m.group(1)) < n_ctx, model

@@ -6,8 +6,8 @@ from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path
 
-import pytest
 import numpy as np
+import pytest
 
 from potluck.engine.generate import generate, layer_ranges, load_model
 from potluck.engine.pipeline import submit_after

@@ -501,12 +501,13 @@ def test_heads_share_a_worker_without_evicting_each_other(
         _stop(proc)
 
 
-@pytest.mark.parametrize(("wire", "tol"), [("float16", 0.02), ("bfloat16", 0.1)])
+@pytest.mark.parametrize(("wire", "tol"), [("float16", 0.06), ("bfloat16", 0.1)])
 def test_half_precision_hidden_states_on_the_wire(
     workers: list[str], smollm2_path: Path, wire: str, tol: float
 ) -> None:
     """--wire-dtype f16 / bf16: hidden states cross every link in half the bytes. The logits of a
-    24-token prompt stay within `tol` of one process's (relative to their range) and the greedy
+    24-token prompt stay within `tol` of one process's (relative to their range; the next stage's
+    8-bit activation rounding turns a hidden state's half-precision error into steps) and the greedy
     choice agrees at almost every position; they are not bit-equal (the dtype is really used)."""
     single = load_model(smollm2_path, n_ctx=256)
     ids = np.array(single.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2))
@@ -567,10 +568,16 @@ def test_serve_stopped_by_sigterm_frees_its_plan(smollm2_path: Path) -> None:
             assert head.poll() is None and time.monotonic() < deadline, line
         head.send_signal(signal.SIGTERM)
         head.wait(timeout=30)
+        # the worker says so within moments (its idle timeout would be 120 s)
+        assert proc.stderr is not None
+        os.set_blocking(proc.stderr.fileno(), False)
+        said, deadline = "", time.monotonic() + 5
+        while "its head is done with it" not in said and time.monotonic() < deadline:
+            said += proc.stderr.read() or ""
+            time.sleep(0.02)
     finally:
         if head.poll() is None:
             head.kill()
         proc.terminate()
         proc.wait(timeout=10)
-    assert proc.stderr is not None
-    assert "its head is done with it" in proc.stderr.read()
+    assert "its head is done with it" in said

@@ -72,6 +72,43 @@ def _port(param: typer.CallbackParam, value: int | None) -> int | None:
     return value
 
 
+NglOpt = Annotated[
+    int,
+    typer.Option(
+        "-ngl",
+        "--n-gpu-layers",
+        min=0,
+        help="This machine's last N layers on its GPU, the rest on its CPU (llama.cpp's -ngl; "
+        "more than its layers puts the output head there too).",
+    ),
+]
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device", help="The GPU for -ngl, by ggml's name (Vulkan0, CUDA0, …; default the first)."
+    ),
+]
+
+
+def _setup_gpu(n_gpu_layers: int, device: str | None, vram: int | None = None) -> None:
+    """Stages built in this process put their last n_gpu_layers layers on `device` (at most
+    `vram` bytes there); checked now, so that a machine without that GPU says so before any
+    load. POTLUCK_GPU_BYTES_PER_S gives the GPU's speed instead of measuring it: for tests on a
+    software GPU (Mesa's lavapipe), whose speed is not a GPU's."""
+    from potluck.model.stage import GpuConfig, set_gpu
+
+    if device is not None and device.lower() == "cpu":
+        n_gpu_layers, device = 0, None
+    if n_gpu_layers:
+        from potluck.model.ggml_lib import gpu_device
+
+        gpu_device(device)  # BackendError (one line) when this machine's ggml has no such GPU
+    elif device is not None:
+        raise typer.BadParameter(f"--device {device} needs -ngl N (how many layers go there)")
+    speed = os.environ.get("POTLUCK_GPU_BYTES_PER_S")
+    set_gpu(GpuConfig(n_gpu_layers, device, vram, float(speed) if speed else None))
+
+
 ThreadsOpt = Annotated[
     int | None,
     typer.Option(
@@ -506,6 +543,8 @@ def run(
     ] = 128,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
+    ngl: NglOpt = 0,
+    device: DeviceOpt = None,
     batch: PromptBatchOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -545,6 +584,7 @@ def run(
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
     splits = [int(s) for s in split.split(",")] if split else None
     finder = _peers(peer, rpc, pool, no_mdns or splits is not None)  # --split: in-process check
+    _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, splits, finder, _shares(tensor_split), (secret, tls),
         _failover(failover_timeout), wire=wire_dtype,
@@ -573,6 +613,8 @@ def chat(
     ] = 512,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
+    ngl: NglOpt = 0,
+    device: DeviceOpt = None,
     batch: PromptBatchOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -597,6 +639,7 @@ def chat(
 
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
     finder = _peers(peer, rpc, pool, no_mdns)
+    _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
         _failover(failover_timeout), wire=wire_dtype,
@@ -660,11 +703,14 @@ def perplexity(
     model: ModelOpt = None,
     ctx: Annotated[int, typer.Option("-c", "--ctx-size", help="Chunk length in tokens.")] = 256,
     threads: ThreadsOpt = None,
+    ngl: NglOpt = 0,
+    device: DeviceOpt = None,
     batch: BatchOpt = 512,
 ) -> None:
     """Perplexity over a text file, computed as llama-perplexity does (second half of each chunk)."""
     from potluck.engine.perplexity import perplexity as compute
 
+    _setup_gpu(ngl, device)
     m = _load(model, ctx, threads)
     text = file.read_text(encoding="utf-8", errors="replace")
 
@@ -912,15 +958,14 @@ def worker(
             help="Most memory this worker offers the pool, e.g. 4G or 512M (default: what is free, less 1 GiB).",
         ),
     ] = None,
-    n_gpu_layers: Annotated[
-        int, typer.Option("-ngl", "--n-gpu-layers", help="Layers on the GPU (llama.cpp's -ngl).")
-    ] = 0,
-    device: Annotated[
-        str,
+    vram: Annotated[
+        str | None,
         typer.Option(
-            "--device", help="Where layers compute: cpu (GPU backends are not built yet)."
+            "--vram", help="Most GPU memory this worker offers, e.g. 6G (default: what is free)."
         ),
-    ] = "cpu",
+    ] = None,
+    ngl: NglOpt = 0,
+    device: DeviceOpt = None,
     idle_timeout: Annotated[
         float,
         typer.Option(
@@ -961,20 +1006,13 @@ def worker(
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("grpc").setLevel(logging.WARNING)
 
-    if device != "cpu":
-        raise PotluckError(
-            f"--device {device}: Potluck computes on the CPU only so far (GPU stages are not built "
-            "yet); use --device cpu"
-        )
-    if n_gpu_layers:
-        err.print(
-            f"[yellow]note:[/] -ngl {n_gpu_layers} ignored: this worker computes on the CPU only"
-        )
     if idle_timeout <= 0:
         raise typer.BadParameter(f"--idle-timeout must be positive, got {idle_timeout}")
     if not 0 <= spin_ms <= 1000:
         raise typer.BadParameter(f"--spin-ms must be in [0, 1000], got {spin_ms:g}")
     mem_limit = _size(mem, "--mem") if mem else None
+    vram_limit = _size(vram, "--vram") if vram else None
+    _setup_gpu(ngl, device, vram_limit)
 
     value, source = _secret(secret)
     if value is None and not _loopback_only(host) and not insecure:
@@ -1082,6 +1120,8 @@ def serve(
     model: ModelOpt = None,
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
+    ngl: NglOpt = 0,
+    device: DeviceOpt = None,
     batch: PromptBatchOpt = None,
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
@@ -1135,6 +1175,7 @@ def serve(
         raise typer.BadParameter(str(exc)) from None
     finder = _peers(peer, rpc, pool, no_mdns)
     # many streams at once: stages even in decode time
+    _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
         balance="decode", wire=wire_dtype,

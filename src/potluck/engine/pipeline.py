@@ -47,15 +47,23 @@ RELEASE_WAIT_S = 1.0  # longest a closing head waits for the nodes to free its p
 
 @dataclass(frozen=True)
 class Assignment:
-    """Layers [start, stop) on `node` ("local" = this process, else host:port)."""
+    """Layers [start, stop) on `node` ("local" = this process, else host:port); the last
+    n_gpu_layers of them on the node's GPU (Stage's -ngl: one more than the layers puts the
+    output head there too)."""
 
     node: str
     start: int
     stop: int
+    n_gpu_layers: int = 0
 
     def describe(self) -> str:
-        where = "this machine (cpu)" if self.node == LOCAL else f"{self.node} (cpu)"
-        return f"layers {self.start}–{self.stop - 1} → {where}"
+        n = self.stop - self.start
+        gpu = min(self.n_gpu_layers, n)
+        device = "cpu" if not gpu else f"{gpu} on its GPU" if gpu < n else "GPU"
+        if self.n_gpu_layers > n:
+            device += " + output head"
+        where = "this machine" if self.node == LOCAL else self.node
+        return f"layers {self.start}–{self.stop - 1} → {where} ({device})"
 
 
 def plan_id_of(
@@ -74,7 +82,7 @@ def plan_id_of(
         + "|"
         + model_sha
         + "|"
-        + ";".join(f"{a.node}:{a.start}-{a.stop}" for a in assignments)
+        + ";".join(f"{a.node}:{a.start}-{a.stop}/{a.n_gpu_layers}" for a in assignments)
         + f"|{n_ctx}"
         + (f"|{epoch}" if epoch else "")
     )
@@ -209,7 +217,7 @@ class RemotePipeline:
         self.local: Stage | None = None
         if assignments[0].node == LOCAL:
             a = assignments[0]
-            self.local = Stage(hp, file, a.start, a.stop, n_ctx)
+            self.local = Stage(hp, file, a.start, a.stop, n_ctx, n_gpu_layers=a.n_gpu_layers)
         remotes = [a for a in self.assignments if a.node != LOCAL]
         self.auth = auth  # the pool secret and TLS: how this head proves membership to nodes
         self.clients = [NodeClient(a.node, auth) for a in remotes]
@@ -257,7 +265,7 @@ class RemotePipeline:
             req = pb.LoadRequest(
                 plan_id=self.plan_id, model_sha256=self.model_sha, start=a.start, stop=a.stop, n_ctx=n_ctx,
                 next_hop=nxt, metadata_gguf=header, tensor_sha256=digests, wire_dtype=wire_dtype,
-                model_bytes=file.size_bytes, head_id=self.head_id,
+                model_bytes=file.size_bytes, head_id=self.head_id, n_gpu_layers=a.n_gpu_layers,
             )  # fmt: skip
             reply = client.load(req)
             if reply.need_tensors:

@@ -10,7 +10,7 @@ import grpc
 
 from potluck.engine.pipeline import LOCAL, Assignment
 from potluck.errors import PotluckError
-from potluck.node.probe import decode_bytes_per_s, physical_cores, usable_memory_bytes
+from potluck.node.probe import decode_bytes_per_s, gpu_offer, physical_cores, usable_memory_bytes
 from potluck.planner import DEFAULT_LINK, Link, NodeInfo, Plan
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
@@ -22,9 +22,25 @@ THIS_MACHINE = "this machine"
 
 
 def this_machine() -> NodeInfo:
+    gpu = gpu_offer()
+    cpu = (usable_memory_bytes(), physical_cores(), decode_bytes_per_s())
+    if gpu is None:
+        return NodeInfo(THIS_MACHINE, "cpu", *cpu)
+    return NodeInfo(THIS_MACHINE, "gpu", *cpu, gpu.memory_bytes, gpu.bytes_per_s, gpu.max_layers)
+
+
+def node_info(address: str, reply: pb.HelloReply, default_speed: float) -> NodeInfo:
+    """What a node's Hello says it offers: its RAM and CPU speed, and a GPU where it offers one."""
+    cpu = next((d for d in reply.devices if d.kind == "cpu"), pb.Device(kind="cpu"))
+    speed = reply.decode_bytes_per_s or default_speed
+    cores = max(1, reply.physical_cores)
+    gpu = next((d for d in reply.devices if d.kind == "gpu" and d.bytes_per_s > 0), None)
+    if gpu is None:
+        return NodeInfo(address, "cpu", cpu.memory_bytes, cores, speed)
     return NodeInfo(
-        THIS_MACHINE, "cpu", usable_memory_bytes(), physical_cores(), decode_bytes_per_s()
-    )
+        address, "gpu", cpu.memory_bytes, cores, speed,
+        gpu.memory_bytes, gpu.bytes_per_s, gpu.max_layers or 1 << 30,
+    )  # fmt: skip
 
 
 def survey(
@@ -48,11 +64,7 @@ def survey(
                 )
                 rtts.append(time.perf_counter() - t0)
             assert reply is not None
-            dev = reply.devices[0] if reply.devices else pb.Device(kind="cpu", memory_bytes=0)
-            speed = reply.decode_bytes_per_s or nodes[0].cpu_bytes_per_s
-            nodes.append(
-                NodeInfo(address, "cpu", dev.memory_bytes, max(1, reply.physical_cores), speed)
-            )
+            nodes.append(node_info(address, reply, nodes[0].cpu_bytes_per_s))
             rtts.sort()
             bw = DEFAULT_LINK.bytes_per_s
             with contextlib.suppress(PotluckError, grpc.RpcError):  # an older node: no Echo
@@ -81,6 +93,8 @@ def assignments_of(plan: Plan) -> list[Assignment]:
     out, start = [], 0
     for st in order:
         n = st.stop - st.start
-        out.append(Assignment(LOCAL if st.node == THIS_MACHINE else st.node, start, start + n))
+        gpu = st.n_gpu_layers + (1 if st.head_on_gpu else 0)  # (Stage's -ngl: head past them)
+        node = LOCAL if st.node == THIS_MACHINE else st.node
+        out.append(Assignment(node, start, start + n, min(gpu, n + 1) if gpu else 0))
         start += n
     return out

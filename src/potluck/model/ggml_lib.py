@@ -96,6 +96,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ggml_backend_tensor_get": ([P, P, c_size_t, c_size_t], None),
     "ggml_backend_tensor_copy": ([P, P], None),
     "ggml_backend_graph_compute": ([P, P], c_int),
+    "ggml_backend_synchronize": ([P], None),
     "ggml_backend_sched_new": ([POINTER(P), POINTER(P), c_int, c_size_t, c_bool, c_bool], P),
     "ggml_backend_sched_free": ([P], None),
     "ggml_backend_sched_reset": ([P], None),
@@ -111,6 +112,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ggml_backend_dev_memory": ([P, POINTER(c_size_t), POINTER(c_size_t)], None),
     "ggml_backend_dev_type": ([P], c_int),
     "ggml_backend_dev_init": ([P, c_char_p], P),
+    "ggml_backend_dev_buffer_type": ([P], P),
     "ggml_backend_dev_backend_reg": ([P], P),
     "ggml_backend_reg_name": ([P], c_char_p),
     "ggml_backend_reg_get_proc_address": ([P, c_char_p], P),
@@ -217,6 +219,22 @@ def devices() -> list[Device]:
             )
         )
     return out
+
+
+def gpu_device(name: str | None = None) -> tuple[int, Device]:
+    """(ggml device handle, its Device) of the GPU called `name` ("Vulkan0", "CUDA0", ...), or of
+    the first GPU when name is None. BackendError when there is none, saying what there is."""
+    found = devices()
+    for d in found:
+        if (name is None and d.is_gpu) or (name is not None and d.name.lower() == name.lower()):
+            return lib.ggml_backend_dev_get(d.index), d
+    have = ", ".join(d.name for d in found) or "none"
+    want = f"device {name!r}" if name else "GPU"
+    raise BackendError(
+        f"this machine's ggml has no {want} (devices: {have}); build ggml with a GPU backend: "
+        'CMAKE_ARGS="-DGGML_VULKAN=ON" (or -DGGML_CUDA=ON, -DGGML_HIP=ON, -DGGML_METAL=ON) '
+        "pip install --force-reinstall --no-cache-dir ggml-python==0.0.45"
+    )
 
 
 def cpu_features() -> dict[str, str]:

@@ -38,25 +38,45 @@ class MatVec:
         n_in: int,
         layers: int,
         threads: int,
+        device: int | None = None,
     ) -> None:
-        self.nbytes = 0  # weight bytes of one layer
+        """device: a ggml GPU device handle (ggml_lib.gpu_device): the weights are uploaded there
+        and the products run there; None: this CPU, the weights in ordinary memory."""
         self._ctx = new_context(4 * layers + 8, 4 * layers + 8)
         self._raw = [random_blocks(qtype, n_out, n_in, seed=i) for i in range(layers)]
-        self.nbytes = self._raw[0].nbytes
+        self.nbytes = self._raw[0].nbytes  # weight bytes of one layer
         self._bufs: list[int] = []
-        self.cpu = lib.ggml_backend_cpu_init()
+        self.cpu = (
+            lib.ggml_backend_cpu_init()
+            if device is None
+            else lib.ggml_backend_dev_init(device, None)
+        )
         if not self.cpu:
-            raise BackendError("ggml's CPU backend could not start")
-        lib.ggml_backend_cpu_set_n_threads(self.cpu, threads)
+            raise BackendError("ggml's backend could not start for the speed probe")
+        if device is None:
+            lib.ggml_backend_cpu_set_n_threads(self.cpu, threads)
         self.x = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, n_in, 1)
         self.graphs = []
         ws = []
+        wctx = new_context(layers + 1) if device is not None else 0
         for raw in self._raw:
-            w = lib.ggml_new_tensor_2d(self._ctx, int(qtype), n_in, n_out)
-            buf = cpu_buffer_over(raw.ctypes.data, raw.nbytes)
-            lib.ggml_backend_tensor_alloc(buf, w, raw.ctypes.data)
-            self._bufs.append(buf)
+            if device is None:
+                w = lib.ggml_new_tensor_2d(self._ctx, int(qtype), n_in, n_out)
+                buf = cpu_buffer_over(raw.ctypes.data, raw.nbytes)
+                lib.ggml_backend_tensor_alloc(buf, w, raw.ctypes.data)
+                self._bufs.append(buf)
+            else:
+                w = lib.ggml_new_tensor_2d(wctx, int(qtype), n_in, n_out)
             ws.append(w)
+        if device is not None:  # one device buffer for the weights, then upload them
+            buf = lib.ggml_backend_alloc_ctx_tensors(wctx, self.cpu)
+            if not buf:
+                raise BackendError("no device memory for the speed probe's weights")
+            self._bufs.append(buf)
+            for w, raw in zip(ws, self._raw, strict=True):
+                lib.ggml_backend_tensor_set(w, raw.ctypes.data, 0, raw.nbytes)
+            self._raw = []
+        self._wctx = wctx
         outs = [lib.ggml_mul_mat(self._ctx, w, self.x) for w in ws]
         self._act = lib.ggml_backend_alloc_ctx_tensors(self._ctx, self.cpu)  # x and the outputs
         if not self._act:
@@ -74,19 +94,20 @@ class MatVec:
         return len(self.graphs)
 
     def run(self, i: int) -> None:
-        """One product through layer i."""
+        """One product through layer i (waits for the device to finish)."""
         if lib.ggml_backend_graph_compute(self.cpu, self.graphs[i]) != 0:
             raise BackendError("ggml compute failed in the speed probe")
+        lib.ggml_backend_synchronize(self.cpu)
 
     def close(self) -> None:
         for buf in [*self._bufs, self._act]:
             if buf:
                 lib.ggml_backend_buffer_free(buf)
         self._bufs, self._act = [], 0
-        for ctx in (self._ctx, self._gctx):
+        for ctx in (self._ctx, self._gctx, getattr(self, "_wctx", 0)):
             if ctx:
                 lib.ggml_free(ctx)
-        self._ctx = self._gctx = 0
+        self._ctx = self._gctx = self._wctx = 0
         if self.cpu:
             lib.ggml_backend_free(self.cpu)
             self.cpu = 0

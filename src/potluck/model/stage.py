@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from potluck.errors import ModelFileError
-from potluck.model.ggml_lib import BackendError, lib
+from potluck.model.ggml_lib import BackendError, gpu_device, lib
 from potluck.model.graph import StepGraph, StepShape
 from potluck.model.kv_cache import CACHE_TYPES, SeqCache
 from potluck.model.weights import SUPPORTED_TYPES, Weights, WeightSource, check
@@ -31,9 +31,39 @@ _SCHED_GRAPH_SIZE = 1 << 16  # the most graph nodes a stage's scheduler plans fo
 _threads: list[int] = []  # the process's default thread count (set_threads; cli.py sets it once)
 
 
+def _layer_of(name: str) -> int | None:
+    """The block index of a `blk.N.` tensor name, None for the others."""
+    if not name.startswith("blk."):
+        return None
+    return int(name.split(".", 2)[1])
+
+
 def set_threads(n: int) -> None:
     """Threads for the CPU backend of stages built from now on (llama.cpp's -t)."""
     _threads[:] = [max(1, n)]
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    """The process's GPU settings (cli.py makes it once): -ngl, --device, --vram (the most GPU
+    memory used, bytes), and a GPU speed given instead of measured (tests on a software GPU)."""
+
+    n_gpu_layers: int = 0
+    device: str | None = None
+    vram: int | None = None
+    bytes_per_s: float | None = None
+
+
+_gpu: list[GpuConfig] = []
+
+
+def set_gpu(config: GpuConfig) -> None:
+    """The GPU settings for stages built from now on that are not given their own."""
+    _gpu[:] = [config]
+
+
+def default_gpu() -> GpuConfig:
+    return _gpu[0] if _gpu else GpuConfig()
 
 
 def default_threads() -> int:
@@ -107,9 +137,14 @@ class Stage:
         exact: bool = False,
         cache_type: str | None = None,
         threads: int | None = None,
+        n_gpu_layers: int | None = None,
+        device: str | None = None,
     ) -> None:
         """exact: weights dequantized to f32 and an f32 KV cache (reference precision, tests);
-        cache_type: "f16" (default) or "f32"."""
+        cache_type: "f16" (default) or "f32". n_gpu_layers: the last that many layers of the
+        stage on the GPU `device` (a ggml device name, default the first GPU), as llama.cpp's
+        -ngl: more than the stage's layers puts the output head there too; the rest on the CPU.
+        None: the process default (set_gpu)."""
         if not 0 <= start < stop <= hp.n_layer:
             raise ValueError(f"layer range [{start}, {stop}) is not inside [0, {hp.n_layer})")
         cache_type = cache_type or ("f32" if exact else "f16")
@@ -121,7 +156,29 @@ class Stage:
         self.cache_type = CACHE_TYPES[cache_type]
         self.threads = threads or default_threads()
         self.src = src
-        self.weights = Weights(src, stage_shapes(hp, src, start, stop), exact)
+        vram = None
+        if n_gpu_layers is None:
+            gpu = default_gpu()
+            n_gpu_layers, device, vram = gpu.n_gpu_layers, gpu.device, gpu.vram
+        if n_gpu_layers < 0:
+            raise ValueError(f"-ngl must be 0 or more, got {n_gpu_layers}")
+        self.gpu_layers = range(max(start, stop - n_gpu_layers), stop) if n_gpu_layers else range(0)
+        self.head_on_gpu = self.is_last and n_gpu_layers > stop - start
+        self.gpu, self.gpu_device, self._gpu_buft = None, None, None
+        self.cpu = None
+        self.sched = None
+        self.caches: dict[int, SeqCache] = {}
+        self._graph: StepGraph | None = None
+        if n_gpu_layers:
+            dev, self.gpu_device = gpu_device(device)
+            self.gpu = lib.ggml_backend_dev_init(dev, None)
+            if not self.gpu:
+                raise BackendError(f"ggml could not start {self.gpu_device.name}")
+            self._gpu_buft = lib.ggml_backend_dev_buffer_type(dev)
+        shapes = stage_shapes(hp, src, start, stop)
+        if self.gpu_device is not None:
+            self._check_room(src, shapes, n_gpu_layers, vram)
+        self.weights = Weights(src, shapes, exact, self._placement)
         if on_layer is not None:
             for i in self.layers:
                 on_layer(i)
@@ -130,10 +187,65 @@ class Stage:
             raise BackendError("ggml's CPU backend could not start")
         lib.ggml_backend_cpu_set_n_threads(self.cpu, self.threads)
         self._cpu_buft = lib.ggml_backend_get_default_buffer_type(self.cpu)
-        backends = (ctypes.c_void_p * 1)(self.cpu)
-        self.sched = lib.ggml_backend_sched_new(backends, None, 1, _SCHED_GRAPH_SIZE, False, True)
-        self.caches: dict[int, SeqCache] = {}
+        order = [b for b in (self.gpu, self.cpu) if b]  # the CPU last: ggml's scheduler wants it
+        backends = (ctypes.c_void_p * len(order))(*order)
+        self.sched = lib.ggml_backend_sched_new(
+            backends, None, len(order), _SCHED_GRAPH_SIZE, False, True
+        )
         self._graph: StepGraph | None = None
+
+    def _placement(self, name: str) -> int | None:
+        """The device buffer type a weight is uploaded to, None: this CPU, mapped in place."""
+        if self._gpu_buft is None:
+            return None
+        layer = _layer_of(name)
+        if layer is not None:
+            return self._gpu_buft if layer in self.gpu_layers else None
+        if name in ("output.weight", "output_norm.weight") and self.head_on_gpu:
+            return self._gpu_buft
+        if name == "token_embd.weight" and self.head_on_gpu and not self.is_first:
+            return self._gpu_buft  # a tied head on a stage that embeds nothing
+        return None
+
+    def _check_room(
+        self,
+        src: WeightSource,
+        shapes: list[tuple[str, tuple[int, ...]]],
+        asked: int,
+        vram: int | None,
+    ) -> None:
+        """Refuse, before any upload, GPU layers whose weights exceed the device's free memory
+        (or `vram`, when smaller), saying how many fit."""
+        assert self.gpu_device is not None
+        per_layer: dict[int, int] = {}
+        rest = 0
+        for name, _ in shapes:
+            if self._placement(name) is None:
+                continue
+            layer = _layer_of(name)
+            n = src.tensors[name].nbytes
+            if layer is None:
+                rest += n
+            else:
+                per_layer[layer] = per_layer.get(layer, 0) + n
+        need = sum(per_layer.values()) + rest
+        free = self.gpu_device.free_bytes if vram is None else min(vram, self.gpu_device.free_bytes)
+        if need <= free:
+            return
+        fits, total = 0, 0
+        for layer in reversed(self.gpu_layers):
+            total += per_layer.get(layer, 0)
+            if total > free:
+                break
+            fits += 1
+        mib = 2**20
+        raise BackendError(
+            f"{self.gpu_device.name}: -ngl {asked} needs {need / mib:.0f} MiB of weights there, "
+            f"{free / mib:.0f} MiB are free: at most {fits} layers fit (-ngl {fits})"
+        )
+
+    def _kv_buffer_type(self, layer: int) -> int:
+        return self._gpu_buft if layer in self.gpu_layers else self._cpu_buft
 
     # -- sequences -------------------------------------------------------------------------------
     def cache(self, seq_id: int) -> SeqCache:
@@ -141,7 +253,7 @@ class Stage:
             hp = self.hp
             self.caches[seq_id] = SeqCache(
                 self.layers, hp.n_head_kv, hp.head_dim, hp.head_dim_v, self.n_ctx,
-                self.cache_type, lambda layer: self._cpu_buft,
+                self.cache_type, self._kv_buffer_type,
             )  # fmt: skip
         return self.caches[seq_id]
 
@@ -163,6 +275,10 @@ class Stage:
         """Bytes of weights this stage holds: its tensors' bytes in the file (mapped in place)."""
         return self.weights.nbytes
 
+    def device_weight_bytes(self) -> int:
+        """Of weight_bytes, those uploaded to the GPU (-ngl)."""
+        return sum(self.weights.device_bytes.values())
+
     def kv_bytes(self) -> int:
         return sum(c.nbytes() for c in self.caches.values())
 
@@ -179,7 +295,9 @@ class Stage:
             raise ValueError(f"input has {x.shape[0]} rows but the chunks add up to {total}")
         if self.is_first and x.size and (int(x.min()) < 0 or int(x.max()) >= self.hp.n_vocab):
             bad = x[(x < 0) | (x >= self.hp.n_vocab)][0]
-            raise ValueError(f"token id {int(bad)} is outside the vocabulary [0, {self.hp.n_vocab})")
+            raise ValueError(
+                f"token id {int(bad)} is outside the vocabulary [0, {self.hp.n_vocab})"
+            )
         if not self.is_first and x.shape[1:] != (self.hp.n_embd,):
             raise ValueError(f"hidden states have shape {x.shape}, expected [T, {self.hp.n_embd}]")
         caches = [self.cache(c.seq_id) for c in chunks]
@@ -221,10 +339,12 @@ class Stage:
         if getattr(self, "sched", None):
             lib.ggml_backend_sched_free(self.sched)
             self.sched = None
-        if getattr(self, "cpu", None):
-            lib.ggml_backend_free(self.cpu)
-            self.cpu = None
-        self.weights.free()
+        if getattr(self, "weights", None) is not None:
+            self.weights.free()
+        for name in ("cpu", "gpu"):
+            if getattr(self, name, None):
+                lib.ggml_backend_free(getattr(self, name))
+                setattr(self, name, None)
 
     def __del__(self) -> None:
         with contextlib.suppress(AttributeError, ModelFileError):  # a half-built stage

@@ -14,6 +14,7 @@ import ctypes
 import functools
 import gc
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -91,3 +92,29 @@ def trim_heap() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         return  # not glibc
+
+
+@dataclass(frozen=True)
+class GpuOffer:
+    """The GPU this process offers the pool (its -ngl and --device): ggml's name, free memory
+    (capped by --vram), measured speed, and how many layers at most."""
+
+    name: str
+    memory_bytes: int
+    bytes_per_s: float
+    max_layers: int
+
+
+def gpu_offer() -> GpuOffer | None:
+    """The process's GPU (model.stage.default_gpu), measured; None when it puts no layer on a
+    GPU (-ngl 0, the default). Its free memory is read now, its speed measured once."""
+    from potluck.model.ggml_lib import gpu_device
+    from potluck.model.stage import default_gpu
+
+    gpu = default_gpu()
+    if not gpu.n_gpu_layers:
+        return None
+    _, dev = gpu_device(gpu.device)
+    free = dev.free_bytes if gpu.vram is None else min(dev.free_bytes, gpu.vram)
+    speed = gpu.bytes_per_s or decode_bytes_per_s(gpu=dev.name)
+    return GpuOffer(dev.name, free, speed, gpu.n_gpu_layers)

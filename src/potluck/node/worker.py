@@ -32,6 +32,7 @@ from potluck.modelfile.hparams import HParams, hparams_from_metadata
 from potluck.node import doctor as node_doctor
 from potluck.node.probe import (
     decode_bytes_per_s,
+    gpu_offer,
     physical_cores,
     trim_heap,
     usable_memory_bytes,
@@ -111,6 +112,7 @@ class NodeService(pb_grpc.NodeServicer):
         idle_s: float = DEFAULT_IDLE_S,
         spin_s: float = DEFAULT_SPIN_S,
     ) -> None:
+        """The GPU it offers is the process's -ngl / --device / --vram (model.stage.set_gpu)."""
         self.name, self.threads, self.model_dirs = name, threads, model_dirs
         self.mem_limit, self.idle_s = mem_limit, idle_s
         self.last_request: pb.ForwardRequest | None = None  # see _rehearse
@@ -134,9 +136,8 @@ class NodeService(pb_grpc.NodeServicer):
         self.sampled: dict[tuple[str, int], tuple[int, int]] = {}
         self.parked: dict[tuple[str, int, int], tuple[pb.ForwardRequest, Answer]] = {}
         with self.compute:
-            self.speed = decode_bytes_per_s(
-                threads=threads
-            )  # measured once, before any stage is loaded
+            self.speed = decode_bytes_per_s(threads=threads)  # once, before any stage is loaded
+            self.gpu = gpu_offer()  # its speed measured once too
             trim_heap()  # the probe's buffers go back to the OS
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
 
@@ -173,11 +174,27 @@ class NodeService(pb_grpc.NodeServicer):
             protocol_version=PROTOCOL_VERSION,
             node_name=self.name,
             potluck_version=__version__,
-            devices=[pb.Device(kind="cpu", name="cpu", memory_bytes=self._memory_bytes())],
+            devices=self._devices(),
             physical_cores=physical_cores(),
             decode_bytes_per_s=self.speed,
             data_port=self.data_port,
         )
+
+    def _devices(self) -> list[pb.Device]:
+        cpu = pb.Device(
+            kind="cpu", name="CPU", memory_bytes=self._memory_bytes(), bytes_per_s=self.speed
+        )
+        if self.gpu is None:
+            return [cpu]
+        now = gpu_offer()  # free memory now (the speed is the one measured first)
+        free = now.memory_bytes if now is not None else 0
+        return [
+            cpu,
+            pb.Device(
+                kind="gpu", name=self.gpu.name, memory_bytes=free,
+                bytes_per_s=self.gpu.bytes_per_s, max_layers=self.gpu.max_layers,
+            ),
+        ]  # fmt: skip
 
     # -- loading -----------------------------------------------------------------------------------
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadReply:
@@ -224,8 +241,9 @@ class NodeService(pb_grpc.NodeServicer):
             need = self._check_memory(tensors, hp, request)
             with self.compute:
                 stage = Stage(
-                    hp, src, request.start, request.stop, request.n_ctx, threads=self.threads
-                )
+                    hp, src, request.start, request.stop, request.n_ctx, threads=self.threads,
+                    n_gpu_layers=self._gpu_layers(request),
+                )  # fmt: skip
         except (NodeMemoryError, NodeBusyError) as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except (PotluckError, ValueError) as exc:
@@ -261,6 +279,12 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.LoadReply(
             weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0
         )
+
+    def _gpu_layers(self, request: pb.LoadRequest) -> int:
+        """The layers the plan puts on this node's GPU, at most its -ngl (0 without a GPU)."""
+        if self.gpu is None:
+            return 0
+        return min(request.n_gpu_layers, self.gpu.max_layers)
 
     def _check_memory(self, tensors: dict, hp: HParams, request: pb.LoadRequest) -> int:
         """Bytes the stage reserves (its tensors + one sequence's KV cache at full context); with

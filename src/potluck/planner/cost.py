@@ -95,8 +95,10 @@ class CostModel:
         room = node.gpu_memory_bytes - self.model.buffer_bytes
         if room < 0:
             return stop
-        # smallest s with held[s:stop] <= room, i.e. prefix[s] >= prefix[stop] - room
-        return min(stop, bisect_left(self._held, self._held[stop] - room))
+        # smallest s with held[s:stop] <= room, i.e. prefix[s] >= prefix[stop] - room; and at
+        # most the node's -ngl layers
+        fits = min(stop, bisect_left(self._held, self._held[stop] - room))
+        return max(fits, stop - node.max_gpu_layers)
 
     def stage(self, i: int, start: int, stop: int) -> StageCost:
         """Layers [start, stop) on node i (0 <= start < stop <= n_layer)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from potluck.planner.errors import PlanError
 
-DEVICE_KINDS = ("cpu", "cuda", "rocm", "mps")
+DEVICE_KINDS = ("cpu", "gpu", "cuda", "rocm", "mps")  # "gpu": any ggml GPU backend (Vulkan, …)
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class NodeInfo:
     cpu_bytes_per_s: float
     gpu_memory_bytes: int = 0
     gpu_bytes_per_s: float = 0.0
+    max_gpu_layers: int = 1 << 30  # the node's -ngl: at most this many of its layers on the GPU
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_KINDS:

@@ -13,7 +13,7 @@ from potluck.engine.sampling import SamplingParams
 from potluck.errors import PotluckError
 from potluck.transport import potluck_pb2 as pb
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = (
     512 * 2**20
 )  # a prompt micro-batch of hidden states or a tensor chunk stays far below

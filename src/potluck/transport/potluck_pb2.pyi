@@ -27,14 +27,18 @@ class HelloRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., head_name: _Optional[str] = ..., plan_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Device(_message.Message):
-    __slots__ = ("kind", "name", "memory_bytes")
+    __slots__ = ("kind", "name", "memory_bytes", "bytes_per_s", "max_layers")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_LAYERS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     memory_bytes: int
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    bytes_per_s: float
+    max_layers: int
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., max_layers: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
     __slots__ = ("protocol_version", "node_name", "potluck_version", "devices", "physical_cores", "decode_bytes_per_s", "model_sha256", "data_port")
@@ -57,7 +61,7 @@ class HelloReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., node_name: _Optional[str] = ..., potluck_version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., physical_cores: _Optional[int] = ..., decode_bytes_per_s: _Optional[float] = ..., model_sha256: _Optional[_Iterable[str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes", "head_id")
+    __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes", "head_id", "n_gpu_layers")
     class TensorSha256Entry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +81,7 @@ class LoadRequest(_message.Message):
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEAD_ID_FIELD_NUMBER: _ClassVar[int]
+    N_GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     model_sha256: str
     start: int
@@ -89,7 +94,8 @@ class LoadRequest(_message.Message):
     wire_dtype: str
     model_bytes: int
     head_id: str
-    def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ..., head_id: _Optional[str] = ...) -> None: ...
+    n_gpu_layers: int
+    def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ..., head_id: _Optional[str] = ..., n_gpu_layers: _Optional[int] = ...) -> None: ...
 
 class LoadReply(_message.Message):
     __slots__ = ("need_tensors", "missing", "weight_bytes", "load_seconds")

@@ -1,0 +1,156 @@
+"""GPU paths on a real second ggml backend: Vulkan, here on Mesa's lavapipe (a software Vulkan
+device), on a real GPU where the machine has one. `-ngl` splits a stage between that device and
+the CPU (ggml's backend scheduler); the text must be the CPU's until a near-tie, the device must
+hold exactly what was put there, a stage that does not fit must say how many layers do, and a
+worker that offers its GPU must be planned with GPU layers. Skipped, with the reason, where this
+machine's ggml has no GPU backend (build it with CMAKE_ARGS="-DGGML_VULKAN=ON", see .ci/run).
+
+Faked, because it cannot exist here: a GPU's speed. lavapipe computes on the CPU, slower than
+ggml's CPU backend, so the planner would rightly leave it out; the worker test tells it the GPU
+streams 1 TB/s (POTLUCK_GPU_BYTES_PER_S) so that it plans GPU layers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from potluck.engine.generate import generate, load_model
+from potluck.engine.sampling import GREEDY, Sampler, log_softmax
+from potluck.model.ggml_lib import BackendError, devices
+from potluck.model.stage import SeqChunk, Stage
+from potluck.modelfile.gguf_file import GGUFFile
+from potluck.modelfile.hparams import hparams_from_metadata
+
+from ggufgen import write_tiny_model
+
+GPUS = [d for d in devices() if d.is_gpu]
+pytestmark = pytest.mark.skipif(
+    not GPUS, reason="this machine's ggml has no GPU backend (CMAKE_ARGS=-DGGML_VULKAN=ON)"
+)
+NEAR_TIE = 0.5  # nats, by the CPU's own logits: where a GPU's rounding may pick the other token
+TOKENS = [5, 70, 71, 72, 100, 3, 200, 150, 260, 9, 33, 34, 35, 36, 40, 41, 42, 43, 44, 45]
+
+
+def _greedy(stage: Stage, ids: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    """n greedy tokens after `ids` through one stage, with the logits each was taken from."""
+    logits = stage(np.array(ids), [SeqChunk(1, len(ids))])
+    out, rows = [], []
+    for _ in range(n):
+        rows.append(logits[0])
+        out.append(int(logits[0].argmax()))
+        logits = stage(np.array([out[-1]]), [SeqChunk(1, 1)])
+    stage.drop(1)
+    return out, rows
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_every_architecture_on_the_gpu_equals_the_cpu(arch: str, tmp_path: Path) -> None:
+    """Tiny random models with every layer on the device: the logits of 20 teacher-forced
+    tokens equal the CPU's within the rounding of two backends' kernels."""
+    path = write_tiny_model(tmp_path / "m.gguf", arch, None, T.Q8_0, n_layer=2)
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    rows = np.arange(len(TOKENS))
+    cpu = Stage(hp, f, 0, hp.n_layer, 64, n_gpu_layers=0)(np.array(TOKENS), [SeqChunk(0, 20)], rows)
+    gpu_stage = Stage(hp, f, 0, hp.n_layer, 64, n_gpu_layers=hp.n_layer + 1)
+    assert gpu_stage.device_weight_bytes() > 0
+    gpu = gpu_stage(np.array(TOKENS), [SeqChunk(0, len(TOKENS))], rows)
+    rel = float(np.abs(gpu - cpu).max() / np.abs(cpu).max())
+    assert rel < 5e-2, f"{arch}: GPU logits differ from the CPU's by {rel:.2e} of their range"
+    assert (gpu.argmax(-1) == cpu.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("ngl", [10, 31])
+def test_ngl_split_gives_the_cpus_text_until_a_near_tie(smollm2_path: Path, ngl: int) -> None:
+    """SmolLM2 with its last 10 layers (or every layer and the head's norm) on the device."""
+    f = GGUFFile(smollm2_path)
+    hp = hparams_from_metadata(f.metadata)
+    ids = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    want, cpu_rows = _greedy(Stage(hp, f, 0, hp.n_layer, 256, n_gpu_layers=0), ids, 16)
+    stage = Stage(hp, f, 0, hp.n_layer, 256, n_gpu_layers=ngl)
+    # the device holds exactly the tensors of the layers put there (each padded to 256 bytes)
+    gpu_names = [n for n in f.tensors if n.startswith("blk.") and int(n.split(".")[1]) >= 30 - ngl]
+    held = sum(-(-f.tensors[n].nbytes // 256) * 256 for n in gpu_names)
+    if ngl > hp.n_layer:
+        held += -(-f.tensors["output_norm.weight"].nbytes // 256) * 256
+    assert stage.device_weight_bytes() == held
+    assert stage.weight_bytes() == sum(t.nbytes for t in f.tensors.values()) - sum(
+        f.tensors[n].nbytes for n in gpu_names
+    ) + held - (f.tensors["output_norm.weight"].nbytes if ngl > hp.n_layer else 0)
+    got, _ = _greedy(stage, ids, 16)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        if a != b:
+            lp = log_softmax(cpu_rows[i])
+            gap = float(lp[b] - lp[a])
+            assert gap < NEAR_TIE, f"token {i}: GPU took {a}, CPU {b}, {gap:.3f} nats apart"
+            break
+
+
+def test_a_stage_too_big_for_the_device_says_how_many_layers_fit(smollm2_path: Path) -> None:
+    from potluck.model.stage import GpuConfig, set_gpu
+
+    f = GGUFFile(smollm2_path)
+    hp = hparams_from_metadata(f.metadata)
+    layer = sum(t.nbytes for n, t in f.tensors.items() if n.startswith("blk.0."))
+    set_gpu(GpuConfig(30, None, vram=int(layer * 4.5)))  # --vram: room for 4 layers
+    try:
+        with pytest.raises(
+            BackendError, match=r"-ngl 30 needs \d+ MiB .* at most 4 layers fit \(-ngl 4\)"
+        ):
+            Stage(hp, f, 0, hp.n_layer, 256)
+    finally:
+        set_gpu(GpuConfig())
+
+
+def test_a_worker_offering_its_gpu_is_planned_with_gpu_layers(smollm2_path: Path) -> None:
+    """`potluck worker -ngl 99`: its Hello names the device with ggml's free memory; the head's
+    planner puts layers there (the GPU's speed is given: lavapipe is no faster than the CPU);
+    `potluck run` over it gives one process's text until a near-tie."""
+    from test_pool import _free_port
+
+    port = _free_port()
+    env = {**os.environ, "POTLUCK_MDNS": "0", "POTLUCK_GPU_BYTES_PER_S": "1e12"}
+    cmd = [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1", "-ngl", "99"]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 120
+        while "listening on" not in (line := proc.stderr.readline()):
+            assert proc.poll() is None and time.monotonic() < deadline, line
+        addr = f"127.0.0.1:{port}"
+        from potluck.engine.survey import survey
+
+        nodes, _ = survey([addr])
+        node = nodes[1]
+        assert node.device == "gpu" and node.gpu_memory_bytes > 0 and node.max_gpu_layers == 99
+        plan = subprocess.run(
+            [sys.executable, "-m", "potluck.cli", "plan", "-m", str(smollm2_path), "-c", "256",
+             "--peer", addr, "--tensor-split", "1,1"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert plan.returncode == 0, plan.stderr
+        assert "15–29 +" in plan.stdout and "head" in plan.stdout, plan.stdout  # on its GPU
+        prompt = "Name three planets."
+        run = subprocess.run(
+            [sys.executable, "-m", "potluck.cli", "run", "-m", str(smollm2_path), "-c", "256",
+             "--peer", addr, "--tensor-split", "1,1", "--temp", "0", "-n", "12", prompt],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        assert f"layers 15–29 → {addr} (GPU + output head)" in run.stderr, run.stderr
+        single = load_model(smollm2_path, n_ctx=256)
+        ids = single.tokenizer.encode(single.chat.render([{"role": "user", "content": prompt}]))
+        want = single.tokenizer.decode(list(generate(single, ids, 12, Sampler(GREEDY))))
+        # the same text until a near-tie: here the first line at least ("1. Mars" on this CPU)
+        assert run.stdout.split("\n")[0] == want.split("\n")[0], (run.stdout, want)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
