@@ -209,3 +209,28 @@ def test_tiny_temperatures_are_greedy_and_bad_penalties_are_refused() -> None:
     for bad in ({"repeat_penalty": 1e-9}, {"repeat_penalty": 1e9}, {"temperature": float("nan")}):
         with pytest.raises(ValueError, match="must be"):
             SamplingParams(**bad)
+
+
+def test_cache_type_f32_holds_twice_the_bytes_and_agrees(tmp_path: Path) -> None:
+    """--cache-type f32: K and V in f32 (twice f16's bytes); the logits stay close to the default
+    cache's (with f16 K/V ggml's flash attention also rounds q to f16 and sums V·p in f16, as
+    llama.cpp's: through two random layers ≈ 3 % of the logits' range at most)."""
+    from potluck.model.stage import Stage
+    from potluck.modelfile.gguf_file import GGUFFile
+    from potluck.modelfile.hparams import hparams_from_metadata
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_layer=2)
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    ids = np.array([1, 2, 3, 4, 5])
+    out = {}
+    for ct in ("f16", "f32"):
+        st = Stage(hp, f, 0, hp.n_layer, 64, cache_type=ct)
+        out[ct] = st(ids, [SeqChunk(0, 5)], np.arange(5))
+        out[ct + " bytes"] = st.cache(0).nbytes()
+    assert out["f32 bytes"] == 2 * out["f16 bytes"]
+    scale = float(np.abs(out["f32"]).max())
+    assert float(np.abs(out["f32"] - out["f16"]).max()) < 6e-2 * scale
+    assert not np.array_equal(out["f32"], out["f16"])  # the type is really used
+    with pytest.raises(ValueError, match="cache type 'q4'"):
+        Stage(hp, f, 0, hp.n_layer, 64, cache_type="q4")

@@ -82,12 +82,29 @@ NglOpt = Annotated[
         "more than its layers puts the output head there too).",
     ),
 ]
+CacheTypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--cache-type",
+        "-ctk",
+        help="KV cache element type: f16 (default, as llama.cpp) or f32 (exactness checks).",
+    ),
+]
 DeviceOpt = Annotated[
     str | None,
     typer.Option(
         "--device", help="The GPU for -ngl, by ggml's name (Vulkan0, CUDA0, …; default the first)."
     ),
 ]
+
+
+def _setup_cache(cache_type: str) -> None:
+    from potluck.model.stage import set_cache_type
+
+    try:
+        set_cache_type(cache_type)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _setup_gpu(n_gpu_layers: int, device: str | None, vram: int | None = None) -> None:
@@ -545,6 +562,7 @@ def run(
     threads: ThreadsOpt = None,
     ngl: NglOpt = 0,
     device: DeviceOpt = None,
+    cache_type: CacheTypeOpt = "f16",
     batch: PromptBatchOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -584,6 +602,7 @@ def run(
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
     splits = [int(s) for s in split.split(",")] if split else None
     finder = _peers(peer, rpc, pool, no_mdns or splits is not None)  # --split: in-process check
+    _setup_cache(cache_type)
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, splits, finder, _shares(tensor_split), (secret, tls),
@@ -615,6 +634,7 @@ def chat(
     threads: ThreadsOpt = None,
     ngl: NglOpt = 0,
     device: DeviceOpt = None,
+    cache_type: CacheTypeOpt = "f16",
     batch: PromptBatchOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -639,6 +659,7 @@ def chat(
 
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
     finder = _peers(peer, rpc, pool, no_mdns)
+    _setup_cache(cache_type)
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
@@ -705,11 +726,13 @@ def perplexity(
     threads: ThreadsOpt = None,
     ngl: NglOpt = 0,
     device: DeviceOpt = None,
+    cache_type: CacheTypeOpt = "f16",
     batch: BatchOpt = 512,
 ) -> None:
     """Perplexity over a text file, computed as llama-perplexity does (second half of each chunk)."""
     from potluck.engine.perplexity import perplexity as compute
 
+    _setup_cache(cache_type)
     _setup_gpu(ngl, device)
     m = _load(model, ctx, threads)
     text = file.read_text(encoding="utf-8", errors="replace")
@@ -966,6 +989,7 @@ def worker(
     ] = None,
     ngl: NglOpt = 0,
     device: DeviceOpt = None,
+    cache_type: CacheTypeOpt = "f16",
     idle_timeout: Annotated[
         float,
         typer.Option(
@@ -1012,6 +1036,7 @@ def worker(
         raise typer.BadParameter(f"--spin-ms must be in [0, 1000], got {spin_ms:g}")
     mem_limit = _size(mem, "--mem") if mem else None
     vram_limit = _size(vram, "--vram") if vram else None
+    _setup_cache(cache_type)
     _setup_gpu(ngl, device, vram_limit)
 
     value, source = _secret(secret)
@@ -1122,6 +1147,7 @@ def serve(
     threads: ThreadsOpt = None,
     ngl: NglOpt = 0,
     device: DeviceOpt = None,
+    cache_type: CacheTypeOpt = "f16",
     batch: PromptBatchOpt = None,
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
@@ -1175,6 +1201,7 @@ def serve(
         raise typer.BadParameter(str(exc)) from None
     finder = _peers(peer, rpc, pool, no_mdns)
     # many streams at once: stages even in decode time
+    _setup_cache(cache_type)
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),

@@ -66,6 +66,16 @@ def default_gpu() -> GpuConfig:
     return _gpu[0] if _gpu else GpuConfig()
 
 
+_cache_type: list[str] = []  # the process's --cache-type
+
+
+def set_cache_type(name: str) -> None:
+    """The KV cache's element type for stages built from now on: "f16" (default) or "f32"."""
+    if name not in CACHE_TYPES:
+        raise ValueError(f"--cache-type {name}: use one of {', '.join(CACHE_TYPES)}")
+    _cache_type[:] = [name]
+
+
 def default_threads() -> int:
     return _threads[0] if _threads else max(1, (os.cpu_count() or 2))
 
@@ -147,7 +157,7 @@ class Stage:
         None: the process default (set_gpu)."""
         if not 0 <= start < stop <= hp.n_layer:
             raise ValueError(f"layer range [{start}, {stop}) is not inside [0, {hp.n_layer})")
-        cache_type = cache_type or ("f32" if exact else "f16")
+        cache_type = cache_type or ("f32" if exact else _cache_type[0] if _cache_type else "f16")
         if cache_type not in CACHE_TYPES:
             raise ValueError(f"cache type {cache_type!r}: use one of {', '.join(CACHE_TYPES)}")
         self.hp, self.start, self.stop, self.n_ctx = hp, start, stop, n_ctx
