@@ -8,8 +8,8 @@ micro-batch on one sequence, the KV cache growing as in a real prefill), the siz
 order each round so drift hits all alike. Reported: prompt tokens/s per size (median over rounds
 and children, min–max) and its ratio to the largest size's figure, per CPU second of the child (user + system: on a
 shared machine a time slice lost to another process does not count) and per wall second. Only the
-prompt's last token gets logits, as prefill needs (`--head-every`: every micro-batch's last row,
-what the engine computes today).
+prompt's last token gets logits, as prefill computes them (`--head-every`: also every earlier
+micro-batch's last row, to see what the output head costs per micro-batch).
 
 With `--baseline REF` (a git ref, e.g. HEAD) the children alternate between that tree
 (`git archive REF src/potluck`) and the current one (frozen copy), A B, B A, ...: before / after in
@@ -67,8 +67,8 @@ def child_main(spec: dict) -> dict:
             for start in range(0, len(toks), size):
                 part = toks[start : start + size]
                 last = start + size >= len(toks)
-                # logits of the prompt's last token only, as prefill needs (--head-every: of
-                # every micro-batch's last row, what the engine computes today)
+                # logits of the prompt's last token only, as prefill computes them
+                # (--head-every: of every micro-batch's last row)
                 rows = None if last or spec["head_every"] else none
                 pipe.forward(part, [SeqChunk(seq, len(part))], rows)
             return len(toks) / (time.perf_counter() - t0), len(toks) / (time.process_time() - c0)
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--baseline", metavar="REF", help="also measure src/potluck at this git ref")
     ap.add_argument("--pin", action="store_true", help="pin a t-thread child to CPUs 0..t-1")
     ap.add_argument("--head-every", action="store_true",
-                    help="logits of every micro-batch's last row (the engine today), not only the "
+                    help="logits of every micro-batch's last row (the head's cost), not only the "
                          "prompt's last token")  # fmt: skip
     ap.add_argument("--out", default="bench/out/ubatch.json")
     ap.add_argument("--quick", action="store_true",

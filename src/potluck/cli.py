@@ -928,7 +928,7 @@ def doctor(
         checks = run_doctor(
             list(found.peers) + [p for p, _ in found.skipped], cfg, _dialer(secret, tls),
             this_machine, cores,
-            local_load, on_progress=status.update, backends=_backends(),
+            local_load, on_progress=status.update, backends=_backends_check(),
         )  # fmt: skip
     if as_json:
         print(json.dumps([dataclasses.asdict(c) for c in checks], indent=1))
@@ -1081,9 +1081,16 @@ def worker(
 
 def _backends() -> str:
     """One line: the devices and CPU features of this machine's ggml."""
-    from potluck.model.ggml_lib import describe
+    from potluck.model.ggml_lib import build_advice, describe
 
-    return describe()
+    advice = build_advice()
+    return describe() + (f"\n[yellow]note:[/] {advice}" if advice else "")
+
+
+def _backends_check() -> tuple[str, str | None]:
+    from potluck.model.ggml_lib import build_advice, describe
+
+    return describe(), build_advice()
 
 
 def _failover(seconds: float) -> float:

@@ -332,7 +332,7 @@ def run_doctor(
     local_cores: tuple[int, int],
     local_load: Callable[[float, float], list[tuple[float, float]]],
     on_progress: Callable[[str], None] = lambda _: None,
-    backends: str = "",
+    backends: tuple[str, str | None] = ("", None),
 ) -> list[Check]:
     """Every check, in order: per peer (reach, handshake/version, secret, threads, link), this
     machine's ggml (backends: its devices and CPU features) and threads, the model (with -m),
@@ -373,8 +373,9 @@ def run_doctor(
         finally:
             client.close()
     phys, logical = local_cores
-    if backends:
-        checks.append(Check("backend", THIS_MACHINE, OK, backends))
+    if backends[0]:
+        found, advice = backends
+        checks.append(Check("backend", THIS_MACHINE, WARN if advice else OK, found, advice or ""))
     checks.append(threads_check(THIS_MACHINE, cfg.threads or phys, phys, logical))
     if cfg.model is not None:
         on_progress(f"sizing {cfg.model.name}")

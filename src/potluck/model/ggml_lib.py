@@ -32,6 +32,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     # contexts, tensors, graphs
     "ggml_init": ([], P),  # argtypes set below (a struct by value)
     "ggml_free": ([P], None),
+    "ggml_log_set": ([P, P], None),
     "ggml_tensor_overhead": ([], c_size_t),
     "ggml_graph_overhead_custom": ([c_size_t, c_bool], c_size_t),
     "ggml_new_tensor_1d": ([P, c_int, c_int64], P),
@@ -127,6 +128,22 @@ class _Feature(ctypes.Structure):  # struct ggml_backend_feature
     _fields_ = [("name", c_char_p), ("value", c_char_p)]
 
 
+_LOG_CALLBACK = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)
+_LOG_WARN, _LOG_CONT = 3, 5  # enum ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT
+_last_level = [0]
+
+
+def _log_line(level: int, text: bytes | None, _user: int | None) -> None:
+    """ggml's log: warnings and errors to stderr; its debug and info lines (every tensor it
+    repacks, every buffer it allocates) are not for users."""
+    if level != _LOG_CONT:
+        _last_level[0] = level
+    if _last_level[0] >= _LOG_WARN and text:
+        import sys
+
+        sys.stderr.write(text.decode(errors="replace"))
+
+
 class _Lib:
     """The declared functions as attributes: `lib.ggml_mul_mat(ctx, a, b)`."""
 
@@ -146,6 +163,8 @@ class _Lib:
             setattr(self, name, fn)
         self.ggml_init.argtypes = [_InitParams]
         self.handle = handle
+        self._log = _LOG_CALLBACK(_log_line)  # kept: ggml calls it for as long as it runs
+        self.ggml_log_set(ctypes.cast(self._log, c_void_p), None)
 
     def __getattr__(self, name: str) -> Any:  # only for names not declared above
         raise AttributeError(f"ggml function {name} is not declared in potluck.model.ggml_lib")
@@ -237,6 +256,35 @@ def gpu_device(name: str | None = None) -> tuple[int, Device]:
     )
 
 
+@functools.cache
+def repack_buffer_type() -> int | None:
+    """The CPU backend's CPU_REPACK buffer type (weights interleaved for its fastest matmul
+    kernels, as llama.cpp's --repack), None where this ggml has none."""
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        if lib.ggml_backend_dev_type(dev) != DEV_CPU:
+            continue
+        reg = lib.ggml_backend_dev_backend_reg(dev)
+        addr = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+        if not addr:
+            return None
+        extra = ctypes.CFUNCTYPE(POINTER(c_void_p), c_void_p)(addr)(dev)
+        k = 0
+        while extra and extra[k]:
+            if lib.ggml_backend_buft_name(extra[k]) == b"CPU_REPACK":
+                return int(extra[k])
+            k += 1
+    return None
+
+
+def tensor_extra(t: int) -> int:
+    """A tensor's `extra` pointer (the repack buffer sets it to the layout it chose, NULL when it
+    has none for that type and shape). Read through ggml-python's own struct of ggml_tensor."""
+    from ggml import ggml as ggml_python
+
+    return int(ctypes.cast(t, POINTER(ggml_python.ggml_tensor)).contents.extra or 0)
+
+
 def cpu_features() -> dict[str, str]:
     """The CPU backend's compiled-in and detected features (AVX2, AVX512, FMA, OPENMP, ...)."""
     for i in range(lib.ggml_backend_dev_count()):
@@ -255,6 +303,22 @@ def cpu_features() -> dict[str, str]:
             k += 1
         return out
     return {}
+
+
+REBUILD = (
+    'CMAKE_ARGS="-DGGML_LLAMAFILE=ON" pip install --force-reinstall --no-cache-dir '
+    "ggml-python==0.0.45"
+)
+
+
+def build_advice() -> str | None:
+    """What this machine's ggml build lacks that costs speed, and how to rebuild; None if nothing."""
+    if not cpu_features().get("LLAMAFILE"):
+        return (
+            "ggml was built without LLAMAFILE (its tinyBLAS prompt kernels): prompts run up to "
+            f"2x slower on Q8_0/Q5_0/F16 weights; rebuild it: {REBUILD}"
+        )
+    return None
 
 
 def describe() -> str:

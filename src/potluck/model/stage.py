@@ -67,6 +67,16 @@ def default_gpu() -> GpuConfig:
 
 
 _cache_type: list[str] = []  # the process's --cache-type
+_repack_default = [True]  # the process's --repack
+
+
+def _no(name: str) -> bool:
+    return False
+
+
+def set_repack(on: bool) -> None:
+    """Whether stages built from now on repack their weights (llama.cpp's --repack, default 1)."""
+    _repack_default[0] = on
 
 
 def set_cache_type(name: str) -> None:
@@ -149,15 +159,18 @@ class Stage:
         threads: int | None = None,
         n_gpu_layers: int | None = None,
         device: str | None = None,
+        repack: bool | None = None,
     ) -> None:
         """exact: weights dequantized to f32 and an f32 KV cache (reference precision, tests);
         cache_type: "f16" (default) or "f32". n_gpu_layers: the last that many layers of the
         stage on the GPU `device` (a ggml device name, default the first GPU), as llama.cpp's
         -ngl: more than the stage's layers puts the output head there too; the rest on the CPU.
-        None: the process default (set_gpu)."""
+        None: the process default (set_gpu). repack: weights in ggml's CPU_REPACK layout where
+        it has one (model/weights.py; None: the process default, on)."""
         if not 0 <= start < stop <= hp.n_layer:
             raise ValueError(f"layer range [{start}, {stop}) is not inside [0, {hp.n_layer})")
         cache_type = cache_type or ("f32" if exact else _cache_type[0] if _cache_type else "f16")
+        repack = _repack_default[0] if repack is None else repack
         if cache_type not in CACHE_TYPES:
             raise ValueError(f"cache type {cache_type!r}: use one of {', '.join(CACHE_TYPES)}")
         self.hp, self.start, self.stop, self.n_ctx = hp, start, stop, n_ctx
@@ -188,7 +201,7 @@ class Stage:
         shapes = stage_shapes(hp, src, start, stop)
         if self.gpu_device is not None:
             self._check_room(src, shapes, n_gpu_layers, vram)
-        self.weights = Weights(src, shapes, exact, self._placement)
+        self.weights = Weights(src, shapes, exact, self._placement, self._repack if repack else _no)
         if on_layer is not None:
             for i in self.layers:
                 on_layer(i)
@@ -252,6 +265,13 @@ class Stage:
         raise BackendError(
             f"{self.gpu_device.name}: -ngl {asked} needs {need / mib:.0f} MiB of weights there, "
             f"{free / mib:.0f} MiB are free: at most {fits} layers fit (-ngl {fits})"
+        )
+
+    def _repack(self, name: str) -> bool:
+        """Matmul weights may be repacked; token_embd never (get_rows reads it, also as a tied
+        head)."""
+        return name.endswith(".weight") and name != "token_embd.weight" and (
+            _layer_of(name) is not None or name == "output.weight"
         )
 
     def _kv_buffer_type(self, layer: int) -> int:

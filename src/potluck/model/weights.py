@@ -7,6 +7,13 @@ re-encoded, processes that map the same file share its pages, and "weights in me
 stage's tensor bytes. A tensor meant for another device (a GPU layer, `-ngl`) is uploaded once
 into that device's buffer instead. `exact=True` (tests only) dequantizes every tensor to f32 in
 ordinary memory: ggml then multiplies in f32 throughout, the reference precision.
+
+Repacked weights (`repack`, on by default as in llama.cpp): a matrix whose type and shape ggml's
+CPU_REPACK buffer has a faster layout for (Q4_0, Q4_K, Q5_K, Q6_K, Q2_K, Q8_0, IQ4_NL, MXFP4 with
+rows in multiples of 4 or 8, by this CPU's kernels) is copied into that buffer in the interleaved
+layout — the same number of bytes — and the file's pages it came from are dropped from this
+process's memory (madvise DONTNEED: they are never read again), so that memory still holds each
+weight once. What it costs: those tensors no longer share the page cache with other processes.
 """
 
 from __future__ import annotations
@@ -18,7 +25,14 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from potluck.errors import ModelFileError, UnsupportedError
-from potluck.model.ggml_lib import STATUS_SUCCESS, TYPE_F32, BackendError, lib
+from potluck.model.ggml_lib import (
+    STATUS_SUCCESS,
+    TYPE_F32,
+    BackendError,
+    lib,
+    repack_buffer_type,
+    tensor_extra,
+)
 from potluck.model.ggml_lib import context as new_context
 from potluck.modelfile.gguf_file import TensorInfo
 
@@ -92,7 +106,10 @@ class Weights:
         shapes: Iterable[tuple[str, tuple[int, ...]]],
         exact: bool = False,
         placement: Callable[[str], int | None] = lambda name: None,
+        repack: Callable[[str], bool] = lambda name: False,
     ) -> None:
+        """repack(name): whether a matrix this CPU keeps may be repacked (a matmul weight; never
+        one that get_rows also reads, such as token_embd)."""
         wanted = list(dict.fromkeys(shapes))
         self._ctx = new_context(len(wanted))
         self._tensors: dict[str, int] = {}
@@ -100,7 +117,10 @@ class Weights:
         self._buffers: list[int] = []
         self.nbytes = 0  # bytes of weights this stage holds (in RAM or device memory)
         self.device_bytes: dict[int, int] = {}  # buffer type -> bytes uploaded there
+        self.repacked_bytes = 0  # of nbytes, those held in the CPU_REPACK layout
         uploads: dict[int, list[tuple[str, int, np.ndarray]]] = {}
+        repacks: list[tuple[str, int, np.ndarray]] = []
+        repack_buft = None if exact else repack_buffer_type()
         try:
             for name, shape in wanted:
                 info = check(src, name, shape)
@@ -115,12 +135,20 @@ class Weights:
                 lib.ggml_set_name(t, name.encode())
                 self._tensors[name] = t
                 buft = placement(name)
-                if buft is None:
+                if buft is None and repack_buft and repack(name) and _repackable(repack_buft, info):
+                    repacks.append((name, t, raw))
+                elif buft is None:
                     self._map(t, raw, name)
                 else:
                     uploads.setdefault(buft, []).append((name, t, raw))
             for buft, items in uploads.items():
                 self._upload(buft, items)
+            if repacks:
+                assert repack_buft is not None
+                self._upload(repack_buft, repacks, device=False)
+                for _, _, raw in repacks:
+                    _drop_pages(raw)
+                self.repacked_bytes = sum(raw.nbytes for _, _, raw in repacks)
         except BaseException:
             self.free()
             raise
@@ -141,7 +169,9 @@ class Weights:
         self._keep.append(raw)
         self.nbytes += n
 
-    def _upload(self, buft: int, items: list[tuple[str, int, np.ndarray]]) -> None:
+    def _upload(
+        self, buft: int, items: list[tuple[str, int, np.ndarray]], device: bool = True
+    ) -> None:
         align = 256
         size = sum(-(-lib.ggml_nbytes(t) // align) * align for _, t, _ in items)
         buf = lib.ggml_backend_buft_alloc_buffer(buft, size)
@@ -159,8 +189,11 @@ class Weights:
             data = np.ascontiguousarray(raw)
             lib.ggml_backend_tensor_set(t, data.ctypes.data, 0, n)
             at += -(-n // align) * align
-        self.nbytes += size
-        self.device_bytes[buft] = self.device_bytes.get(buft, 0) + size
+        if device:
+            self.nbytes += size
+            self.device_bytes[buft] = self.device_bytes.get(buft, 0) + size
+        else:  # repacked in this process's memory: the same bytes as the file's tensors
+            self.nbytes += sum(raw.nbytes for _, _, raw in items)
 
     def tensor(self, name: str) -> int:
         return self._tensors[name]
@@ -179,6 +212,56 @@ class Weights:
 
     def __del__(self) -> None:
         self.free()
+
+
+_REPACKABLE: dict[tuple[int, tuple[int, ...]], bool] = {}
+
+
+def _repackable(buft: int, info: TensorInfo) -> bool:
+    """Whether the repack buffer has a layout for this type and shape on this CPU: asked of ggml
+    itself (a probe tensor in a probe buffer: its init_tensor sets `extra` to the layout or
+    NULL), once per (type, shape)."""
+    if len(info.shape) != 2:
+        return False
+    key = (int(info.qtype), info.shape)
+    if key not in _REPACKABLE:
+        ctx = new_context(1)
+        try:
+            t = _new_tensor(ctx, int(info.qtype), info.shape)
+            buf = lib.ggml_backend_buft_alloc_buffer(buft, lib.ggml_nbytes(t))
+            if not buf:
+                return False
+            try:
+                lib.ggml_backend_tensor_alloc(buf, t, lib.ggml_backend_buffer_get_base(buf))
+                _REPACKABLE[key] = tensor_extra(t) != 0
+            finally:
+                lib.ggml_backend_buffer_free(buf)
+        finally:
+            lib.ggml_free(ctx)
+    return _REPACKABLE[key]
+
+
+def _drop_pages(raw: np.ndarray) -> None:
+    """Give back the memory-mapped pages wholly inside `raw`: a file's, read again on demand.
+    Only for an array over a file mapping (on ordinary memory DONTNEED would zero it)."""
+    import ctypes
+
+    base = raw
+    while base is not None and not isinstance(base, np.memmap):
+        base = base.base if isinstance(base, np.ndarray) else None
+    if base is None:
+        return
+    page = 4096
+    start = -(-raw.ctypes.data // page) * page
+    end = (raw.ctypes.data + raw.nbytes) // page * page
+    if end <= start:
+        return
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(start, end - start, 4)  # MADV_DONTNEED
 
 
 def cpu_buffer_over(addr: int, nbytes: int) -> int:
