@@ -251,7 +251,7 @@ def gpu_device(name: str | None = None) -> tuple[int, Device]:
     want = f"device {name!r}" if name else "GPU"
     raise BackendError(
         f"this machine's ggml has no {want} (devices: {have}); build ggml with a GPU backend: "
-        'CMAKE_ARGS="-DGGML_VULKAN=ON" (or -DGGML_CUDA=ON, -DGGML_HIP=ON, -DGGML_METAL=ON) '
+        'CMAKE_ARGS="-DGGML_LLAMAFILE=ON -DGGML_VULKAN=ON" (or -DGGML_CUDA=ON, -DGGML_HIP=ON, -DGGML_METAL=ON) '
         "pip install --force-reinstall --no-cache-dir ggml-python==0.0.45"
     )
 

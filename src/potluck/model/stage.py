@@ -270,8 +270,10 @@ class Stage:
     def _repack(self, name: str) -> bool:
         """Matmul weights may be repacked; token_embd never (get_rows reads it, also as a tied
         head)."""
-        return name.endswith(".weight") and name != "token_embd.weight" and (
-            _layer_of(name) is not None or name == "output.weight"
+        return (
+            name.endswith(".weight")
+            and name != "token_embd.weight"
+            and (_layer_of(name) is not None or name == "output.weight")
         )
 
     def _kv_buffer_type(self, layer: int) -> int:
