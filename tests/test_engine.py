@@ -234,3 +234,31 @@ def test_cache_type_f32_holds_twice_the_bytes_and_agrees(tmp_path: Path) -> None
     assert not np.array_equal(out["f32"], out["f16"])  # the type is really used
     with pytest.raises(ValueError, match="cache type 'q4'"):
         Stage(hp, f, 0, hp.n_layer, 64, cache_type="q4")
+
+
+def test_repacked_weights_compute_the_same(tmp_path: Path) -> None:
+    """Q4_0 and Q4_K matrices go into ggml's CPU_REPACK layout where this CPU has one; the stage
+    holds the same bytes, and its logits equal the in-place weights' within the kernels'
+    rounding (the interleaved kernels sum the same products in another order)."""
+    from gguf import GGMLQuantizationType as T
+
+    from potluck.model.stage import Stage
+    from potluck.modelfile.gguf_file import GGUFFile
+    from potluck.modelfile.hparams import hparams_from_metadata
+
+    for qtype in (T.Q4_0, T.Q4_K):
+        path = write_tiny_model(
+            tmp_path / f"{qtype.name}.gguf", "llama", None, qtype, n_layer=2, n_embd=256, n_ff=512
+        )
+        f = GGUFFile(path)
+        hp = hparams_from_metadata(f.metadata)
+        ids = np.array([1, 2, 3, 4, 5, 6, 7, 8])
+        flat = Stage(hp, f, 0, hp.n_layer, 64, repack=False)
+        packed = Stage(hp, f, 0, hp.n_layer, 64, repack=True)
+        assert packed.weight_bytes() == flat.weight_bytes()
+        if not packed.weights.repacked_bytes:
+            pytest.skip("this CPU's ggml has no repacked layout for these types")
+        a = flat(ids, [SeqChunk(0, 8)], np.arange(8))
+        b = packed(ids, [SeqChunk(0, 8)], np.arange(8))
+        assert float(np.abs(a - b).max()) < 2e-2 * float(np.abs(a).max()), qtype.name
+        assert (a.argmax(-1) == b.argmax(-1)).all()
