@@ -201,7 +201,9 @@ class Stage:
         shapes = stage_shapes(hp, src, start, stop)
         if self.gpu_device is not None:
             self._check_room(src, shapes, n_gpu_layers, vram)
-        self.weights = Weights(src, shapes, exact, self._placement, self._repack if repack else _no)
+        self.weights = Weights(
+            src, shapes, exact, self._placement, self._repack if repack else _no, self.threads
+        )
         if on_layer is not None:
             for i in self.layers:
                 on_layer(i)

@@ -19,6 +19,7 @@ weight once. What it costs: those tensors no longer share the page cache with ot
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
@@ -107,9 +108,11 @@ class Weights:
         exact: bool = False,
         placement: Callable[[str], int | None] = lambda name: None,
         repack: Callable[[str], bool] = lambda name: False,
+        threads: int = 1,
     ) -> None:
         """repack(name): whether a matrix this CPU keeps may be repacked (a matmul weight; never
-        one that get_rows also reads, such as token_embd)."""
+        one that get_rows also reads, such as token_embd). threads: how many repack at once."""
+        self.threads = threads
         wanted = list(dict.fromkeys(shapes))
         self._ctx = new_context(len(wanted))
         self._tensors: dict[str, int] = {}
@@ -146,8 +149,6 @@ class Weights:
             if repacks:
                 assert repack_buft is not None
                 self._upload(repack_buft, repacks, device=False)
-                for _, _, raw in repacks:
-                    _drop_pages(raw)
                 self.repacked_bytes = sum(raw.nbytes for _, _, raw in repacks)
         except BaseException:
             self.free()
@@ -183,12 +184,23 @@ class Weights:
             )
         self._buffers.append(buf)
         base, at = lib.ggml_backend_buffer_get_base(buf), 0
-        for _, t, raw in items:
-            n = lib.ggml_nbytes(t)
+        for _, t, _ in items:  # (alloc in order: ggml's buffers are not thread-safe there)
             lib.ggml_backend_tensor_alloc(buf, t, base + at)
+            at += -(-lib.ggml_nbytes(t) // align) * align
+
+        def put(item: tuple[str, int, np.ndarray]) -> None:
+            _, t, raw = item
             data = np.ascontiguousarray(raw)
-            lib.ggml_backend_tensor_set(t, data.ctypes.data, 0, n)
-            at += -(-n // align) * align
+            lib.ggml_backend_tensor_set(t, data.ctypes.data, 0, lib.ggml_nbytes(t))
+            if not device:
+                _drop_pages(raw)  # at once: the file's copy and the repacked one never both
+
+        if device or self.threads <= 1:
+            for item in items:
+                put(item)
+        else:  # repacking is CPU work, tensor by tensor, the GIL released: on every thread
+            with ThreadPoolExecutor(self.threads) as pool:
+                list(pool.map(put, items))
         if device:
             self.nbytes += size
             self.device_bytes[buft] = self.device_bytes.get(buft, 0) + size
