@@ -262,3 +262,22 @@ def test_repacked_weights_compute_the_same(tmp_path: Path) -> None:
         b = packed(ids, [SeqChunk(0, 8)], np.arange(8))
         assert float(np.abs(a - b).max()) < 2e-2 * float(np.abs(a).max()), qtype.name
         assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_running_a_model_imports_no_torch(tmp_path: Path) -> None:
+    """Installing Potluck installs no PyTorch: loading a model, generating, the worker and the
+    server's modules run without it (it is only the tests' reference)."""
+    import subprocess
+    import sys
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_layer=2)
+    code = (
+        "import sys\n"
+        "from potluck.engine.generate import load_model, generate\n"
+        "from potluck.engine.sampling import Sampler, GREEDY\n"
+        "import potluck.cli, potluck.node.worker, potluck.api.server, potluck.engine.scheduler\n"
+        f"m = load_model({str(path)!r}, n_ctx=64)\n"
+        "assert len(list(generate(m, [1, 2, 3], 4, Sampler(GREEDY)))) >= 1\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
