@@ -96,6 +96,7 @@ def test_pool_equals_single_process_smollm2(
         pool.chat.render([{"role": "user", "content": "Name three planets."}])
     )
     assert list(generate(pool, ids, 16, Sampler(GREEDY))) == want
+    pool.close()  # (frees its stages: a later head's Load would wait out their LIVE_S)
     stage_ms = pool.pipeline.last_stage_ms
     assert len(stage_ms) == 3 and all(ms > 0 for ms in stage_ms)
     if shares is None:  # prompts over a pool go in micro-batches that overlap in the stages
@@ -147,6 +148,7 @@ def test_seeded_sampling_through_pool(workers: list[str], smollm2_path: Path) ->
     pool = load_model(smollm2_path, n_ctx=256, peers=workers)
     ids = pool.tokenizer.encode(pool.chat.render([{"role": "user", "content": "Tell me a story."}]))
     assert list(generate(pool, ids, 16, Sampler(params))) == want
+    pool.close()
 
 
 def test_prompt_in_micro_batches_through_pool(workers: list[str], smollm2_path: Path) -> None:
@@ -155,6 +157,7 @@ def test_prompt_in_micro_batches_through_pool(workers: list[str], smollm2_path: 
     want = list(generate(m, ids, 8, Sampler(GREEDY)))
     pool = load_model(smollm2_path, n_ctx=256, peers=workers)
     assert list(generate(pool, ids, 8, Sampler(GREEDY), n_batch=16)) == want
+    pool.close()
 
 
 def test_unreachable_peer(smollm2_path: Path) -> None:
@@ -218,6 +221,7 @@ def test_malformed_calls_rejected_worker_stays_up(workers: list[str], smollm2_pa
     # still serving the real head
     ids = pool.tokenizer.encode("Hello")
     assert len(list(generate(pool, ids, 3, Sampler(GREEDY)))) == 3
+    pool.close()
 
 
 def test_worker_refuses_open_address_without_secret() -> None:
@@ -411,8 +415,14 @@ def test_worker_device_flags() -> None:
         [sys.executable, "-m", "potluck.cli", "worker", "--device", "cuda", "-p", str(_free_port())],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert done.returncode == 1 and "--device cuda: Potluck computes on the CPU only" in done.stderr
-    proc, _ = start_worker(args=("-ngl", "99"))
+    assert done.returncode == 2 and "--device cuda needs -ngl N" in done.stderr, done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "worker", "-ngl", "4", "--device", "NoSuchGPU9",
+         "-p", str(_free_port())],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1 and "has no device 'NoSuchGPU9'" in done.stderr, done.stderr
+    proc, _ = start_worker(args=("--device", "cpu"))  # cpu: no GPU, as without the flag
     _stop(proc)
 
 
