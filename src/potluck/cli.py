@@ -82,6 +82,14 @@ NglOpt = Annotated[
         "more than its layers puts the output head there too).",
     ),
 ]
+NoRepackOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-repack",
+        help="Keep every weight mapped in place (shared page cache; slower matmuls), as "
+        "llama.cpp's --repack 0.",
+    ),
+]
 CacheTypeOpt = Annotated[
     str,
     typer.Option(
@@ -98,9 +106,10 @@ DeviceOpt = Annotated[
 ]
 
 
-def _setup_cache(cache_type: str) -> None:
-    from potluck.model.stage import set_cache_type
+def _setup_cache(cache_type: str, no_repack: bool = False) -> None:
+    from potluck.model.stage import set_cache_type, set_repack
 
+    set_repack(not no_repack)
     try:
         set_cache_type(cache_type)
     except ValueError as exc:
@@ -563,6 +572,7 @@ def run(
     ngl: NglOpt = 0,
     device: DeviceOpt = None,
     cache_type: CacheTypeOpt = "f16",
+    no_repack: NoRepackOpt = False,
     batch: PromptBatchOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -602,7 +612,7 @@ def run(
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
     splits = [int(s) for s in split.split(",")] if split else None
     finder = _peers(peer, rpc, pool, no_mdns or splits is not None)  # --split: in-process check
-    _setup_cache(cache_type)
+    _setup_cache(cache_type, no_repack)
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, splits, finder, _shares(tensor_split), (secret, tls),
@@ -635,6 +645,7 @@ def chat(
     ngl: NglOpt = 0,
     device: DeviceOpt = None,
     cache_type: CacheTypeOpt = "f16",
+    no_repack: NoRepackOpt = False,
     batch: PromptBatchOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -659,7 +670,7 @@ def chat(
 
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
     finder = _peers(peer, rpc, pool, no_mdns)
-    _setup_cache(cache_type)
+    _setup_cache(cache_type, no_repack)
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
@@ -727,12 +738,13 @@ def perplexity(
     ngl: NglOpt = 0,
     device: DeviceOpt = None,
     cache_type: CacheTypeOpt = "f16",
+    no_repack: NoRepackOpt = False,
     batch: BatchOpt = 512,
 ) -> None:
     """Perplexity over a text file, computed as llama-perplexity does (second half of each chunk)."""
     from potluck.engine.perplexity import perplexity as compute
 
-    _setup_cache(cache_type)
+    _setup_cache(cache_type, no_repack)
     _setup_gpu(ngl, device)
     m = _load(model, ctx, threads)
     text = file.read_text(encoding="utf-8", errors="replace")
@@ -990,6 +1002,7 @@ def worker(
     ngl: NglOpt = 0,
     device: DeviceOpt = None,
     cache_type: CacheTypeOpt = "f16",
+    no_repack: NoRepackOpt = False,
     idle_timeout: Annotated[
         float,
         typer.Option(
@@ -1036,7 +1049,7 @@ def worker(
         raise typer.BadParameter(f"--spin-ms must be in [0, 1000], got {spin_ms:g}")
     mem_limit = _size(mem, "--mem") if mem else None
     vram_limit = _size(vram, "--vram") if vram else None
-    _setup_cache(cache_type)
+    _setup_cache(cache_type, no_repack)
     _setup_gpu(ngl, device, vram_limit)
 
     value, source = _secret(secret)
@@ -1155,6 +1168,7 @@ def serve(
     ngl: NglOpt = 0,
     device: DeviceOpt = None,
     cache_type: CacheTypeOpt = "f16",
+    no_repack: NoRepackOpt = False,
     batch: PromptBatchOpt = None,
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
@@ -1208,7 +1222,7 @@ def serve(
         raise typer.BadParameter(str(exc)) from None
     finder = _peers(peer, rpc, pool, no_mdns)
     # many streams at once: stages even in decode time
-    _setup_cache(cache_type)
+    _setup_cache(cache_type, no_repack)
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
