@@ -19,8 +19,8 @@ from potluck.engine.sampling import (
 
 MAX_STOPS = 4  # stop sequences per request (OpenAI's limit)
 MAX_N = 16  # choices per request
-# Seeds: OpenAI's are int64, torch's generator and the wire's SamplingConfig.seed are uint64; a
-# negative seed is its uint64 twin (seed mod 2**64), as torch.Generator.manual_seed reads it.
+# Seeds: OpenAI's are int64, the sampler's generator (numpy PCG64) and the wire's SamplingConfig.seed are uint64; a
+# negative seed is its uint64 twin (seed mod 2**64), as the sampler reads it (seed % 2**64).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 TOP_K_ALL = 2**31 - 1  # a top_k past the vocabulary keeps every token; the wire's top_k is int32
 

@@ -1,4 +1,4 @@
-"""Which GGUF tensors a stage of layers [start, stop) needs (no torch: the head uses it to ship
+"""Which GGUF tensors a stage of layers [start, stop) needs (no ggml: the head uses it to ship
 weights, the planner to size stages)."""
 
 from __future__ import annotations

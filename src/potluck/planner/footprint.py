@@ -12,8 +12,8 @@ Activation buffers, per stage (they are reused layer after layer, so they do not
 number of layers): one micro-batch of n_batch tokens in one block holds in fp32 the residual and
 its norm (2 n_embd), q (n_head * head_dim), k and v (n_head_kv * (head_dim + head_dim_v)), the
 attention output (n_head * head_dim_v) and the FFN's gate, up and product (3 n_ff) per token, plus
-the attention scores n_head x min(n_batch, n_ctx) x n_ctx. An estimate on the safe side: torch
-frees most of these before the next one is made. Logits are one row per sequence: left out.
+the attention scores n_head x min(n_batch, n_ctx) x n_ctx. An estimate on the safe side: ggml's
+allocator reuses these buffers within a graph, and flash attention never holds all the scores. Logits are one row per sequence: left out.
 
 Decode reads every weight of a layer once per token, so a layer's read bytes are its in-memory
 bytes; the first stage reads one embedding row, the last the whole head. Reading the KV cache
