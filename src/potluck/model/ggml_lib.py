@@ -256,24 +256,32 @@ def gpu_device(name: str | None = None) -> tuple[int, Device]:
     )
 
 
+def _cpu_proc(name: bytes) -> tuple[int, int, int] | None:
+    """(CPU device, its backend registry, the address of its extension function `name`), None
+    where this ggml has no CPU device or no such function."""
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        if lib.ggml_backend_dev_type(dev) == DEV_CPU:
+            reg = lib.ggml_backend_dev_backend_reg(dev)
+            addr = lib.ggml_backend_reg_get_proc_address(reg, name)
+            return (dev, reg, addr) if addr else None
+    return None
+
+
 @functools.cache
 def repack_buffer_type() -> int | None:
     """The CPU backend's CPU_REPACK buffer type (weights interleaved for its fastest matmul
     kernels, as llama.cpp's --repack), None where this ggml has none."""
-    for i in range(lib.ggml_backend_dev_count()):
-        dev = lib.ggml_backend_dev_get(i)
-        if lib.ggml_backend_dev_type(dev) != DEV_CPU:
-            continue
-        reg = lib.ggml_backend_dev_backend_reg(dev)
-        addr = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
-        if not addr:
-            return None
-        extra = ctypes.CFUNCTYPE(POINTER(c_void_p), c_void_p)(addr)(dev)
-        k = 0
-        while extra and extra[k]:
-            if lib.ggml_backend_buft_name(extra[k]) == b"CPU_REPACK":
-                return int(extra[k])
-            k += 1
+    found = _cpu_proc(b"ggml_backend_dev_get_extra_bufts")
+    if found is None:
+        return None
+    dev, _, addr = found
+    extra = ctypes.CFUNCTYPE(POINTER(c_void_p), c_void_p)(addr)(dev)
+    k = 0
+    while extra and extra[k]:
+        if lib.ggml_backend_buft_name(extra[k]) == b"CPU_REPACK":
+            return int(extra[k])
+        k += 1
     return None
 
 
@@ -287,22 +295,16 @@ def tensor_extra(t: int) -> int:
 
 def cpu_features() -> dict[str, str]:
     """The CPU backend's compiled-in and detected features (AVX2, AVX512, FMA, OPENMP, ...)."""
-    for i in range(lib.ggml_backend_dev_count()):
-        dev = lib.ggml_backend_dev_get(i)
-        if lib.ggml_backend_dev_type(dev) != DEV_CPU:
-            continue
-        reg = lib.ggml_backend_dev_backend_reg(dev)
-        addr = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_get_features")
-        if not addr:
-            return {}
-        get = ctypes.CFUNCTYPE(POINTER(_Feature), c_void_p)(addr)
-        feats, out = get(reg), {}
-        k = 0
-        while feats[k].name:
-            out[feats[k].name.decode()] = feats[k].value.decode()
-            k += 1
-        return out
-    return {}
+    found = _cpu_proc(b"ggml_backend_get_features")
+    if found is None:
+        return {}
+    _, reg, addr = found
+    feats = ctypes.CFUNCTYPE(POINTER(_Feature), c_void_p)(addr)(reg)
+    out, k = {}, 0
+    while feats[k].name:
+        out[feats[k].name.decode()] = feats[k].value.decode()
+        k += 1
+    return out
 
 
 REBUILD = (
