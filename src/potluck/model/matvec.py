@@ -46,15 +46,15 @@ class MatVec:
         self._raw = [random_blocks(qtype, n_out, n_in, seed=i) for i in range(layers)]
         self.nbytes = self._raw[0].nbytes  # weight bytes of one layer
         self._bufs: list[int] = []
-        self.cpu = (
+        self.backend = (
             lib.ggml_backend_cpu_init()
             if device is None
             else lib.ggml_backend_dev_init(device, None)
         )
-        if not self.cpu:
+        if not self.backend:
             raise BackendError("ggml's backend could not start for the speed probe")
         if device is None:
-            lib.ggml_backend_cpu_set_n_threads(self.cpu, threads)
+            lib.ggml_backend_cpu_set_n_threads(self.backend, threads)
         self.x = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, n_in, 1)
         self.graphs = []
         ws = []
@@ -69,7 +69,7 @@ class MatVec:
                 w = lib.ggml_new_tensor_2d(wctx, int(qtype), n_in, n_out)
             ws.append(w)
         if device is not None:  # one device buffer for the weights, then upload them
-            buf = lib.ggml_backend_alloc_ctx_tensors(wctx, self.cpu)
+            buf = lib.ggml_backend_alloc_ctx_tensors(wctx, self.backend)
             if not buf:
                 raise BackendError("no device memory for the speed probe's weights")
             self._bufs.append(buf)
@@ -78,7 +78,7 @@ class MatVec:
             self._raw = []
         self._wctx = wctx
         outs = [lib.ggml_mul_mat(self._ctx, w, self.x) for w in ws]
-        self._act = lib.ggml_backend_alloc_ctx_tensors(self._ctx, self.cpu)  # x and the outputs
+        self._act = lib.ggml_backend_alloc_ctx_tensors(self._ctx, self.backend)  # x and the outputs
         if not self._act:
             raise BackendError("ggml could not allocate the probe's activations")
         x = np.random.default_rng(0).standard_normal(n_in).astype(np.float32)
@@ -95,9 +95,9 @@ class MatVec:
 
     def run(self, i: int) -> None:
         """One product through layer i (waits for the device to finish)."""
-        if lib.ggml_backend_graph_compute(self.cpu, self.graphs[i]) != 0:
+        if lib.ggml_backend_graph_compute(self.backend, self.graphs[i]) != 0:
             raise BackendError("ggml compute failed in the speed probe")
-        lib.ggml_backend_synchronize(self.cpu)
+        lib.ggml_backend_synchronize(self.backend)
 
     def close(self) -> None:
         for buf in [*self._bufs, self._act]:
@@ -108,9 +108,9 @@ class MatVec:
             if ctx:
                 lib.ggml_free(ctx)
         self._ctx = self._gctx = self._wctx = 0
-        if self.cpu:
-            lib.ggml_backend_free(self.cpu)
-            self.cpu = 0
+        if self.backend:
+            lib.ggml_backend_free(self.backend)
+            self.backend = 0
 
     def __del__(self) -> None:
         self.close()

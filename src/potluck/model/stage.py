@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from potluck.errors import ModelFileError
 from potluck.model.ggml_lib import BackendError, gpu_device, lib
 from potluck.model.graph import StepGraph, StepShape
 from potluck.model.kv_cache import CACHE_TYPES, SeqCache
@@ -381,5 +380,5 @@ class Stage:
                 setattr(self, name, None)
 
     def __del__(self) -> None:
-        with contextlib.suppress(AttributeError, ModelFileError):  # a half-built stage
+        with contextlib.suppress(AttributeError):  # a half-built stage
             self.close()
