@@ -580,11 +580,12 @@ def test_serve_stopped_by_sigterm_frees_its_plan(smollm2_path: Path) -> None:
         head.wait(timeout=30)
         # the worker says so within moments (its idle timeout would be 120 s)
         assert proc.stderr is not None
-        os.set_blocking(proc.stderr.fileno(), False)
-        said, deadline = "", time.monotonic() + 5
+        import select
+
+        fd, said, deadline = proc.stderr.fileno(), "", time.monotonic() + 5
         while "its head is done with it" not in said and time.monotonic() < deadline:
-            said += proc.stderr.read() or ""
-            time.sleep(0.02)
+            if select.select([fd], [], [], 0.05)[0]:
+                said += os.read(fd, 65536).decode(errors="replace")
     finally:
         if head.poll() is None:
             head.kill()
