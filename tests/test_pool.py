@@ -576,8 +576,8 @@ def test_serve_stopped_by_sigterm_frees_its_plan(smollm2_path: Path) -> None:
         deadline = time.monotonic() + 120
         while "listening on" not in (line := head.stderr.readline()):
             assert head.poll() is None and time.monotonic() < deadline, line
-        head.send_signal(signal.SIGTERM)
-        head.wait(timeout=30)
+        head.send_signal(signal.SIGTERM)  # at once: the handler is in place before it says so
+        assert head.wait(timeout=30) == 0, "the head died of the signal instead of stopping"
         # the worker says so within moments (its idle timeout would be 120 s)
         assert proc.stderr is not None
         import select

@@ -808,12 +808,13 @@ def serve(app: FastAPI, host: str, port: int, on_listen: Callable[[str], None]) 
     port is 0) once the socket accepts connections."""
     sock, url = bind(host, port)
     server = uvicorn_server(app)
-    on_listen(url)
     # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again under the
     # handler it found: the default ones would kill the process (SIGTERM) or interrupt whatever
     # runs next (SIGINT) before the caller lets its pool go, and workers would hold its stages
     # until their idle timeout. Under ours the run returns. (Ours also stops a server that has
-    # not installed its own handlers yet: a signal right after `on_listen`.)
+    # not installed its own handlers yet: a signal right after `on_listen`, which is therefore
+    # called only once ours are in place: a supervisor that stops the server as soon as it said
+    # it listens would otherwise meet the default handler, and the workers keep its stages.)
 
     def stop(signum: int, frame: object) -> None:
         server.should_exit = True
@@ -822,6 +823,7 @@ def serve(app: FastAPI, host: str, port: int, on_listen: Callable[[str], None]) 
     main_thread = threading.current_thread() is threading.main_thread()
     old = {sig: signal.signal(sig, stop) for sig in stops} if main_thread else {}
     try:
+        on_listen(url)
         server.run(sockets=[sock])
     finally:
         for sig, handler in old.items():
