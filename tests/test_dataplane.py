@@ -308,9 +308,6 @@ def test_client_keeps_the_grpc_stream_when_the_data_port_is_closed(
 def _start_worker(
     *args: str, secret: str | None = None, config: str | None = None
 ) -> tuple[subprocess.Popen, str, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "POTLUCK_MDNS": "0"}
     env.pop("POTLUCK_SECRET", None)
     if secret:
@@ -318,7 +315,7 @@ def _start_worker(
     if config:
         env["POTLUCK_CONFIG"] = config
     proc = subprocess.Popen(
-        [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1", *args],
+        [sys.executable, "-m", "potluck.cli", "worker", "-p", "0", "-t", "1", *args],
         env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     assert proc.stderr is not None
@@ -326,9 +323,11 @@ def _start_worker(
     while "listening on" not in (line := proc.stderr.readline()):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"worker did not start: {line}")
+    port = re.search(r"listening on [^ ]*:(\d+) ", line)  # -p 0: the port it picked itself
+    assert port, line
     found = re.search(r"data port (\d+)", line)
     data = int(found.group(1)) if found else 0
-    return proc, f"127.0.0.1:{port}", data
+    return proc, f"127.0.0.1:{port.group(1)}", data
 
 
 def test_pool_over_data_ports_and_grpc_streams_equals_one_process(smollm2_path: Path) -> None:

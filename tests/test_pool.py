@@ -7,6 +7,7 @@ sockets, weights shipped to a worker that lacks the file, and the errors a user 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -35,19 +36,10 @@ def _free_port() -> int:
 def start_worker(
     env_extra: dict[str, str] | None = None, threads: int = 1, args: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    """A real `potluck worker` on a port it picks itself (-p 0: no window in which another
+    process can take a port chosen here); returns once it listens, with its address."""
     env = {**os.environ, "POTLUCK_MDNS": "0", **(env_extra or {})}  # peers are named here
-    cmd = [
-        sys.executable,
-        "-m",
-        "potluck.cli",
-        "worker",
-        "-p",
-        str(port),
-        "-t",
-        str(threads),
-        *args,
-    ]
+    cmd = [sys.executable, "-m", "potluck.cli", "worker", "-p", "0", "-t", str(threads), *args]
     proc = subprocess.Popen(
         cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
     )
@@ -60,7 +52,9 @@ def start_worker(
                 f"worker did not start: {line}{proc.stderr.read() if proc.poll() is not None else ''}"
             )
         line = proc.stderr.readline()
-    return proc, f"127.0.0.1:{port}"
+    found = re.search(r"listening on [^ ]*:(\d+) ", line)
+    assert found, line
+    return proc, f"127.0.0.1:{found.group(1)}"
 
 
 @pytest.fixture(scope="module")
