@@ -77,7 +77,10 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
     import potluck
-    from potluck.model import graph, stage
+    from potluck.model import ggml_lib, graph, stage
+
+    if spec.get("ggml"):  # --ggml: another build of ggml than ggml-python's
+        ggml_lib.use_library(spec["ggml"])
     from potluck.model.stage import SeqChunk
 
     stage.set_threads(spec["threads"])  # before load_model: a stage takes its threads when built
@@ -166,8 +169,10 @@ def llama_sample(bin_dir: Path, path: str, t: int, pp: int, tg: int, repack: int
             "cpu_info": pp_t.get("cpu_info")}  # fmt: skip
 
 
-def potluck_sample(path: str, t: int, pp: int, tg: int, src: str | None) -> dict[str, Any]:
-    spec = json.dumps({"path": path, "threads": t, "pp": pp, "tg": tg})
+def potluck_sample(
+    path: str, t: int, pp: int, tg: int, src: str | None, ggml: str | None = None
+) -> dict[str, Any]:
+    spec = json.dumps({"path": path, "threads": t, "pp": pp, "tg": tg, "ggml": ggml})
     r = _spawn([sys.executable, str(Path(__file__).resolve()), "--child", spec], t, src)
     lines = [x for x in r["stdout"].splitlines() if x.startswith("RESULT ")]
     if r["rc"] != 0 or not lines:
@@ -269,6 +274,8 @@ def main() -> None:
                     default=llama_bin_default())  # fmt: skip
     ap.add_argument("--llama-repack", choices=("0", "1", "both"), default="1",
                     help="llama-bench --repack (1 = its default, BENCHMARKS.md's reference)")  # fmt: skip
+    ap.add_argument("--ggml", help="potluck computes with this build of ggml: a folder with "
+                    "libggml.so, or llama-cpp-python (as POTLUCK_GGML; default: ggml-python's)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="1 rep, smollm2, pp128 tg32: a smoke test")
     ap.add_argument("--live-src", action="store_true",
                     help="children import src/ as it is at each moment, not a copy frozen at start")  # fmt: skip
@@ -290,6 +297,10 @@ def main() -> None:
     if llama_bin is None:
         print("Skipping llama.cpp: potluck figures only, no ratios.")
         engines = ["potluck"]
+    if args.ggml:
+        from potluck.model.ggml_lib import use_library
+
+        use_library(args.ggml)  # (machine_info's line names it)
     info = machine_info(llama_bin)
     print(f"commit {info['git_commit']}{' (+ uncommitted changes)' if info['git_dirty'] else ''} · "
           f"{info['cpu_model']} × {info['n_cpus']} [{' '.join(info['cpu_flags'])}] · {info['ggml']} · "
@@ -308,7 +319,9 @@ def main() -> None:
                 for engine in engines if rep % 2 == 0 else engines[::-1]:
                     load = os.getloadavg()[0]  # the machine is shared: keep the context
                     if engine == "potluck":
-                        res = potluck_sample(path, t, pp, tg, str(snap) if snap else None)
+                        res = potluck_sample(
+                            path, t, pp, tg, str(snap) if snap else None, args.ggml
+                        )
                     else:
                         assert llama_bin is not None
                         res = llama_sample(llama_bin, path, t, pp, tg, REPACK[engine])

@@ -15,6 +15,12 @@ os.environ["POTLUCK_MDNS"] = "0"
 # ggml's Vulkan backend hides CPU-type devices (Mesa's lavapipe) unless named: the GPU tests run on
 # that software device here (tests/test_gpu.py), and on a machine's first GPU where there is one.
 os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
+# The whole suite against another build of ggml (as cli.py: POTLUCK_GGML=DIR|llama-cpp-python);
+# the processes the tests start read the same variable.
+if os.environ.get("POTLUCK_GGML"):
+    from potluck.model.ggml_lib import use_library
+
+    use_library(os.environ["POTLUCK_GGML"])
 
 
 @pytest.fixture(scope="session")

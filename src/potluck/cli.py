@@ -1397,6 +1397,10 @@ def version() -> None:
 def main() -> None:
     code: int = 0
     try:
+        if where := os.environ.get("POTLUCK_GGML"):  # another build of ggml (model/ggml_lib.py)
+            from potluck.model.ggml_lib import use_library
+
+            use_library(where)
         app()
     except PotluckError as exc:
         err.print(f"[bold red]error:[/] {exc}")

@@ -7,6 +7,12 @@ some functions a 32-bit return type for 64-bit pointers (`ggml_backend_cpu_buffe
 function Potluck calls itself, pointers as `c_void_p`, on the library handle ggml-python loaded.
 Everything else in Potluck calls ggml through `lib` below, never through `ggml.ggml`.
 
+`use_library` swaps in another build of ggml before the first call (cli.py: `POTLUCK_GGML`): a
+folder with `libggml.so`, or the one `llama-cpp-python` installs, which is llama.cpp's own (newer)
+ggml. Why: ggml-python 0.0.45 vendors ggml 0.15.3, which lacks the tiled K-quant matmuls that
+llama.cpp's ggml runs prompts with (bench/RESULTS.md: Gemma-3 prompts ≈ 9 % faster). Every
+declaration below was checked equal in both versions' headers, as is `struct ggml_tensor`.
+
 Tensors, contexts, graphs, backends and buffers are plain ints (addresses) here.
 """
 
@@ -16,6 +22,7 @@ import ctypes
 import functools
 from ctypes import POINTER, c_bool, c_char_p, c_float, c_int, c_int64, c_size_t, c_uint8, c_void_p
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from potluck.errors import PotluckError
@@ -31,6 +38,7 @@ P = c_void_p
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     # contexts, tensors, graphs
     "ggml_init": ([], P),  # argtypes set below (a struct by value)
+    "ggml_version": ([], c_char_p),
     "ggml_free": ([P], None),
     "ggml_log_set": ([P, P], None),
     "ggml_tensor_overhead": ([], c_size_t),
@@ -144,19 +152,67 @@ def _log_line(level: int, text: bytes | None, _user: int | None) -> None:
         sys.stderr.write(text.decode(errors="replace"))
 
 
+LLAMA_CPP_PYTHON = "llama-cpp-python"  # use_library's name for that package's build of ggml
+_library: list[tuple[Path, str]] = []  # use_library's choice: (folder, what to call it)
+
+
+def use_library(where: str) -> None:
+    """Compute with the ggml in folder `where` (its libggml.so, beside its libggml-base and
+    backend libraries), or with llama-cpp-python's (`where` = "llama-cpp-python"), instead of
+    ggml-python's. Only before the first ggml call; BackendError if there is no such build."""
+    if _lib.cache_info().currsize:
+        raise RuntimeError("use_library after ggml was loaded")
+    if where == LLAMA_CPP_PYTHON:
+        import importlib.util
+
+        spec = importlib.util.find_spec("llama_cpp")
+        if spec is None or not spec.submodule_search_locations:
+            raise BackendError(
+                f"POTLUCK_GGML={LLAMA_CPP_PYTHON}, but llama-cpp-python is not installed; "
+                'install it (CMAKE_ARGS as for ggml-python: pip install "llama-cpp-python==0.3.36") '
+                "or unset POTLUCK_GGML to use ggml-python's ggml"
+            )
+        folder, name = Path(spec.submodule_search_locations[0]) / "lib", LLAMA_CPP_PYTHON
+    else:
+        folder, name = Path(where).expanduser(), str(Path(where).expanduser())
+    if not (folder / "libggml.so").is_file():
+        raise BackendError(
+            f"POTLUCK_GGML={where}: no libggml.so in {folder}; name the folder of a ggml build "
+            f"(its libggml.so and libggml-base.so), or {LLAMA_CPP_PYTHON}"
+        )
+    _library[:] = [(folder, name)]
+
+
+def _load_folder(folder: Path) -> ctypes.CDLL:
+    """libggml.so of a ggml build in `folder`, after the libraries it needs from there (global,
+    so that its backends find libggml-base's symbols whatever their rpath says)."""
+    mode = getattr(ctypes, "RTLD_GLOBAL", 0)
+    for dep in ("libggml-base.so", "libggml-cpu.so"):
+        if (folder / dep).is_file():
+            ctypes.CDLL(str(folder / dep), mode=mode)
+    return ctypes.CDLL(str(folder / "libggml.so"), mode=mode)
+
+
 class _Lib:
     """The declared functions as attributes: `lib.ggml_mul_mat(ctx, a, b)`."""
 
     def __init__(self) -> None:
-        try:
-            from ggml import ggml as ggml_python  # builds/loads libggml (ggml-python)
-        except (ImportError, OSError) as exc:
-            raise BackendError(
-                f"ggml could not be loaded ({exc}); reinstall it with "
-                "`pip install --force-reinstall --no-cache-dir ggml-python==0.0.45` "
-                "(it compiles ggml; a C/C++ compiler and CMake are needed)"
-            ) from exc
-        handle: ctypes.CDLL = ggml_python.lib
+        if _library:
+            folder, self.source = _library[0]
+            try:
+                handle = _load_folder(folder)
+            except OSError as exc:
+                raise BackendError(f"the ggml in {folder} could not be loaded ({exc})") from exc
+        else:
+            try:
+                from ggml import ggml as ggml_python  # builds/loads libggml (ggml-python)
+            except (ImportError, OSError) as exc:
+                raise BackendError(
+                    f"ggml could not be loaded ({exc}); reinstall it with "
+                    "`pip install --force-reinstall --no-cache-dir ggml-python==0.0.45` "
+                    "(it compiles ggml; a C/C++ compiler and CMake are needed)"
+                ) from exc
+            handle, self.source = ggml_python.lib, "ggml-python"
         for name, (args, res) in _SIGNATURES.items():
             fn = getattr(handle, name)
             fn.argtypes, fn.restype = args, res
@@ -285,12 +341,36 @@ def repack_buffer_type() -> int | None:
     return None
 
 
+class _Tensor(ctypes.Structure):
+    """struct ggml_tensor (ggml.h; the same in ggml 0.15 and 0.25): read for `extra` only."""
+
+    _fields_ = [
+        ("type", c_int),
+        ("buffer", c_void_p),
+        ("ne", c_int64 * 4),  # GGML_MAX_DIMS
+        ("nb", c_size_t * 4),
+        ("op", c_int),
+        ("op_params", ctypes.c_int32 * 16),  # GGML_MAX_OP_PARAMS / sizeof(int32_t)
+        ("flags", ctypes.c_int32),
+        ("src", c_void_p * 10),  # GGML_MAX_SRC
+        ("view_src", c_void_p),
+        ("view_offs", c_size_t),
+        ("data", c_void_p),
+        ("name", ctypes.c_char * 64),  # GGML_MAX_NAME
+        ("extra", c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
 def tensor_extra(t: int) -> int:
     """A tensor's `extra` pointer (the repack buffer sets it to the layout it chose, NULL when it
-    has none for that type and shape). Read through ggml-python's own struct of ggml_tensor."""
-    from ggml import ggml as ggml_python
+    has none for that type and shape)."""
+    return int(ctypes.cast(t, POINTER(_Tensor)).contents.extra or 0)
 
-    return int(ctypes.cast(t, POINTER(ggml_python.ggml_tensor)).contents.extra or 0)
+
+def version() -> str:
+    """ggml's version and which build it is: "0.15.3 (ggml-python)"."""
+    return f"{lib.ggml_version().decode()} ({_lib().source})"
 
 
 def cpu_features() -> dict[str, str]:
@@ -316,9 +396,10 @@ REBUILD = (
 def build_advice() -> str | None:
     """What this machine's ggml build lacks that costs speed, and how to rebuild; None if nothing."""
     if not cpu_features().get("LLAMAFILE"):
+        how = REBUILD if _lib().source == "ggml-python" else f"rebuild {_lib().source} so"
         return (
             "ggml was built without LLAMAFILE (its tinyBLAS prompt kernels): prompts run up to "
-            f"2x slower on Q8_0/Q5_0/F16 weights; rebuild it: {REBUILD}"
+            f"2x slower on Q8_0/Q5_0/F16 weights; rebuild it: {how}"
         )
     return None
 
@@ -333,6 +414,6 @@ def describe() -> str:
         + (f" ({d.description}, {d.free_bytes / 2**30:.1f} GiB free)" if d.is_gpu else "")
         for d in devices()
     )
-    return f"ggml: {devs}; CPU {' '.join(flags) or 'baseline'}" + (
+    return f"ggml {version()}: {devs}; CPU {' '.join(flags) or 'baseline'}" + (
         f" ({', '.join(extras)})" if extras else ""
     )
