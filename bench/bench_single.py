@@ -119,7 +119,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     return {"pp_ts": pp / pp_s, "tg_ts": tg / tg_s, "pp_compute_share": pp_c / pp_s,
             "tg_ms": 1e3 * tg_s / tg, "tg_compute_ms": 1e3 * tg_c / tg,
             "tg_overhead_ms": 1e3 * (tg_s - tg_c) / tg, "load_s": load_s, "ready_at": ready_at,
-            "rss_loaded_mib": rss_loaded, "potluck_from": potluck.__file__}  # fmt: skip
+            "rss_loaded_mib": rss_loaded, "potluck_from": potluck.__file__, "ggml": ggml_lib.version()}  # fmt: skip
 
 
 # -- parent side -----------------------------------------------------------------------------------
@@ -232,7 +232,8 @@ def summarize(samples: list[dict[str, Any]], engines: list[str]) -> tuple[list[d
     """Per (model, threads, metric): each engine's median/min/max, potluck / reference (the first
     llama.cpp engine) of the medians, and the paired ratio (median of per-rep ratios)."""
     ok = [s for s in samples if "error" not in s]
-    ref = next((e for e in engines if e != "potluck"), None)
+    ref = next((e for e in engines if not e.startswith("potluck")), None)
+    ours = [e for e in engines if e.startswith("potluck")]  # potluck, potluck-ggml (--ggml)
     summary: list[dict] = []
     rows: list[list] = []
     for name, t, pp, tg in dict.fromkeys((s["model"], s["threads"], s["pp"], s["tg"]) for s in ok):
@@ -252,14 +253,17 @@ def summarize(samples: list[dict[str, Any]], engines: list[str]) -> tuple[list[d
                 cell = fmt.format(median(v)) if v else "—"
                 cells.append(cell + (f" ({fmt.format(min(v))}–{fmt.format(max(v))})" if len(v) > 1 else ""))  # fmt: skip
             a = by[ref] if ref else {}
-            b = by.get("potluck", {})
-            ma, mb = median(list(a.values())), median(list(b.values()))
-            entry["ratio"] = mb / ma if ma and mb else None
-            entry["paired_ratio"] = median([b[r] / a[r] for r in a if r in b and a[r]])
+            ratios = []
+            for e in ours:  # "ratio"/"paired_ratio" for potluck, "ratio_potluck-ggml"/... beside
+                b = by.get(e, {})
+                ma, mb = median(list(a.values())), median(list(b.values()))
+                tag = "" if e == "potluck" else f"_{e}"
+                entry["ratio" + tag] = mb / ma if ma and mb else None
+                entry["paired_ratio" + tag] = median([b[r] / a[r] for r in a if r in b and a[r]])
+                ratios += [f"{entry['ratio' + tag]:.2f}×" if entry["ratio" + tag] else "—",
+                           f"{entry['paired_ratio' + tag]:.2f}×" if entry["paired_ratio" + tag] else "—"]  # fmt: skip
             summary.append(entry)
-            rows.append([name, str(t), f"{label.format(pp=pp, tg=tg)} ({unit})", *cells,
-                         f"{entry['ratio']:.2f}×" if entry["ratio"] else "—",
-                         f"{entry['paired_ratio']:.2f}×" if entry["paired_ratio"] else "—"])  # fmt: skip
+            rows.append([name, str(t), f"{label.format(pp=pp, tg=tg)} ({unit})", *cells, *ratios])
     return summary, rows
 
 
@@ -274,8 +278,9 @@ def main() -> None:
                     default=llama_bin_default())  # fmt: skip
     ap.add_argument("--llama-repack", choices=("0", "1", "both"), default="1",
                     help="llama-bench --repack (1 = its default, BENCHMARKS.md's reference)")  # fmt: skip
-    ap.add_argument("--ggml", help="potluck computes with this build of ggml: a folder with "
-                    "libggml.so, or llama-cpp-python (as POTLUCK_GGML; default: ggml-python's)")  # fmt: skip
+    ap.add_argument("--ggml", help="also potluck on this build of ggml (engine potluck-ggml, "
+                    "alternating with the others): a folder with libggml.so, or llama-cpp-python "
+                    "(as POTLUCK_GGML)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="1 rep, smollm2, pp128 tg32: a smoke test")
     ap.add_argument("--live-src", action="store_true",
                     help="children import src/ as it is at each moment, not a copy frozen at start")  # fmt: skip
@@ -293,14 +298,12 @@ def main() -> None:
     llama_bin: Path | None = args.llama_bin
     engines = {"1": ["llama.cpp"], "0": ["llama.cpp-norepack"],
                "both": ["llama.cpp", "llama.cpp-norepack"]}[args.llama_repack] + ["potluck"]  # fmt: skip
+    if args.ggml:
+        engines.append("potluck-ggml")
     llama_bin = llama_tools(llama_bin, "llama-bench")
     if llama_bin is None:
         print("Skipping llama.cpp: potluck figures only, no ratios.")
-        engines = ["potluck"]
-    if args.ggml:
-        from potluck.model.ggml_lib import use_library
-
-        use_library(args.ggml)  # (machine_info's line names it)
+        engines = [e for e in engines if e.startswith("potluck")]
     info = machine_info(llama_bin)
     print(f"commit {info['git_commit']}{' (+ uncommitted changes)' if info['git_dirty'] else ''} · "
           f"{info['cpu_model']} × {info['n_cpus']} [{' '.join(info['cpu_flags'])}] · {info['ggml']} · "
@@ -318,10 +321,9 @@ def main() -> None:
             for rep in range(args.reps):
                 for engine in engines if rep % 2 == 0 else engines[::-1]:
                     load = os.getloadavg()[0]  # the machine is shared: keep the context
-                    if engine == "potluck":
-                        res = potluck_sample(
-                            path, t, pp, tg, str(snap) if snap else None, args.ggml
-                        )
+                    if engine.startswith("potluck"):
+                        ggml = args.ggml if engine == "potluck-ggml" else None
+                        res = potluck_sample(path, t, pp, tg, str(snap) if snap else None, ggml)
                     else:
                         assert llama_bin is not None
                         res = llama_sample(llama_bin, path, t, pp, tg, REPACK[engine])
@@ -338,10 +340,12 @@ def main() -> None:
     info["loadavg_end"] = list(os.getloadavg())
 
     summary, rows = summarize(samples, engines)
-    header = ["model", "t", "metric", *(LABELS.get(e, e) for e in engines), "potluck / llama.cpp", "paired"]  # fmt: skip
+    header = ["model", "t", "metric", *(LABELS.get(e, e) for e in engines)]
+    for e in (e for e in engines if e.startswith("potluck")):
+        header += [f"{e} / llama.cpp", "paired"]
     print_table("potluck vs llama.cpp: medians (min–max); ratio of medians; paired = median of "
                 "per-rep ratios", header, rows)  # fmt: skip
-    config = {"models": models, "threads": threads, "reps": args.reps, "engines": engines,
+    config = {"ggml": args.ggml, "models": models, "threads": threads, "reps": args.reps, "engines": engines,
               "pp": args.pp, "tg": args.tg, "tests": TESTS, "token_seed": SEED,
               "token_range": list(TOKEN_RANGE), "llama_bin": str(llama_bin) if llama_bin else None,
               "command": " ".join([Path(sys.executable).name, *sys.argv])}  # fmt: skip
