@@ -396,7 +396,8 @@ REBUILD = (
 def build_advice() -> str | None:
     """What this machine's ggml build lacks that costs speed, and how to rebuild; None if nothing."""
     if not cpu_features().get("LLAMAFILE"):
-        how = REBUILD if _lib().source == "ggml-python" else f"rebuild {_lib().source} so"
+        source = _lib().source
+        how = REBUILD if source == "ggml-python" else f"the ggml of {source}, with that flag"
         return (
             "ggml was built without LLAMAFILE (its tinyBLAS prompt kernels): prompts run up to "
             f"2x slower on Q8_0/Q5_0/F16 weights; rebuild it: {how}"
