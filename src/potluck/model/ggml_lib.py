@@ -10,8 +10,9 @@ Everything else in Potluck calls ggml through `lib` below, never through `ggml.g
 `use_library` swaps in another build of ggml before the first call (cli.py: `POTLUCK_GGML`): a
 folder with `libggml.so`, or the one `llama-cpp-python` installs, which is llama.cpp's own (newer)
 ggml. Why: ggml-python 0.0.45 vendors ggml 0.15.3, which lacks the tiled K-quant matmuls that
-llama.cpp's ggml runs prompts with (bench/RESULTS.md: Gemma-3 prompts ≈ 9 % faster). Every
-declaration below was checked equal in both versions' headers, as is `struct ggml_tensor`.
+llama.cpp's ggml runs prompts with (bench/RESULTS.md: Gemma-3 prompts 9–11 % faster at 1
+thread). Every declaration below was checked equal in both versions' headers, as is
+`struct ggml_tensor`.
 
 Tensors, contexts, graphs, backends and buffers are plain ints (addresses) here.
 """
