@@ -129,6 +129,12 @@ def test_tensor_split_without_workers_is_not_ignored(smollm2_path: Path) -> None
     assert "--tensor-split 1,1 needs workers, and none was found" in done.stderr
 
 
+def test_head_mem_0_without_workers_is_not_ignored(smollm2_path: Path) -> None:
+    done = potluck("run", "-m", str(smollm2_path), "--no-mdns", "--mem", "0", "hi")
+    assert done.returncode == 1
+    assert "--mem 0 keeps every layer off this machine, and no worker was found" in done.stderr
+
+
 def test_chat_session(smollm2_path: Path) -> None:
     done = potluck(
         "chat",

@@ -319,6 +319,21 @@ TlsOpt = Annotated[
     bool,
     typer.Option("--tls", help="Encrypt the pool's traffic (every machine of the pool needs it)."),
 ]
+HeadMemOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--mem",
+        help="Most memory this machine offers for layers over a pool, e.g. 4G; 0 = hold no "
+        "layers, only coordinate the workers (default: what is free, less 1 GiB).",
+    ),
+]
+
+
+def _head_mem(text: str | None) -> int | None:
+    """The head's --mem in bytes (0 allowed: no layers here); None: what is free."""
+    if text is None:
+        return None
+    return 0 if text.strip() in ("0", "0G", "0M") else _size(text, "--mem")
 
 
 def _secret(secret: str | None) -> tuple[str | None, str]:
@@ -366,11 +381,13 @@ def _load(
     failover_s: float | None = 5.0,
     balance: str = "prompt",
     wire: str = "f32",
+    mem: int | None = None,
 ):
     """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan).
     Over a pool, a node silent for failover_s seconds is dropped and the planner re-plans on the
     nodes left (the generation pauses, then goes on). balance: what the planner evens out between
-    stages, "prompt" for one conversation (run, chat) or "decode" for many streams (serve)."""
+    stages, "prompt" for one conversation (run, chat) or "decode" for many streams (serve).
+    mem: the most memory this machine offers for layers (--mem; 0: none, workers only)."""
     from potluck.engine.generate import load_model
     from potluck.modelfile.sources import resolve_model
 
@@ -394,8 +411,13 @@ def _load(
         from potluck.modelfile.hparams import hparams_from_metadata
 
         bar.update(task, total=hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer)
-        assignments, auth = [], None
+        assignments, auth, plan = [], None, None
         addresses = _found(peers, lambda: _auth(*auth_flags)) if peers is not None else []
+        if mem == 0 and not addresses:
+            raise PotluckError(
+                "--mem 0 keeps every layer off this machine, and no worker was found: name "
+                "them with --peer HOST:PORT (or start `potluck worker` on them)"
+            )
         if shares and not addresses:  # a split by hand over no pool: say so, don't ignore it
             raise PotluckError(
                 f"--tensor-split {','.join(f'{x:g}' for x in shares)} needs workers, and none "
@@ -404,7 +426,7 @@ def _load(
         if addresses:
             bar.update(task, description=f"{path.name} (asking {len(addresses)} peers, planning)")
             auth = _auth(*auth_flags)
-            plan = _plan(path, ctx, addresses, shares, auth, balance)
+            plan = _plan(path, ctx, addresses, shares, auth, balance, mem)
             from potluck.engine.survey import assignments_of
 
             assignments = assignments_of(plan)
@@ -421,8 +443,8 @@ def _load(
                     with contextlib.suppress(
                         PotluckError
                     ):  # e.g. they no longer fit: the planner's choice
-                        return assignments_of(_plan(path, ctx, alive, kept, auth, balance))
-            return assignments_of(_plan(path, ctx, alive, None, auth, balance))
+                        return assignments_of(_plan(path, ctx, alive, kept, auth, balance, mem))
+            return assignments_of(_plan(path, ctx, alive, None, auth, balance, mem))
 
         def on_failover(ev) -> None:
             err.print(
@@ -446,8 +468,17 @@ def _load(
         )  # fmt: skip
     err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
     err.print(f"[dim]{_backends()}[/]")
+    from potluck.planner import format_held
+
+    planned = {st.node: st for st in plan.stages} if plan is not None else {}
+    held = getattr(m.pipeline, "held", {})
     for a in getattr(m.pipeline, "assignments", []):
-        err.print(f"[dim]  {a.describe()}[/]")
+        line = a.describe()
+        if (r := held.get(a.node)) is not None:
+            line += " · " + format_held(
+                r.weight_bytes, r.kv_bytes, r.rss_bytes, planned.get(a.node)
+            )
+        err.print(f"[dim]  {line}[/]")
     return m
 
 
@@ -476,8 +507,10 @@ def _plan(
     shares: list[float] | None,
     auth=None,
     balance: str = "prompt",
+    mem: int | None = None,
 ):
-    """Survey the peers, then run the planner for this model and context."""
+    """Survey the peers, then run the planner for this model and context (this machine offering
+    at most `mem` bytes)."""
     from potluck.engine.generate import DEFAULT_CTX
     from potluck.engine.survey import survey
     from potluck.modelfile.gguf_file import GGUFFile
@@ -494,7 +527,7 @@ def _plan(
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata, str(path))
     n_ctx = ctx or min(hp.n_ctx_train, DEFAULT_CTX)
-    nodes, links = survey(peers, auth=auth)
+    nodes, links = survey(peers, auth=auth, mem_limit=mem)
     from potluck.planner import held_bytes
 
     fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes)
@@ -597,6 +630,7 @@ def run(
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
+    mem: HeadMemOpt = None,
     pool: PoolOpt = DEFAULT_POOL,
     no_mdns: NoMdnsOpt = False,
     secret: SecretOpt = None,
@@ -616,7 +650,7 @@ def run(
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, splits, finder, _shares(tensor_split), (secret, tls),
-        _failover(failover_timeout), wire=wire_dtype,
+        _failover(failover_timeout), wire=wire_dtype, mem=_head_mem(mem),
     )  # fmt: skip
     if raw:
         ids = m.tokenizer.encode(prompt)
@@ -657,6 +691,7 @@ def chat(
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
+    mem: HeadMemOpt = None,
     pool: PoolOpt = DEFAULT_POOL,
     no_mdns: NoMdnsOpt = False,
     secret: SecretOpt = None,
@@ -674,7 +709,7 @@ def chat(
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
-        _failover(failover_timeout), wire=wire_dtype,
+        _failover(failover_timeout), wire=wire_dtype, mem=_head_mem(mem),
     )  # fmt: skip
     sampler = Sampler(params)
     msgs: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -783,6 +818,7 @@ def plan(
     rpc: RpcOpt = None,
     ctx: CtxOpt = None,
     tensor_split: SplitOpt = None,
+    mem: HeadMemOpt = None,
     pool: PoolOpt = DEFAULT_POOL,
     no_mdns: NoMdnsOpt = False,
     secret: SecretOpt = None,
@@ -797,7 +833,10 @@ def plan(
     _setup_threads(None)
     path = resolve_model(model)
     found = _found(finder, lambda: _auth(secret, tls))
-    p = _plan(path, ctx, found, _shares(tensor_split), _auth(secret, tls) if found else None)
+    p = _plan(
+        path, ctx, found, _shares(tensor_split), _auth(secret, tls) if found else None,
+        mem=_head_mem(mem),
+    )  # fmt: skip
     table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}")
     for row in format_plan(p):
         table.add_row(*row)
@@ -1173,6 +1212,7 @@ def serve(
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
+    mem: HeadMemOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[
         int, typer.Option("--port", callback=_port, help="Port to listen on (0: any free one).")
@@ -1226,7 +1266,7 @@ def serve(
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
-        balance="decode", wire=wire_dtype,
+        balance="decode", wire=wire_dtype, mem=_head_mem(mem),
     )  # fmt: skip
     sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, batch))
     scheduler = Scheduler(m, sched_config)
@@ -1313,6 +1353,7 @@ def bench(
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
+    mem: HeadMemOpt = None,
     pool: PoolOpt = DEFAULT_POOL,
     no_mdns: NoMdnsOpt = False,
     secret: SecretOpt = None,
@@ -1337,10 +1378,12 @@ def bench(
         )
     auth = _auth(secret, tls)
     shares = _shares(tensor_split)
-    plan_ = _plan(path, ctx, addresses, shares, auth)
+    head_mem = _head_mem(mem)
+    plan_ = _plan(path, ctx, addresses, shares, auth, mem=head_mem)
     pool_plan = assignments_of(plan_)
     if len(pool_plan) == 1:  # the planner would use one machine: show what an even pool does
-        plan_ = _plan(path, ctx, addresses, [1.0] * (len(addresses) + 1), auth)
+        even = [0.0 if head_mem == 0 else 1.0] + [1.0] * len(addresses)
+        plan_ = _plan(path, ctx, addresses, even, auth, mem=head_mem)
         pool_plan = assignments_of(plan_)
     runs = []
     best = plan_.best_single

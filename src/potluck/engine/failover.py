@@ -155,6 +155,11 @@ class FailoverPipeline:
         return list(getattr(self.inner, "assignments", []))
 
     @property
+    def held(self) -> dict:
+        """Per node, the LoadReply of the current plan: what it holds."""
+        return dict(getattr(self.inner, "held", {}))
+
+    @property
     def last_stage_ms(self) -> list[float]:
         return list(getattr(self.inner, "last_stage_ms", []))
 

@@ -25,7 +25,7 @@ from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams
-from potluck.node.weights import sha256_bytes, sha256_file
+from potluck.node.weights import sha256_file, tensor_digests
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
@@ -222,6 +222,7 @@ class RemotePipeline:
         self.auth = auth  # the pool secret and TLS: how this head proves membership to nodes
         self.clients = [NodeClient(a.node, auth) for a in remotes]
         loaded: list[NodeClient] = []
+        self.held: dict[str, pb.LoadReply] = {}  # per node: what it holds once loaded
         try:
             self._load_nodes(file, hp, remotes, n_ctx, wire_dtype, loaded)
         except BaseException:  # a node refused or failed: the ones loaded so far let it go
@@ -258,10 +259,12 @@ class RemotePipeline:
                 )
             client.use_data_port()  # the forward path's fast lane, if the node's port is reachable
         header = file.header_bytes()
-        for i, (a, client) in enumerate(zip(remotes, self.clients, strict=True)):
+
+        def load_one(i: int) -> None:
+            a, client = remotes[i], self.clients[i]
             nxt = remotes[i + 1].node if i + 1 < len(remotes) else ""
             names = stage_tensor_names(file.tensors.values(), hp.n_layer, a.start, a.stop)
-            digests = {n: sha256_bytes(file.raw(n)) for n in names}
+            digests = tensor_digests(self.model_sha, file.raw, names)
             req = pb.LoadRequest(
                 plan_id=self.plan_id, model_sha256=self.model_sha, start=a.start, stop=a.stop, n_ctx=n_ctx,
                 next_hop=nxt, metadata_gguf=header, tensor_sha256=digests, wire_dtype=wire_dtype,
@@ -275,7 +278,14 @@ class RemotePipeline:
                     raise NodeError(
                         f"node {a.node} still lacks {len(reply.missing)} tensors after the transfer"
                     )
+            self.held[a.node] = reply
             loaded.append(client)
+
+        # every node loads (and receives its tensors) at once: a 14B's halves take seconds each
+        with ThreadPoolExecutor(len(remotes), thread_name_prefix="potluck-load") as pool:
+            futures = [pool.submit(load_one, i) for i in range(len(remotes))]
+        for f in futures:
+            f.result()  # the first node's error, after every load has ended
 
     def _tensor_chunks(
         self, node: str, names: list[str], digests: Mapping[str, str]

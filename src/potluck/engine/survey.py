@@ -21,9 +21,13 @@ from potluck.transport.linkprobe import quick_link
 THIS_MACHINE = "this machine"
 
 
-def this_machine() -> NodeInfo:
+def this_machine(mem_limit: int | None = None) -> NodeInfo:
+    """What this machine offers: its usable RAM (at most mem_limit: the head's --mem; 0 = no
+    layers here), cores, measured speed and its GPU."""
     gpu = gpu_offer()
-    cpu = (usable_memory_bytes(), physical_cores(), decode_bytes_per_s())
+    free = usable_memory_bytes()
+    free = free if mem_limit is None else min(free, mem_limit)
+    cpu = (free, physical_cores(), decode_bytes_per_s())
     if gpu is None:
         return NodeInfo(THIS_MACHINE, "cpu", *cpu)
     return NodeInfo(THIS_MACHINE, "gpu", *cpu, gpu.memory_bytes, gpu.bytes_per_s, gpu.max_layers)
@@ -44,13 +48,17 @@ def node_info(address: str, reply: pb.HelloReply, default_speed: float) -> NodeI
 
 
 def survey(
-    peers: Sequence[str], pings: int = 5, auth: PoolAuth | None = None
+    peers: Sequence[str],
+    pings: int = 5,
+    auth: PoolAuth | None = None,
+    mem_limit: int | None = None,
 ) -> tuple[list[NodeInfo], dict[tuple[str, str], Link]]:
     """This machine plus every peer (Hello: memory, cores, measured speed), and every link the
     planner may use, measured: head→peer (latency from the Hello round trips, bandwidth from one
     1 MiB Echo) and peer↔peer (each pair measured once by one of its nodes, ProbeLink; links are
-    taken as symmetric). A pair that cannot be measured keeps the planner's conservative default."""
-    nodes = [this_machine()]
+    taken as symmetric). A pair that cannot be measured keeps the planner's conservative default.
+    mem_limit: the most this machine offers (the head's --mem)."""
+    nodes = [this_machine(mem_limit)]
     links: dict[tuple[str, str], Link] = {}
     clients = {}
     try:

@@ -23,6 +23,12 @@ _ELEMENT = {TYPE_F16: np.float16, TYPE_F32: np.float32}
 MIN_CAPACITY = 256  # positions a new sequence gets first; also the padding of attention's n_kv
 
 
+def cache_bytes(n_layers: int, row: int, positions: int, cache_type: int) -> int:
+    """Bytes of K and V for `positions` tokens over `n_layers` layers; row: K's + V's elements
+    per token and layer (n_head_kv * (head_dim + head_dim_v))."""
+    return n_layers * positions * row * np.dtype(_ELEMENT[cache_type]).itemsize
+
+
 class SeqCache:
     """K and V of one sequence for the layers of one stage. `length` counts committed tokens;
     `generation` changes whenever the buffers move (a graph that points into them is stale)."""
@@ -121,8 +127,7 @@ class SeqCache:
         return buffers
 
     def _bytes(self, capacity: int) -> int:
-        item = np.dtype(_ELEMENT[self.cache_type]).itemsize
-        return len(self.layers) * capacity * (self.row_k + self.row_v) * item
+        return cache_bytes(len(self.layers), self.row_k + self.row_v, capacity, self.cache_type)
 
     def reserve(self, n_new: int) -> None:
         need = self.length + n_new

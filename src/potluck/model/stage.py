@@ -20,7 +20,7 @@ import numpy as np
 
 from potluck.model.ggml_lib import BackendError, gpu_device, lib
 from potluck.model.graph import StepGraph, StepShape
-from potluck.model.kv_cache import CACHE_TYPES, SeqCache
+from potluck.model.kv_cache import CACHE_TYPES, SeqCache, cache_bytes
 from potluck.model.weights import SUPPORTED_TYPES, Weights, WeightSource, check
 from potluck.modelfile.hparams import HParams
 
@@ -314,6 +314,11 @@ class Stage:
 
     def kv_bytes(self) -> int:
         return sum(c.nbytes() for c in self.caches.values())
+
+    def full_kv_bytes(self) -> int:
+        """Bytes one sequence's KV cache takes here at the full context (it grows up to that)."""
+        row = self.hp.n_head_kv * (self.hp.head_dim + self.hp.head_dim_v)
+        return cache_bytes(len(self.layers), row, self.n_ctx, self.cache_type)
 
     # -- compute ---------------------------------------------------------------------------------
     def forward(

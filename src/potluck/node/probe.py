@@ -21,13 +21,82 @@ import psutil
 from gguf import GGMLQuantizationType
 
 OS_HEADROOM_BYTES = 1 << 30  # left to the OS and other programs when a node reports its memory
+# Left free inside a memory cgroup (the OS lives outside it): the process's own growth while it
+# computes (Python objects, gRPC buffers, a graph's inputs). The process's present use is
+# already subtracted from the cgroup's room.
+CGROUP_HEADROOM_BYTES = 256 << 20
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
 _N, _K = 4096, 4096  # one probe layer, (n_out, n_in)
 _MIN_LAYERS, _MAX_LAYERS = 4, 16
 _QTYPE = GGMLQuantizationType.Q4_0  # the most common decode weight format; SmolLM2's Q4_1 alike
 
 
 def usable_memory_bytes() -> int:
-    return max(0, psutil.virtual_memory().available - OS_HEADROOM_BYTES)
+    """RAM this process can still fill with a model: the machine's available memory less
+    OS_HEADROOM_BYTES, and no more than its memory cgroup's room (a container's or a systemd
+    slice's limit, enforced by the kernel) less CGROUP_HEADROOM_BYTES."""
+    host = max(0, psutil.virtual_memory().available - OS_HEADROOM_BYTES)
+    room = cgroup_room_bytes()
+    return host if room is None else min(host, max(0, room - CGROUP_HEADROOM_BYTES))
+
+
+def cgroup_room_bytes(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Bytes this process's memory cgroup can still take: its limit (the tightest of it and its
+    ancestors) less what it uses, page cache that the kernel can drop (inactive files) not
+    counted as used. None where no limit applies or cgroups cannot be read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:  # "4:memory:/a/b" (v1) or "0::/a/b" (v2)
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return _v1_room(root / "memory" / path.lstrip("/"))
+    for line in lines:
+        if line.startswith("0::"):
+            return _v2_room(root, line[3:])
+    return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return None if text == "max" else int(text)
+
+
+def _stat(path: Path) -> dict[str, int]:
+    try:
+        pairs = (line.split() for line in path.read_text().splitlines())
+        return {k: int(v) for k, v in pairs}
+    except (OSError, ValueError):
+        return {}
+
+
+def _v1_room(group: Path) -> int | None:
+    stat = _stat(group / "memory.stat")
+    limit = stat.get("hierarchical_memory_limit", _read_int(group / "memory.limit_in_bytes"))
+    usage = _read_int(group / "memory.usage_in_bytes")
+    if limit is None or limit >= _UNLIMITED or usage is None:
+        return None
+    return limit - (usage - stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+
+
+def _v2_room(root: Path, path: str) -> int | None:
+    """The smallest room over the cgroup and its ancestors (v2 has no hierarchical figure)."""
+    rooms = []
+    group = root / path.strip("/")
+    while True:
+        limit, usage = _read_int(group / "memory.max"), _read_int(group / "memory.current")
+        if limit is not None and usage is not None and limit < _UNLIMITED:
+            rooms.append(limit - (usage - _stat(group / "memory.stat").get("inactive_file", 0)))
+        if group == root or root not in group.parents:
+            break
+        group = group.parent
+    return min(rooms) if rooms else None
 
 
 def physical_cores() -> int:

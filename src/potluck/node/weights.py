@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -54,6 +55,35 @@ def sha256_file(path: Path) -> str:
     tmp.write_text(json.dumps(known))
     tmp.replace(memo)
     return known[key]
+
+
+_memo_lock = threading.Lock()
+
+
+def tensor_digests(model_sha256: str, raw, names: Iterable[str]) -> dict[str, str]:
+    """sha256 of each named tensor (raw(name): its bytes), remembered in the cache per model
+    hash: a 14B's tensors take seconds to hash, and the same file always gives the same ones.
+    Threads (one per node being loaded) may call it at once: each merges what it hashed."""
+    names = list(names)
+    memo = cache_dir() / "tensor-hashes" / f"{model_sha256}.json"
+
+    def known() -> dict[str, str]:
+        try:
+            return json.loads(memo.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    out = known()
+    fresh = {name: sha256_bytes(raw(name)) for name in names if name not in out}
+    if fresh:
+        with _memo_lock:
+            merged = {**known(), **fresh}
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(merged))
+            tmp.replace(memo)
+        out.update(fresh)
+    return {name: out[name] for name in names}
 
 
 def find_local_model(sha256: str, size: int, extra_dirs: Iterable[Path] = ()) -> Path | None:

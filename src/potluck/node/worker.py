@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 
 from potluck import __version__
 from potluck.engine.sampling import Sampler, Token
@@ -276,9 +277,18 @@ class NodeService(pb_grpc.NodeServicer):
         for plan_id in evicted:
             self._free(plan_id, "room for a new plan")
         trim_heap()  # the replaced plan's stage and the load's buffers go back to the OS
-        return pb.LoadReply(
-            weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0
-        )
+        reply = pb.LoadReply(
+            weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0,
+            kv_bytes=stage.full_kv_bytes(), rss_bytes=psutil.Process().memory_info().rss,
+        )  # fmt: skip
+        mib = 2**20
+        log.info(
+            "loaded plan %s: layers %d–%d · weights %.1f MiB + KV %.1f MiB at -c %d · "
+            "process RSS %.1f MiB · %.1f s",
+            request.plan_id[:12], request.start, request.stop - 1, reply.weight_bytes / mib,
+            reply.kv_bytes / mib, request.n_ctx, reply.rss_bytes / mib, reply.load_seconds,
+        )  # fmt: skip
+        return reply
 
     def _gpu_layers(self, request: pb.LoadRequest) -> int:
         """The layers the plan puts on this node's GPU, at most its -ngl (0 without a GPU)."""

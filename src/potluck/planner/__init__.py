@@ -11,7 +11,7 @@ from potluck.planner.errors import NotEnoughMemoryError, PlanError
 from potluck.planner.footprint import ModelFootprint, footprint_from_gguf, held_bytes
 from potluck.planner.nodes import DEFAULT_LINK, DEVICE_KINDS, Link, NodeInfo
 from potluck.planner.plan import Plan, PlannedStage, SingleMachine, layers_label, plan_pool
-from potluck.planner.table import PLAN_COLUMNS, format_plan, format_summary
+from potluck.planner.table import PLAN_COLUMNS, format_held, format_plan, format_summary
 
 __all__ = [
     "DECODE",
@@ -28,6 +28,7 @@ __all__ = [
     "PlannedStage",
     "SingleMachine",
     "footprint_from_gguf",
+    "format_held",
     "format_plan",
     "format_summary",
     "held_bytes",

@@ -61,3 +61,17 @@ def format_summary(plan: Plan) -> list[str]:
         lines.append("left out: " + ", ".join(plan.left_out))
     lines.append(plan.verdict)
     return lines
+
+
+def format_held(
+    weight_bytes: int, kv_bytes: int, rss_bytes: int, planned: PlannedStage | None = None
+) -> str:
+    """What a loaded node says it holds (its weights and one sequence's KV at the full context,
+    its process's RSS), beside what the plan counted for it."""
+    held = f"holds {fmt_bytes(weight_bytes)} + KV {fmt_bytes(kv_bytes)}, RSS {fmt_bytes(rss_bytes)}"
+    if planned is None:
+        return held
+    return (
+        f"{held} (planned {fmt_bytes(planned.weight_bytes)} + KV {fmt_bytes(planned.kv_bytes)} "
+        f"+ buffers {fmt_bytes(planned.buffer_bytes)})"
+    )

@@ -98,16 +98,20 @@ class LoadRequest(_message.Message):
     def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ..., head_id: _Optional[str] = ..., n_gpu_layers: _Optional[int] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("need_tensors", "missing", "weight_bytes", "load_seconds")
+    __slots__ = ("need_tensors", "missing", "weight_bytes", "load_seconds", "kv_bytes", "rss_bytes")
     NEED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     need_tensors: bool
     missing: _containers.RepeatedScalarFieldContainer[str]
     weight_bytes: int
     load_seconds: float
-    def __init__(self, need_tensors: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    kv_bytes: int
+    rss_bytes: int
+    def __init__(self, need_tensors: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "sha256", "total_bytes", "data")

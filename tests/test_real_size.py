@@ -1,0 +1,219 @@
+"""Real-size pools: a model that no machine of the pool can hold.
+
+The 14B-shape model that bench/make_model.py builds (Qwen2.5-14B's shape: 48 layers, 5120 wide,
+Q4_K_M, 8.4 GiB of weights; the real header of DeepSeek-R1-Distill-Qwen's family, random weights
+of each tensor's own type) runs on two `potluck worker` processes, each confined to a memory
+cgroup of 6 GiB that the kernel enforces, the head holding no layers (--mem 0). What is faked: the
+second machine (both workers share this machine's cores, disk and page cache; each worker's
+reads of the file are charged to its own group, as the file is dropped from the page cache first).
+
+Slow: building the model (≈ 35 s once, then cached under ~/.cache/potluck/bench, 8.4 GiB of disk),
+one uncapped run (≈ 25 s) and the pool's runs (≈ 50 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cgroups import MemoryCgroup, Unavailable
+from potluck.modelfile.sources import cache_dir
+
+pytestmark = pytest.mark.slow
+
+CAP = 6 << 30  # each worker's memory cgroup
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Hello there"
+N = "6"
+
+
+def _make_model():
+    spec = importlib.util.spec_from_file_location("make_model", REPO / "bench" / "make_model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["make_model"] = module  # (its dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model14b() -> Path:
+    mm = _make_model()
+    path = mm.default_path("qwen14b")
+    if not mm.is_complete(path):
+        free = shutil.disk_usage(cache_dir() if cache_dir().exists() else Path.home()).free
+        if free < 12 << 30:
+            pytest.skip(f"the 14B-shape model needs 9 GiB of disk, {free / 2**30:.1f} GiB free")
+    return mm.ensure_model("qwen14b")
+
+
+def _forget_pages(path: Path) -> None:
+    """Drop the file from the page cache, so that each worker's reads are charged to its group."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class CappedWorker:
+    address: str
+    proc: subprocess.Popen
+    log: Path
+    group: MemoryCgroup
+
+    def said(self) -> str:
+        return self.log.read_text()
+
+    def peak_rss_bytes(self) -> int:
+        """The process's peak resident memory (VmHWM)."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        found = re.search(r"VmHWM:\s+(\d+) kB", status)
+        assert found, status
+        return int(found.group(1)) * 1024
+
+
+def _start(group: MemoryCgroup, log: Path, model_dir: Path) -> CappedWorker:
+    cmd = [
+        sys.executable, "-m", "potluck.cli", "worker", "-p", "0", "-t", "1", "--no-mdns",
+        "--model-dir", str(model_dir),
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=out, preexec_fn=group.preexec,
+            env={**os.environ, "POTLUCK_MDNS": "0"},
+        )  # fmt: skip
+    deadline = time.monotonic() + 90
+    while (found := re.search(r"listening on [^ ]*:(\d+) ", log.read_text())) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"worker did not start: {log.read_text()}")
+        time.sleep(0.2)
+    return CappedWorker(f"127.0.0.1:{found.group(1)}", proc, log, group)
+
+
+@pytest.fixture(scope="module")
+def capped(
+    model14b: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[CappedWorker]]:
+    """Two workers, each in its own 6 GiB memory cgroup, that have the model file."""
+    groups: list[MemoryCgroup] = []
+    try:
+        for name in ("a", "b"):
+            groups.append(MemoryCgroup.make(name, CAP))
+    except Unavailable as exc:
+        for g in groups:
+            g.remove()
+        pytest.skip(str(exc))
+    _forget_pages(model14b)
+    logs = tmp_path_factory.mktemp("capped")
+    workers = []
+    try:
+        for g in groups:
+            workers.append(_start(g, logs / f"{g.path.name}.log", model14b.parent))
+        yield workers
+    finally:
+        for w in workers:
+            w.proc.terminate()
+            try:
+                w.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+        for g in groups:
+            g.remove()
+
+
+def _potluck(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "potluck.cli", *args, "--no-mdns"],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def _bytes(text: str) -> int:
+    number, unit = text.split()
+    return int(float(number) * _UNITS[unit])
+
+
+SIZE = r"(\d+(?:\.\d+)? (?:B|KiB|MiB|GiB))"
+HELD = re.compile(
+    rf"layers (\d+)–(\d+) → (\S+) \(cpu\) · holds {SIZE} \+ KV {SIZE}, RSS {SIZE} "
+    rf"\(planned {SIZE} \+ KV {SIZE} \+ buffers {SIZE}\)"
+)
+
+
+def test_workers_report_their_cgroups_room(capped: list[CappedWorker]) -> None:
+    """A worker in a 6 GiB group offers what the group has left, not the machine's free RAM."""
+    from potluck.engine.survey import survey
+
+    nodes, _ = survey([w.address for w in capped], pings=1)
+    for node in nodes[1:]:
+        assert 4 << 30 < node.memory_bytes <= CAP - (256 << 20), node
+
+
+def test_14b_on_two_capped_workers_equals_one_uncapped_process(
+    model14b: Path, capped: list[CappedWorker]
+) -> None:
+    peers = [a for w in capped for a in ("--peer", w.address)]
+    plan = _potluck("plan", "-m", str(model14b), "--mem", "0", *peers)
+    assert plan.returncode == 0, plan.stderr
+    assert "no single machine can hold the model" in plan.stdout, plan.stdout
+    assert "left out: this machine" in plan.stdout, plan.stdout
+
+    pool = _potluck(
+        "run", "-m", str(model14b), "--mem", "0", *peers, "--temp", "0", "-n", N, PROMPT
+    )
+    assert pool.returncode == 0, pool.stderr
+    for w in capped:
+        assert w.proc.poll() is None, f"worker {w.address} died: {w.said()}"
+        assert w.group.oom_kills() == 0, f"the OOM killer ended a process of {w.address}'s group"
+    # what each worker holds, beside what the plan counted: the same within 5 %
+    held = [HELD.search(line) for line in pool.stderr.splitlines()]
+    held = [m for m in held if m]
+    assert sorted(m.group(3) for m in held) == sorted(w.address for w in capped), pool.stderr
+    assert sorted((int(m.group(1)), int(m.group(2))) for m in held)[0][0] == 0
+    for m in held:
+        weights, kv, _rss, p_weights, p_kv, p_buffers = (_bytes(m.group(i)) for i in range(4, 10))
+        assert abs((weights + kv) - (p_weights + p_kv)) <= 0.05 * (p_weights + p_kv), m.group(0)
+        # the worker's peak resident memory over load and decode: within what the plan counted
+        worker = next(w for w in capped if w.address == m.group(3))
+        assert worker.peak_rss_bytes() <= p_weights + p_kv + p_buffers + (100 << 20), (
+            worker.address, worker.peak_rss_bytes(), m.group(0)
+        )  # fmt: skip
+
+    alone = _potluck("run", "-m", str(model14b), "--temp", "0", "-n", N, PROMPT)
+    assert alone.returncode == 0, alone.stderr
+    assert pool.stdout == alone.stdout and alone.stdout.strip()
+
+
+def test_14b_on_one_capped_worker_is_refused_before_loading(
+    model14b: Path, capped: list[CappedWorker]
+) -> None:
+    """One 6 GiB worker and a head with no room: `plan` and `run` say what is short, in one
+    line with the numbers, and nothing is loaded."""
+    one = capped[0]
+    before = one.said().count("loaded plan")
+    for command in (["plan"], ["run", "--temp", "0", "-n", "4", PROMPT]):
+        t0 = time.monotonic()
+        done = _potluck(*command, "-m", str(model14b), "--mem", "0", "--peer", one.address)
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        said = done.stderr.strip().splitlines()[-1]
+        assert said.startswith("error: the model needs "), done.stderr
+        assert "short" in said and one.address in said and "this machine: 0 B" in said, said
+        assert "Traceback" not in done.stderr
+        assert time.monotonic() - t0 < 60, "refused only after loading"
+    assert one.said().count("loaded plan") == before, one.said()
