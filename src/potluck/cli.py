@@ -838,6 +838,7 @@ def plan(
         mem=_head_mem(mem),
     )  # fmt: skip
     table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}")
+    table.columns[0].no_wrap = True  # a node's address is what the user types: never cut it
     for row in format_plan(p):
         table.add_row(*row)
     Console().print(table)
