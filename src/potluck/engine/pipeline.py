@@ -344,7 +344,10 @@ class RemotePipeline:
                     return
                 reply = f.result()
                 wall = (time.perf_counter() - max(began)) * 1e3
-                first_hop = wall - sum(reply.stage_ms) - sum(reply.hop_ms)
+                # a follow-up step starts on the first node before the head hears of the token
+                # it follows: its head -> node hop is off the path, and this difference can go
+                # below 0 (it did, -18 ms, on the 14B): 0 then
+                first_hop = max(0.0, wall - sum(reply.stage_ms) - sum(reply.hop_ms))
                 self.last_stage_ms = local_ms + list(reply.stage_ms)
                 self.last_hop_ms = [first_hop, *reply.hop_ms]
                 out.set_result(reply)
