@@ -218,6 +218,34 @@ def test_malformed_calls_rejected_worker_stays_up(workers: list[str], smollm2_pa
     pool.close()
 
 
+def test_speed_probe_on_this_models_layer(workers: list[str], smollm2_path: Path) -> None:
+    """The planner's speed figure: a worker times its decode through one layer of the model
+    being planned (its types and widths); a malformed request is refused and it stays up."""
+    from potluck.modelfile.gguf_file import GGUFFile, layer_matrices
+    from potluck.transport.client import NodeClient
+    from potluck.transport.codec import matrix_to_proto
+
+    layer = layer_matrices(GGUFFile(smollm2_path).tensors, 15)
+    assert len(layer) == 7  # q, k, v, o, gate, up, down
+    client = NodeClient(workers[0], None)
+    try:
+        good = pb.ProbeSpeedRequest(matrices=[matrix_to_proto(m) for m in layer])
+        assert client.probe_speed(good).bytes_per_s > 1e8  # any CPU streams 100 MB/s
+        bad = {
+            "of unknown GGML type 999": [pb.ProbeMatrix(ggml_type=999, n_out=8, n_in=32)],
+            "rows must be whole 32-blocks": [pb.ProbeMatrix(ggml_type=3, n_out=8, n_in=100)],
+            "exceeds the limit of 16": [pb.ProbeMatrix(ggml_type=3, n_out=8, n_in=32)] * 17,
+            "is outside 1..1048576": [pb.ProbeMatrix(ggml_type=3, n_out=1 << 21, n_in=32)],
+            "no matrices to probe": [],
+        }
+        for says, matrices in bad.items():
+            with pytest.raises(NodeError, match=re.escape(says)):
+                client.probe_speed(pb.ProbeSpeedRequest(matrices=matrices))
+        assert client.probe_speed(good).bytes_per_s > 1e8
+    finally:
+        client.close()
+
+
 def test_worker_refuses_open_address_without_secret() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "potluck.cli", "worker", "-H", "0.0.0.0", "-p", str(_free_port())],

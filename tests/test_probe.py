@@ -27,13 +27,13 @@ def test_v2_room_is_the_tightest_ancestor(tmp_path: Path) -> None:
         {
             "outer/memory.max": str(3 << 30),
             "outer/memory.current": str(2 << 30),
-            "outer/memory.stat": f"anon 1\ninactive_file {1 << 29}\n",
+            "outer/memory.stat": f"anon 1\nfile {1 << 29}\ninactive_file {1 << 28}\n",
             "outer/inner/memory.max": "max",
             "outer/inner/memory.current": str(1 << 30),
-            "outer/inner/memory.stat": "inactive_file 0\n",
+            "outer/inner/memory.stat": "file 0\n",
         },
     )
-    # outer: 3 GiB - (2 GiB - 0.5 GiB of droppable cache) = 1.5 GiB; inner has no limit
+    # outer: 3 GiB - (2 GiB - 0.5 GiB of file cache) = 1.5 GiB; inner has no limit
     assert cgroup_room_bytes(proc, root) == (3 << 30) - (2 << 30) + (1 << 29)
 
 
@@ -48,10 +48,11 @@ def test_v1_room_uses_the_hierarchical_limit(tmp_path: Path) -> None:
             "memory/pool/w1/memory.usage_in_bytes": str(1 << 30),
             "memory/pool/w1/memory.stat": (
                 f"cache 5\nhierarchical_memory_limit {4 << 30}\ntotal_inactive_file {1 << 28}\n"
+                f"total_active_file {1 << 27}\n"
             ),
         },
     )
-    assert cgroup_room_bytes(proc, root) == (4 << 30) - (1 << 30) + (1 << 28)
+    assert cgroup_room_bytes(proc, root) == (4 << 30) - (1 << 30) + (1 << 28) + (1 << 27)
 
 
 def test_no_limit_is_none(tmp_path: Path) -> None:

@@ -527,7 +527,10 @@ def _plan(
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata, str(path))
     n_ctx = ctx or min(hp.n_ctx_train, DEFAULT_CTX)
-    nodes, links = survey(peers, auth=auth, mem_limit=mem)
+    from potluck.modelfile.gguf_file import layer_matrices
+
+    layer = layer_matrices(f.tensors, hp.n_layer // 2)  # every node times its decode through it
+    nodes, links = survey(peers, auth=auth, mem_limit=mem, matrices=layer)
     from potluck.planner import held_bytes
 
     fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -10,24 +11,33 @@ import grpc
 
 from potluck.engine.pipeline import LOCAL, Assignment
 from potluck.errors import PotluckError
-from potluck.node.probe import decode_bytes_per_s, gpu_offer, physical_cores, usable_memory_bytes
+from potluck.modelfile.gguf_file import Matrix
+from potluck.node.probe import (
+    decode_bytes_per_s,
+    gpu_offer,
+    model_bytes_per_s,
+    physical_cores,
+    usable_memory_bytes,
+)
 from potluck.planner import DEFAULT_LINK, Link, NodeInfo, Plan
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient
-from potluck.transport.codec import PROTOCOL_VERSION
+from potluck.transport.codec import PROTOCOL_VERSION, matrix_to_proto
 from potluck.transport.linkprobe import quick_link
 
 THIS_MACHINE = "this machine"
 
 
-def this_machine(mem_limit: int | None = None) -> NodeInfo:
+def this_machine(mem_limit: int | None = None, matrices: tuple[Matrix, ...] = ()) -> NodeInfo:
     """What this machine offers: its usable RAM (at most mem_limit: the head's --mem; 0 = no
-    layers here), cores, measured speed and its GPU."""
+    layers here), cores, measured speed (through `matrices`, one layer of the model being
+    planned, when given; else the generic probe) and its GPU."""
     gpu = gpu_offer()
     free = usable_memory_bytes()
     free = free if mem_limit is None else min(free, mem_limit)
-    cpu = (free, physical_cores(), decode_bytes_per_s())
+    speed = model_bytes_per_s(matrices) if matrices else decode_bytes_per_s()
+    cpu = (free, physical_cores(), speed)
     if gpu is None:
         return NodeInfo(THIS_MACHINE, "cpu", *cpu)
     return NodeInfo(THIS_MACHINE, "gpu", *cpu, gpu.memory_bytes, gpu.bytes_per_s, gpu.max_layers)
@@ -52,13 +62,16 @@ def survey(
     pings: int = 5,
     auth: PoolAuth | None = None,
     mem_limit: int | None = None,
+    matrices: tuple[Matrix, ...] = (),
 ) -> tuple[list[NodeInfo], dict[tuple[str, str], Link]]:
     """This machine plus every peer (Hello: memory, cores, measured speed), and every link the
     planner may use, measured: head→peer (latency from the Hello round trips, bandwidth from one
     1 MiB Echo) and peer↔peer (each pair measured once by one of its nodes, ProbeLink; links are
     taken as symmetric). A pair that cannot be measured keeps the planner's conservative default.
-    mem_limit: the most this machine offers (the head's --mem)."""
-    nodes = [this_machine(mem_limit)]
+    mem_limit: the most this machine offers (the head's --mem). matrices: one layer of the model
+    being planned; every node times its decode through them (ProbeSpeed), one node after the
+    other (nodes that share a machine must not time each other), instead of the generic probe."""
+    nodes = [this_machine(mem_limit, matrices)]
     links: dict[tuple[str, str], Link] = {}
     clients = {}
     try:
@@ -72,7 +85,14 @@ def survey(
                 )
                 rtts.append(time.perf_counter() - t0)
             assert reply is not None
-            nodes.append(node_info(address, reply, nodes[0].cpu_bytes_per_s))
+            node = node_info(address, reply, nodes[0].cpu_bytes_per_s)
+            if matrices:
+                with contextlib.suppress(PotluckError):  # an older node: its generic figure
+                    probe = pb.ProbeSpeedRequest(matrices=[matrix_to_proto(m) for m in matrices])
+                    speed = client.probe_speed(probe).bytes_per_s
+                    if speed > 0:
+                        node = dataclasses.replace(node, cpu_bytes_per_s=speed)
+            nodes.append(node)
             rtts.sort()
             bw = DEFAULT_LINK.bytes_per_s
             with contextlib.suppress(PotluckError, grpc.RpcError):  # an older node: no Echo

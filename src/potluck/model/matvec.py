@@ -7,6 +7,7 @@ quants, every fp16 scale finite), held in ordinary memory; one graph per matrix,
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -14,7 +15,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from potluck.model.ggml_lib import TYPE_F32, BackendError, lib
 from potluck.model.ggml_lib import context as new_context
-from potluck.model.weights import cpu_buffer_over
+from potluck.model.weights import Weights, cpu_buffer_over
+from potluck.modelfile.gguf_file import Matrix, TensorInfo
 
 _SCALE = 0.01  # every block's fp16 d: finite, like a real weight's
 
@@ -114,3 +116,83 @@ class MatVec:
 
     def __del__(self) -> None:
         self.close()
+
+
+class _Synthetic:
+    """A WeightSource over random blocks (Weights takes it as it takes a GGUF file)."""
+
+    def __init__(self, named: dict[str, Matrix]) -> None:
+        self.tensors = {
+            name: TensorInfo(name, m.qtype, (m.n_out, m.n_in), 0, m.nbytes)
+            for name, m in named.items()
+        }
+        self._raw = {
+            name: random_blocks(m.qtype, m.n_out, m.n_in, seed=i)
+            for i, (name, m) in enumerate(named.items())
+        }
+
+    def raw(self, name: str) -> np.ndarray:
+        return self._raw[name]
+
+
+class LayerProbe:
+    """Batch-1 products through copies of one layer's matrices, held as a stage holds them
+    (repacked where ggml has a faster layout for the type, as model/weights.py does): what a
+    decode step costs per weight byte for *this model's* types and shapes on this CPU."""
+
+    def __init__(self, matrices: list[Matrix], copies: int, threads: int) -> None:
+        named = {f"blk.{c}.m{j}.weight": m for c in range(copies) for j, m in enumerate(matrices)}
+        src = _Synthetic(named)
+        shapes = [(name, (m.n_out, m.n_in)) for name, m in named.items()]
+        self._weights = Weights(src, shapes, repack=lambda name: True, threads=threads)
+        self.nbytes = sum(m.nbytes for m in matrices)  # weight bytes of one copy
+        widths = sorted({m.n_in for m in matrices})
+        self._ctx = new_context(len(named) + len(widths) + 8, len(named) + len(widths) + 8)
+        xs = {k: lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, k, 1) for k in widths}
+        outs = [
+            [lib.ggml_mul_mat(self._ctx, self._weights.tensor(f"blk.{c}.m{j}.weight"), xs[m.n_in])
+             for j, m in enumerate(matrices)]
+            for c in range(copies)
+        ]  # fmt: skip
+        self.backend = lib.ggml_backend_cpu_init()
+        if not self.backend:
+            raise BackendError("ggml's CPU backend could not start for the speed probe")
+        lib.ggml_backend_cpu_set_n_threads(self.backend, threads)
+        self._act = lib.ggml_backend_alloc_ctx_tensors(self._ctx, self.backend)
+        if not self._act:
+            raise BackendError("ggml could not allocate the probe's activations")
+        for k, x in xs.items():
+            v = np.random.default_rng(k).standard_normal(k).astype(np.float32)
+            lib.ggml_backend_tensor_set(x, v.ctypes.data_as(ctypes.c_void_p), 0, v.nbytes)
+        self._gctx = new_context(8 * len(named) + 8, 8 * len(named) + 8)
+        self.graphs = []
+        for ys in outs:
+            gf = lib.ggml_new_graph_custom(self._gctx, 4 * len(ys) + 8, False)
+            for y in ys:
+                lib.ggml_build_forward_expand(gf, y)
+            self.graphs.append(gf)
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def run(self, i: int) -> None:
+        """The products of copy i."""
+        if lib.ggml_backend_graph_compute(self.backend, self.graphs[i]) != 0:
+            raise BackendError("ggml compute failed in the speed probe")
+
+    def close(self) -> None:
+        if self._act:
+            lib.ggml_backend_buffer_free(self._act)
+            self._act = 0
+        for name in ("_ctx", "_gctx"):
+            if getattr(self, name, 0):
+                lib.ggml_free(getattr(self, name))
+                setattr(self, name, 0)
+        if self.backend:
+            lib.ggml_backend_free(self.backend)
+            self.backend = 0
+        self._weights.free()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(AttributeError):
+            self.close()

@@ -11,6 +11,7 @@ import math
 import re
 import struct
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -37,6 +38,29 @@ class TensorInfo:
         """The global block index of a `blk.N.*` tensor, None for embeddings / head / norms."""
         m = _BLOCK_RE.match(self.name)
         return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One weight matrix a probe multiplies: its GGML type and (n_out, n_in)."""
+
+    qtype: GGMLQuantizationType
+    n_out: int
+    n_in: int
+
+    @property
+    def nbytes(self) -> int:
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        return self.n_out * self.n_in // block * type_size
+
+
+def layer_matrices(tensors: Mapping[str, TensorInfo], layer: int) -> tuple[Matrix, ...]:
+    """The weight matrices of block `layer` (what a decode step streams through it)."""
+    return tuple(
+        Matrix(t.qtype, *t.shape)
+        for t in tensors.values()
+        if t.layer == layer and len(t.shape) == 2
+    )
 
 
 class GGUFFile:

@@ -20,6 +20,8 @@ from pathlib import Path
 import psutil
 from gguf import GGMLQuantizationType
 
+from potluck.modelfile.gguf_file import Matrix
+
 OS_HEADROOM_BYTES = 1 << 30  # left to the OS and other programs when a node reports its memory
 # Left free inside a memory cgroup (the OS lives outside it): the process's own growth while it
 # computes (Python objects, gRPC buffers, a graph's inputs). The process's present use is
@@ -44,8 +46,10 @@ def cgroup_room_bytes(
     proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
 ) -> int | None:
     """Bytes this process's memory cgroup can still take: its limit (the tightest of it and its
-    ancestors) less what it uses, page cache that the kernel can drop (inactive files) not
-    counted as used. None where no limit applies or cgroups cannot be read."""
+    ancestors) less what it uses, the page cache of files not counted as used (the kernel drops
+    it under the limit; "available" memory counts it alike). A worker that ran a plan keeps its
+    file pages cached after the plan is freed: counted as used, the worker offered 1 GiB less
+    after each run. None where no limit applies or cgroups cannot be read."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -82,7 +86,8 @@ def _v1_room(group: Path) -> int | None:
     usage = _read_int(group / "memory.usage_in_bytes")
     if limit is None or limit >= _UNLIMITED or usage is None:
         return None
-    return limit - (usage - stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+    cache = stat.get("total_inactive_file", 0) + stat.get("total_active_file", 0)
+    return limit - (usage - cache)
 
 
 def _v2_room(root: Path, path: str) -> int | None:
@@ -92,7 +97,7 @@ def _v2_room(root: Path, path: str) -> int | None:
     while True:
         limit, usage = _read_int(group / "memory.max"), _read_int(group / "memory.current")
         if limit is not None and usage is not None and limit < _UNLIMITED:
-            rooms.append(limit - (usage - _stat(group / "memory.stat").get("inactive_file", 0)))
+            rooms.append(limit - (usage - _stat(group / "memory.stat").get("file", 0)))
         if group == root or root not in group.parents:
             break
         group = group.parent
@@ -149,6 +154,51 @@ def decode_bytes_per_s(seconds: float = 0.3, threads: int | None = None) -> floa
         probe.close()
     times.sort()
     return probe.nbytes / times[len(times) // 2]
+
+
+_PROBE_MATRIX_BYTES = 8 << 20  # each probed matrix cut to at most this many bytes (rows dropped)
+_ROWS = 16  # ... in whole groups of rows, as ggml's repacked layouts interleave 4 or 8
+
+
+def _cut(m: Matrix) -> Matrix:
+    """The matrix with fewer rows, at most _PROBE_MATRIX_BYTES: per byte, a batch-1 product
+    streams the same way through a large matrix as through a slice of it."""
+    if m.nbytes <= _PROBE_MATRIX_BYTES:
+        return m
+    rows = max(_ROWS, _PROBE_MATRIX_BYTES * m.n_out // m.nbytes // _ROWS * _ROWS)
+    return Matrix(m.qtype, rows, m.n_in)
+
+
+@functools.cache
+def model_bytes_per_s(
+    matrices: tuple[Matrix, ...], threads: int | None = None, seconds: float = 0.3
+) -> float:
+    """Weight bytes per second one decode step streams through one layer of *this model*: its
+    matrices' own types and widths (held as a stage holds them: repacked where ggml can), copies
+    of the layer taken in turn until they fill 4 x the last-level cache. Median over timed
+    passes. ≈ 0.3 s plus making the synthetic weights."""
+    from potluck.model.matvec import LayerProbe
+
+    cut = [_cut(m) for m in matrices]
+    layer = sum(m.nbytes for m in cut)
+    # 4 x the cache, at least 4 copies: with 2 copies (2 x the cache) passes spread ±15 % and
+    # their median read 20 % below the 7B's real decode at 2 threads; with 4, 10-14 % below
+    copies = min(_MAX_LAYERS, max(4, -(-4 * last_level_cache_bytes() // layer)))
+    probe = LayerProbe(cut, copies, threads or default_threads())
+    try:
+        for i in range(len(probe)):  # warm-up: pages touched, threads started
+            probe.run(i)
+        times: list[float] = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end or len(times) < 3:
+            t0 = time.perf_counter()
+            for i in range(len(probe)):
+                probe.run(i)
+            times.append(time.perf_counter() - t0)
+    finally:
+        probe.close()
+    times.sort()
+    return probe.nbytes * len(probe) / times[len(times) // 2]
 
 
 def trim_heap() -> None:

@@ -34,6 +34,7 @@ from potluck.node import doctor as node_doctor
 from potluck.node.probe import (
     decode_bytes_per_s,
     gpu_offer,
+    model_bytes_per_s,
     physical_cores,
     trim_heap,
     usable_memory_bytes,
@@ -46,6 +47,7 @@ from potluck.transport.client import NODE_SERVER_OPTIONS, NodeClient
 from potluck.transport.codec import (
     PROTOCOL_VERSION,
     WireError,
+    matrix_from_proto,
     penalizes,
     sampling_from_proto,
     tensor_from_proto,
@@ -825,6 +827,19 @@ class NodeService(pb_grpc.NodeServicer):
         finally:
             client.close()
         return pb.ProbeLinkReply(latency_s=m.latency_s, bytes_per_s=m.bytes_per_s)
+
+    def ProbeSpeed(
+        self, request: pb.ProbeSpeedRequest, context: grpc.ServicerContext
+    ) -> pb.ProbeSpeedReply:
+        try:
+            matrices = tuple(matrix_from_proto(m) for m in request.matrices)
+        except (ValueError, PotluckError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not matrices:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no matrices to probe")
+        with self.compute:  # never beside a forward pass: it would time both
+            speed = model_bytes_per_s(matrices, self.threads)
+        return pb.ProbeSpeedReply(bytes_per_s=speed)
 
     def Describe(
         self, request: pb.DescribeRequest, context: grpc.ServicerContext

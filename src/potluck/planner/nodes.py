@@ -1,6 +1,7 @@
 """What the planner knows about the machines and the links between them: plain frozen numbers.
 
-Workers measure these (usable memory after OS headroom, a decode micro-benchmark, link pings);
+Workers measure these (usable memory after OS headroom, their decode speed through one layer of
+the model being planned, link pings);
 the planner only takes the numbers.
 """
 
@@ -20,7 +21,8 @@ class NodeInfo:
     """One machine of the pool.
 
     memory_bytes: RAM usable for the model after OS headroom.
-    cpu_bytes_per_s: weight bytes per second its CPU streams through decode (micro-benchmark).
+    cpu_bytes_per_s: weight bytes per second its CPU streams through decode (timed through one
+    layer of the model being planned: node/probe.py model_bytes_per_s).
     device: its accelerator ("cpu" = none). gpu_memory_bytes / gpu_bytes_per_s: the same two numbers
     for the accelerator. On unified memory (mps) the worker splits its budget between the two
     before it reports: the planner counts them as separate pools.

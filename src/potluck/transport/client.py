@@ -367,6 +367,12 @@ class NodeClient:
         self.data_port = reply.data_port  # type: ignore[attr-defined]
         return reply  # type: ignore[return-value]
 
+    def probe_speed(
+        self, request: pb.ProbeSpeedRequest, timeout: float = 30.0
+    ) -> pb.ProbeSpeedReply:
+        """The node's decode speed through one layer of the model being planned."""
+        return self._call("ProbeSpeed", request, timeout)  # type: ignore[return-value]
+
     def probe_link(self, request: pb.ProbeLinkRequest, timeout: float = 15.0) -> pb.ProbeLinkReply:
         """Ask this node to measure its link to another node (transport/linkprobe.py)."""
         return self._call("ProbeLink", request, timeout)  # type: ignore[return-value]

@@ -11,6 +11,7 @@ import numpy as np
 
 from potluck.engine.sampling import SamplingParams
 from potluck.errors import PotluckError
+from potluck.modelfile.gguf_file import Matrix
 from potluck.transport import potluck_pb2 as pb
 
 PROTOCOL_VERSION = 4
@@ -121,3 +122,25 @@ def sampling_from_proto(msg: pb.SamplingConfig) -> SamplingParams:
         )
     except ValueError as exc:
         raise WireError(f"bad sampling parameters: {exc}") from None
+
+
+def matrix_to_proto(m: Matrix) -> pb.ProbeMatrix:
+    return pb.ProbeMatrix(ggml_type=int(m.qtype), n_out=m.n_out, n_in=m.n_in)
+
+
+def matrix_from_proto(msg: pb.ProbeMatrix) -> Matrix:
+    """A matrix to time, checked: a type ggml multiplies, rows of whole blocks."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from potluck.model.weights import SUPPORTED_TYPES
+
+    try:
+        qtype = GGMLQuantizationType(msg.ggml_type)
+    except ValueError:
+        raise WireError(f"probe matrix of unknown GGML type {msg.ggml_type}") from None
+    if qtype not in SUPPORTED_TYPES:
+        raise WireError(f"probe matrix of type {qtype.name}, which ggml does not multiply here")
+    block = GGML_QUANT_SIZES[qtype][0]
+    if msg.n_in % block or not (msg.n_out and msg.n_in):
+        raise WireError(f"probe matrix {msg.n_out}x{msg.n_in}: rows must be whole {block}-blocks")
+    return Matrix(qtype, msg.n_out, msg.n_in)

@@ -92,6 +92,17 @@ def _check_drop(m: pb.DropRequest) -> None:
     _at_most("sequences in one drop", len(m.seq_ids), MAX_SEQ_IDS)
 
 
+MAX_PROBE_MATRICES = 16  # one layer's matrices (q, k, v, o, gate, up, down, and a few more)
+MAX_PROBE_DIM = 1 << 20
+
+
+def _check_probe(m: pb.ProbeSpeedRequest) -> None:
+    _at_most("matrices to probe", len(m.matrices), MAX_PROBE_MATRICES)
+    for x in m.matrices:
+        if not (1 <= x.n_out <= MAX_PROBE_DIM and 1 <= x.n_in <= MAX_PROBE_DIM):
+            raise WireError(f"probe matrix {x.n_out}x{x.n_in} is outside 1..{MAX_PROBE_DIM}")
+
+
 def _check_hello(m: pb.HelloRequest) -> None:
     _at_most("head name characters", len(m.head_name), MAX_NAME_CHARS)
 
@@ -102,6 +113,7 @@ _CHECKS = {
     pb.TensorChunk: _check_chunk,
     pb.DropRequest: _check_drop,
     pb.HelloRequest: _check_hello,
+    pb.ProbeSpeedRequest: _check_probe,
 }
 
 

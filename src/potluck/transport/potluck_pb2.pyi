@@ -283,6 +283,28 @@ class ProbeLinkRequest(_message.Message):
     address: str
     def __init__(self, address: _Optional[str] = ...) -> None: ...
 
+class ProbeMatrix(_message.Message):
+    __slots__ = ("ggml_type", "n_out", "n_in")
+    GGML_TYPE_FIELD_NUMBER: _ClassVar[int]
+    N_OUT_FIELD_NUMBER: _ClassVar[int]
+    N_IN_FIELD_NUMBER: _ClassVar[int]
+    ggml_type: int
+    n_out: int
+    n_in: int
+    def __init__(self, ggml_type: _Optional[int] = ..., n_out: _Optional[int] = ..., n_in: _Optional[int] = ...) -> None: ...
+
+class ProbeSpeedRequest(_message.Message):
+    __slots__ = ("matrices",)
+    MATRICES_FIELD_NUMBER: _ClassVar[int]
+    matrices: _containers.RepeatedCompositeFieldContainer[ProbeMatrix]
+    def __init__(self, matrices: _Optional[_Iterable[_Union[ProbeMatrix, _Mapping]]] = ...) -> None: ...
+
+class ProbeSpeedReply(_message.Message):
+    __slots__ = ("bytes_per_s",)
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    bytes_per_s: float
+    def __init__(self, bytes_per_s: _Optional[float] = ...) -> None: ...
+
 class ProbeLinkReply(_message.Message):
     __slots__ = ("latency_s", "bytes_per_s")
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]

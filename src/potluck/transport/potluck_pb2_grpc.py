@@ -74,6 +74,11 @@ class NodeStub:
                 request_serializer=potluck_dot_transport_dot_potluck__pb2.ProbeLinkRequest.SerializeToString,
                 response_deserializer=potluck_dot_transport_dot_potluck__pb2.ProbeLinkReply.FromString,
                 _registered_method=True)
+        self.ProbeSpeed = channel.unary_unary(
+                '/potluck.v1.Node/ProbeSpeed',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.ProbeSpeedRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.ProbeSpeedReply.FromString,
+                _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/potluck.v1.Node/Describe',
                 request_serializer=potluck_dot_transport_dot_potluck__pb2.DescribeRequest.SerializeToString,
@@ -142,6 +147,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeSpeed(self, request, context):
+        """this node times batch-1 products through one layer's matrices of the model being planned
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Describe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -196,6 +208,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.ProbeLink,
                     request_deserializer=potluck_dot_transport_dot_potluck__pb2.ProbeLinkRequest.FromString,
                     response_serializer=potluck_dot_transport_dot_potluck__pb2.ProbeLinkReply.SerializeToString,
+            ),
+            'ProbeSpeed': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeSpeed,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.ProbeSpeedRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.ProbeSpeedReply.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
@@ -424,6 +441,33 @@ class Node:
             '/potluck.v1.Node/ProbeLink',
             potluck_dot_transport_dot_potluck__pb2.ProbeLinkRequest.SerializeToString,
             potluck_dot_transport_dot_potluck__pb2.ProbeLinkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeSpeed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/potluck.v1.Node/ProbeSpeed',
+            potluck_dot_transport_dot_potluck__pb2.ProbeSpeedRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.ProbeSpeedReply.FromString,
             options,
             channel_credentials,
             insecure,
