@@ -225,10 +225,11 @@ def test_memory_fit_splits_where_one_node_is_too_small() -> None:
 
 
 def test_fixed_layer_cost_balances_stages_by_time_not_bytes() -> None:
-    """Small layers and a big output head (as SmolLM2: 30 layers of 2.2 MB, a 30 MB head): each
-    layer also costs CPU_LAYER_NS beyond its bytes, so the last stage (with the head) gets more
-    layers than a balance of bytes alone would give it (22 | 8 before the fixed cost)."""
-    fp = synth(n_layer=30, layer=2_200_000, head=30_000_000, embd=30_000_000)
+    """Small layers and a big output head (30 layers of 0.2 MB, a 3 MB head): each layer also
+    costs CPU_LAYER_NS beyond its bytes (here more than its bytes take), so the last stage (with
+    the head) gets more layers than a balance of bytes alone would give it (22 | 8)."""
+    layer, head = 200_000, 3_000_000
+    fp = synth(n_layer=30, layer=layer, head=head, embd=head)
     nodes = [cpu("a", 4 * GiB, speed=29 * GB), cpu("b", 4 * GiB, speed=29 * GB)]
     plan = plan_pool(fp, nodes, lan("a", "b"), tensor_split=None)
     if len(plan.stages) == 1:  # one machine alone is faster by the hop: split by hand instead
@@ -239,11 +240,11 @@ def test_fixed_layer_cost_balances_stages_by_time_not_bytes() -> None:
         )
     else:
         cut = plan.stages[0].stop
-    by_bytes = next(c for c in range(30) if (c + 1) * 2_200_000 > (30 * 2_200_000 + 30e6) / 2)
-    assert by_bytes == 21 and cut < by_bytes - 2, (cut, by_bytes)
+    by_bytes = next(c for c in range(30) if (c + 1) * layer > (30 * layer + head) / 2)
+    assert by_bytes == 22 and cut < by_bytes - 2, (cut, by_bytes)
     costs = CostModel(fp, nodes, lan("a", "b"))
     first, last = costs.stage(0, 0, cut), costs.stage(1, cut, 30)
-    per_layer = 2_200_000 / (29 * GB) * 1e9 + CPU_LAYER_NS
+    per_layer = layer / (29 * GB) * 1e9 + CPU_LAYER_NS
     assert abs(first.compute_ns - last.compute_ns) <= per_layer
 
 

@@ -6,6 +6,7 @@ Flags keep llama.cpp's meaning: -m model, -n tokens to generate, -c context, -t 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -1363,11 +1364,15 @@ def bench(
     secret: SecretOpt = None,
     tls: TlsOpt = False,
     wire_dtype: WireOpt = "f32",
+    json_out: Annotated[
+        bool,
+        typer.Option("--json", help="Print the predicted and measured figures as JSON."),
+    ] = False,
 ) -> None:
     """Measure the model on the best single machine and on the pool, side by side: tokens/s,
     compute per stage and time on each link, and whether pooling is worth it (measured)."""
     from potluck.engine.generate import load_model
-    from potluck.engine.measure import measure, measured_verdict
+    from potluck.engine.measure import bench_report, measure, measured_verdict
     from potluck.engine.pipeline import LOCAL, Assignment
     from potluck.engine.survey import THIS_MACHINE, assignments_of
     from potluck.modelfile.sources import resolve_model
@@ -1413,6 +1418,9 @@ def bench(
         finally:
             if hasattr(m.pipeline, "close"):
                 m.pipeline.close()
+    if json_out:
+        print(json.dumps(bench_report(plan_, results, path.name, n_prompt, n_predict), indent=1))
+        return
     table = Table(title=f"potluck bench · {path.name} · -p {n_prompt} -n {n_predict}")
     for col in (
         "run",

@@ -3,12 +3,15 @@ the measurements (not the planner's predictions) whether pooling is worth it."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from potluck.engine.generate import Model, generate, prefill
 from potluck.engine.sampling import GREEDY, Sampler
+from potluck.planner import Plan
 
 WORTH_IT = 1.2  # pooling must beat the best single machine by 20 % (as the planner's verdict)
 BENCH_TEXT = "The history of the printing press begins in the fifteenth century, when "
@@ -101,3 +104,44 @@ def measured_verdict(single: Measured, pool: Measured, stage_names: list[str]) -
             "fit one machine, or for several streams at once"
         )
     return f"{head}: below the {WORTH_IT:.1f}× that makes pooling worth it; use {single.label} alone — {why}"
+
+
+def bench_report(
+    plan: Plan, runs: list[Measured], model: str, n_prompt: int, n_tokens: int
+) -> dict[str, Any]:
+    """`potluck bench --json`: the planner's prediction beside the measurements (bench/ reads
+    it to compare the two)."""
+    best = plan.best_single
+    single = next((r for r in runs if r.label != "pool"), None)
+    pool = next((r for r in runs if r.label == "pool"), None)
+    measured_worth_it = (
+        None
+        if single is None or pool is None
+        else pool.decode_tokens_per_s >= WORTH_IT * single.decode_tokens_per_s
+    )
+    return {
+        "model": model,
+        "n_prompt": n_prompt,
+        "n_predict": n_tokens,
+        "predicted": {
+            "pool_tokens_per_s": plan.tokens_per_s,
+            "pool_ms_per_token": plan.ms_per_token,
+            "stages": [
+                {
+                    "node": st.node,
+                    "start": st.start,
+                    "stop": st.stop,
+                    "compute_ms": st.compute_ms,
+                    "net_ms": st.net_ms,
+                }
+                for st in plan.stages
+            ],  # fmt: skip
+            "best_single": None
+            if best is None
+            else {"node": best.node, "tokens_per_s": best.tokens_per_s},
+            "worth_it": plan.worth_it,
+            "verdict": plan.verdict,
+        },
+        "measured": [dataclasses.asdict(r) for r in runs],
+        "measured_worth_it": measured_worth_it,
+    }

@@ -21,13 +21,14 @@ from potluck.planner.footprint import ModelFootprint
 from potluck.planner.nodes import Link, Links, NodeInfo, link_between
 
 NS = 1_000_000_000
-# Fixed time per layer and decoded token, beyond streaming its weights. Measured on this project's
-# CPU machines (eager PyTorch, one thread): a SmolLM2 layer (2.2 MB) takes ≈ 0.22 ms and a Gemma-3
-# one (6 MB) ≈ 0.45 ms where their bytes alone at the probed speed predict 0.08 and 0.21 ms. Without
-# it the planner gave a pipeline's first stage 22 of SmolLM2's 30 layers, so that stage took 5.1 ms
-# per token and the last 3.0 (bench/RESULTS.md). On an accelerator the same calls are kernel
+# Fixed time per layer and decoded token, beyond streaming its weights (norms, RoPE, attention over
+# a short context, the graph's other small operations). The speed it adds to is timed through the
+# model's own layer matrices (node/probe.py model_bytes_per_s), so the matmuls' own per-call cost is
+# already in that figure: measured with ggml on SmolLM2 at 1 thread (Zen 3), the real decode took
+# 21.24 ms per token where its bytes at the probed speed give 21.04, ≈ 7 µs per layer. (With the
+# first engine, eager PyTorch, it was ≈ 100 µs.) On an accelerator the same calls are kernel
 # launches: an estimate, not measured here (no GPU).
-CPU_LAYER_NS = 100_000
+CPU_LAYER_NS = 10_000
 GPU_LAYER_NS = 30_000
 DECODE, PROMPT = "decode", "prompt"  # what a plan's stages are balanced for (CostModel)
 

@@ -1,0 +1,155 @@
+"""The planner's prediction against the measurement: `potluck plan`'s tok/s vs `potluck bench`'s.
+
+    python bench/bench_plan.py [--models smollm2,qwen7b] [--setups pair,head] [--reps 2]
+        [-p 64] [-n 32] [--out bench/out/plan.json]
+
+Setups (workers are `potluck worker -t 1` processes, each pinned to one core with `taskset`,
+standing in for two single-core machines; the "network" is loopback):
+  pair  the head holds no layers (--mem 0): the best single machine is one worker, the pool is
+        the two workers (BENCHMARKS.md's "two single-core workers vs one")
+  head  the head (2 threads, unpinned) takes part too: three processes on two cores, so its
+        stage and a worker's share a core while the other waits (one stream runs the stages in
+        turn, but a polling worker burns its core meanwhile)
+Each run is `potluck bench --json` (the planner's figures for the pool and the best single
+machine, then both measured, in one process); the table shows predicted / measured for each and
+whether the two verdicts agree. Target (issue 15): within 15 %. Never asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import MODEL_NAMES, median, model_path, print_table, run_info, write_json  # noqa: E402
+
+SETUPS = ("pair", "head")
+
+
+def start_worker(core: int, model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    cmd = [
+        "taskset", "-c", str(core), sys.executable, "-m", "potluck.cli", "worker", "-p", "0",
+        "-t", "1", "--no-mdns", "--model-dir", str(model_dir),
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+    deadline = time.monotonic() + 120
+    while (found := re.search(r"listening on [^ ]*:(\d+) ", log.read_text())) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"worker did not start: {log.read_text()}")
+        time.sleep(0.2)
+    return proc, f"127.0.0.1:{found.group(1)}"
+
+
+def bench_once(model: Path, peers: list[str], setup: str, n_prompt: int, n_predict: int) -> dict:
+    cmd = [sys.executable, "-m", "potluck.cli", "bench", "-m", str(model), "--no-mdns", "--json"]
+    cmd += ["-p", str(n_prompt), "-n", str(n_predict)]
+    cmd += [a for p in peers for a in ("--peer", p)]
+    if setup == "pair":
+        cmd += ["--mem", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"potluck bench failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over repetitions: predicted and measured tok/s of the pool and the best single."""
+
+    def measured(label_pool: bool) -> list[float]:
+        return [
+            r["decode_tokens_per_s"]
+            for run in runs
+            for r in run["measured"]
+            if (r["label"] == "pool") == label_pool
+        ]
+
+    pred_pool = median([r["predicted"]["pool_tokens_per_s"] for r in runs])
+    singles = [r["predicted"]["best_single"] for r in runs if r["predicted"]["best_single"]]
+    pred_single = median([s["tokens_per_s"] for s in singles]) if singles else None
+    return {
+        "predicted_pool": pred_pool,
+        "measured_pool": median(measured(True)),
+        "predicted_single": pred_single,
+        "measured_single": median(measured(False)) if measured(False) else None,
+        "predicted_worth_it": [r["predicted"]["worth_it"] for r in runs],
+        "measured_worth_it": [r["measured_worth_it"] for r in runs],
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "–" if not a or not b else f"{a / b:.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default="smollm2,qwen7b")
+    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("-p", "--n-prompt", type=int, default=64)
+    ap.add_argument("-n", "--n-predict", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=Path("bench/out/plan.json"))
+    args = ap.parse_args()
+    models = args.models.split(",")
+    setups = args.setups.split(",")
+    for name in models:
+        if name not in MODEL_NAMES:
+            raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+    for s in setups:
+        if s not in SETUPS:
+            raise SystemExit(f"unknown setup {s!r}; choose from {', '.join(SETUPS)}")
+    if (os.cpu_count() or 1) < 2:
+        raise SystemExit("needs two cores (one per pinned worker)")
+    info = run_info()
+    results: dict[str, dict] = {}
+    logs = args.out.parent / "plan-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for name in models:
+        path = model_path(name)
+        workers = [start_worker(core, path.parent, logs / f"{name}-w{core}.log") for core in (0, 1)]
+        try:
+            peers = [addr for _, addr in workers]
+            for setup in setups:
+                runs = []
+                for rep in range(args.reps):
+                    print(f"{name} · {setup} · run {rep + 1}/{args.reps}", file=sys.stderr)
+                    runs.append(bench_once(path, peers, setup, args.n_prompt, args.n_predict))
+                results[f"{name}/{setup}"] = {"runs": runs, **summarize(runs)}
+        finally:
+            for proc, _ in workers:
+                proc.terminate()
+                proc.wait(timeout=30)
+    rows = []
+    for key, r in results.items():
+        agree = all(
+            m is None or p == m
+            for p, m in zip(r["predicted_worth_it"], r["measured_worth_it"], strict=True)
+        )
+        rows.append([
+            key,
+            f"{r['predicted_single'] or 0:.2f} / {r['measured_single'] or 0:.2f}",
+            _ratio(r["predicted_single"], r["measured_single"]),
+            f"{r['predicted_pool']:.2f} / {r['measured_pool']:.2f}",
+            _ratio(r["predicted_pool"], r["measured_pool"]),
+            "yes" if agree else "NO",
+        ])  # fmt: skip
+    print_table(
+        f"planned vs measured decode tok/s · {info['cpu_model']} · -p {args.n_prompt} "
+        f"-n {args.n_predict} · medians of {args.reps}",
+        ["model/setup", "single: planned / measured", "ratio", "pool: planned / measured",
+         "ratio", "verdicts agree"],
+        rows,
+    )  # fmt: skip
+    write_json(args.out, {"info": info, "args": vars(args) | {"out": str(args.out)}, **results})
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
