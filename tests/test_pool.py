@@ -472,11 +472,14 @@ def test_weights_transfer_reports_progress_on_both_sides(
     asked = re.search(
         r"layers \d+–29: no local copy of the model; receiving (\d+) tensors, ([\d.]+) MiB", log
     )
-    done = re.search(r"received (\d+) tensors, ([\d.]+) MiB in [\d.]+ s \(checked, cached\)", log)
+    done = re.search(
+        r"received (\d+) tensors, ([\d.]+) MiB in [\d.]+ s, \d+ MB/s \(checked, cached\)", log
+    )
     assert asked and done, log
     assert asked.group(1) == done.group(1) and asked.group(2) == done.group(2)
     assert float(done.group(2)) == pytest.approx(sent[-1] / 2**20, abs=0.1)
-    assert re.search(r"received [\d.]+ MiB of [\d.]+ MiB \(\d+%\)", log)  # progress on the way
+    # progress on the way, with the rate and the time left
+    assert re.search(r"received [\d.]+ MiB of [\d.]+ MiB \(\d+%\), \d+ MB/s, \d+ s left", log)
     # only the stage's own tensors travel, never the whole file
     from potluck.model.layout import stage_tensor_names
     from potluck.modelfile.gguf_file import GGUFFile
@@ -485,6 +488,84 @@ def test_weights_transfer_reports_progress_on_both_sides(
     start = int(re.search(r"layers (\d+)–29: no local copy", log).group(1))  # type: ignore[union-attr]
     names = stage_tensor_names(f.tensors.values(), 30, start, 30)
     assert sent[-1] == sum(f.tensors[n].nbytes for n in names) < f.size_bytes * 0.7
+
+
+def test_a_broken_transfer_resumes_where_it_stopped(smollm2_path: Path, tmp_path: Path) -> None:
+    """A head that stops halfway through sending a tensor (its process killed, the link cut):
+    the worker keeps what arrived; the next head sends only the rest of that tensor, and the
+    blob passes its sha256 (so the pool computes what one process computes)."""
+    from potluck.model.layout import stage_tensor_names
+    from potluck.modelfile.gguf_file import GGUFFile
+    from potluck.modelfile.hparams import hparams_from_metadata
+    from potluck.node.weights import sha256_file, tensor_digests
+    from potluck.transport.client import NodeClient
+    from potluck.transport.codec import PROTOCOL_VERSION
+
+    bare = {"POTLUCK_CACHE": str(tmp_path), "HOME": str(tmp_path)}
+    proc, addr = start_worker(bare)
+    f = GGUFFile(smollm2_path)
+    hp = hparams_from_metadata(f.metadata)
+    names = stage_tensor_names(f.tensors.values(), hp.n_layer, hp.n_layer - 1, hp.n_layer)
+    sha = sha256_file(smollm2_path)
+    digests = tensor_digests(sha, f.raw, names)
+    embd = "token_embd.weight"  # SmolLM2's head is tied: the last stage needs it, ≈ 30 MiB
+    cut = f.tensors[embd].nbytes // 2
+    client = NodeClient(addr, None)
+    try:
+        client.hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION))
+        reply = client.load(
+            pb.LoadRequest(
+                plan_id="broken-head", model_sha256=sha, start=hp.n_layer - 1, stop=hp.n_layer,
+                n_ctx=128, metadata_gguf=f.header_bytes(), tensor_sha256=digests,
+                wire_dtype="float32", model_bytes=f.size_bytes,
+            )
+        )  # fmt: skip
+        assert reply.need_tensors and embd in reply.missing and not reply.partial
+
+        def half_then_gone() -> Iterator[pb.TensorChunk]:
+            data = memoryview(f.raw(embd).reshape(-1))
+            step = 1 << 20
+            yield pb.TensorChunk(
+                name=embd, sha256=digests[embd], total_bytes=len(data), data=bytes(data[:step])
+            )
+            for off in range(step, cut, step):
+                yield pb.TensorChunk(name=embd, data=bytes(data[off : off + step]))
+            raise ConnectionError("the head's process ended")
+
+        with pytest.raises(Exception):  # noqa: B017 (gRPC wraps the sender's error its own way)
+            client.put_tensors(half_then_gone())
+    finally:
+        client.close()
+    kept = tmp_path / "blobs" / f".part-{digests[embd]}"
+    sizes = [-1]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the worker writes what arrived, then sees the end
+        sizes.append(kept.stat().st_size if kept.is_file() else -1)
+        if sizes[-1] > 0 and sizes[-10:] == [sizes[-1]] * 10:
+            break
+        time.sleep(0.05)
+    held = sizes[-1]  # what arrived before the cut (gRPC may drop the last messages in flight)
+    assert 0 < held <= cut + (1 << 20), sizes[-3:]
+    seen: list[tuple[str, int, int]] = []
+    try:
+        m = load_model(smollm2_path, n_ctx=128, peers=[addr], on_transfer=lambda *a: seen.append(a))
+        try:
+            prompt = [{"role": "user", "content": "The capital of France is"}]
+            ids = m.tokenizer.encode(m.chat.render(prompt))
+            pool = list(generate(m, ids, 8, Sampler(GREEDY)))
+        finally:
+            m.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert pool == _single(smollm2_path, "The capital of France is", 8)
+    assert proc.stderr is not None
+    log = proc.stderr.read()
+    assert f"resuming 1 tensors of a broken transfer ({held / 2**20:.1f} MiB kept)" in log, log
+    start = int(re.findall(r"layers (\d+)–29: no local copy", log)[-1])  # the second head's
+    stage = stage_tensor_names(f.tensors.values(), hp.n_layer, start, hp.n_layer)
+    assert seen[-1][1] == seen[-1][2] == sum(f.tensors[n].nbytes for n in stage) - held
+    assert not kept.exists() and (tmp_path / "blobs" / digests[embd]).is_file()
 
 
 def test_heads_share_a_worker_without_evicting_each_other(

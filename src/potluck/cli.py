@@ -455,11 +455,16 @@ def _load(
             for line in ev.assignments or ["every layer → this machine (cpu)"]:
                 err.print(f"[dim]  {line}[/]")
 
+        began: dict[str, float] = {}
+
         def on_transfer(node: str, sent: int, total: int) -> None:
+            t = began.setdefault(node, time.perf_counter())
+            rate = sent / max(time.perf_counter() - t, 1e-3)
             bar.update(
                 task,
                 description=f"{path.name} (sending {node} its layers: "
-                f"{sent / 2**20:.0f}/{total / 2**20:.0f} MiB)",
+                f"{sent / 2**20:.0f}/{total / 2**20:.0f} MiB, {rate / 1e6:.0f} MB/s, "
+                f"{(total - sent) / rate:.0f} s left)",
             )
 
         m = load_model(

@@ -272,7 +272,10 @@ class RemotePipeline:
             )  # fmt: skip
             reply = client.load(req)
             if reply.need_tensors:
-                client.put_tensors(self._tensor_chunks(a.node, list(reply.missing), digests))
+                chunks = self._tensor_chunks(
+                    a.node, list(reply.missing), digests, dict(reply.partial)
+                )
+                client.put_tensors(chunks)
                 reply = client.load(req)
                 if reply.need_tensors:
                     raise NodeError(
@@ -288,20 +291,34 @@ class RemotePipeline:
             f.result()  # the first node's error, after every load has ended
 
     def _tensor_chunks(
-        self, node: str, names: list[str], digests: Mapping[str, str]
+        self,
+        node: str,
+        names: list[str],
+        digests: Mapping[str, str],
+        partial: Mapping[str, int] | None = None,
     ) -> Iterator[pb.TensorChunk]:
-        total, sent = sum(self.file.tensors[n].nbytes for n in names), 0
+        """The tensors' bytes in chunks; a tensor the node kept part of (`partial`, from a
+        transfer that broke off) starts where that part ends."""
+        partial = partial or {}
+        starts = {n: partial.get(n, 0) for n in names}
+        for name, start in starts.items():
+            if not 0 <= start < self.file.tensors[name].nbytes:
+                raise NodeError(f"node {node} says it kept {start:,} bytes of tensor {name}")
+        total = sum(self.file.tensors[n].nbytes - starts[n] for n in names)
+        sent = 0
         for name in names:
             data = memoryview(self.file.raw(name).reshape(-1))
-            for off in range(0, len(data), TENSOR_CHUNK_BYTES):
+            start = starts[name]
+            for off in range(start, len(data), TENSOR_CHUNK_BYTES):
                 piece = bytes(data[off : off + TENSOR_CHUNK_BYTES])
                 sent += len(piece)
                 if self.on_transfer is not None:
                     self.on_transfer(node, sent, total)
-                if off == 0:
+                if off == start:
                     yield pb.TensorChunk(
-                        name=name, sha256=digests[name], total_bytes=len(data), data=piece
-                    )
+                        name=name, sha256=digests[name], total_bytes=len(data), data=piece,
+                        offset=start,
+                    )  # fmt: skip
                 else:
                     yield pb.TensorChunk(name=name, data=piece)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -105,6 +104,8 @@ class BlobStore:
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or cache_dir() / "blobs"
         self.root.mkdir(parents=True, exist_ok=True)
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
 
     def path(self, digest: str) -> Path:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
@@ -114,31 +115,65 @@ class BlobStore:
     def has(self, digest: str) -> bool:
         return self.path(digest).is_file()
 
-    def put(self, digest: str, total: int, pieces: Iterator[bytes]) -> None:
-        """Write the pieces, check size and hash, then move into place (never a partial blob)."""
-        target = self.path(digest)
-        h, n = hashlib.sha256(), 0
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".part-")
+    def partial_path(self, digest: str) -> Path:
+        return self.root / f".part-{self.path(digest).name}"
+
+    def partial_bytes(self, digest: str) -> int:
+        """Bytes kept of a transfer of `digest` that broke off (0: none)."""
         try:
-            with os.fdopen(fd, "wb") as f:
-                for piece in pieces:
-                    n += len(piece)
-                    if n > total:
-                        raise IntegrityError(
-                            f"tensor {digest[:12]} is longer than the announced {total:,} bytes"
-                        )
-                    h.update(piece)
-                    f.write(piece)
-            if n != total:
-                raise IntegrityError(f"tensor {digest[:12]} ended after {n:,} of {total:,} bytes")
-            if h.hexdigest() != digest:
+            return self.partial_path(digest).stat().st_size
+        except OSError:
+            return 0
+
+    def put(self, digest: str, total: int, pieces: Iterator[bytes], offset: int = 0) -> None:
+        """Write the pieces (the tensor's bytes from `offset` on, after the `offset` bytes kept of
+        an earlier transfer), check size and hash, then move into place: never a partial blob.
+        A transfer that breaks off keeps what arrived (`partial_bytes`), to be resumed; bytes that
+        fail the checks are thrown away."""
+        target, part = self.path(digest), self.partial_path(digest)
+        with self._lock(digest):
+            h, n = hashlib.sha256(), offset
+            kept = self.partial_bytes(digest)
+            if offset and kept != offset:
                 raise IntegrityError(
-                    f"tensor {digest[:12]} arrived with a different sha256; the transfer was corrupted"
+                    f"tensor {digest[:12]}: asked to resume at byte {offset:,}, "
+                    f"{kept:,} bytes are kept"
                 )
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            mode = "ab" if offset else "wb"
+            if offset:
+                with open(part, "rb") as f:
+                    while block := f.read(_HASH_BLOCK):
+                        h.update(block)
+            try:
+                with open(part, mode) as f:
+                    for piece in pieces:
+                        n += len(piece)
+                        if n > total:
+                            raise IntegrityError(
+                                f"tensor {digest[:12]} is longer than the announced {total:,} bytes"
+                            )
+                        h.update(piece)
+                        f.write(piece)
+                if n != total:  # the sender ended early: keep what came, to resume
+                    raise IntegrityError(
+                        f"tensor {digest[:12]} ended after {n:,} of {total:,} bytes"
+                    )
+                if h.hexdigest() != digest:
+                    part.unlink(missing_ok=True)
+                    raise IntegrityError(
+                        f"tensor {digest[:12]} arrived with a different sha256; the transfer was "
+                        "corrupted"
+                    )
+                os.replace(part, target)
+            except IntegrityError as exc:
+                if "longer than" in str(exc):
+                    part.unlink(missing_ok=True)
+                raise
+
+    def _lock(self, digest: str) -> threading.Lock:
+        """One writer per blob (two heads may send the same tensor at once)."""
+        with self._locks_lock:
+            return self._locks.setdefault(digest, threading.Lock())
 
 
 class BlobSource:

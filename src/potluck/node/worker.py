@@ -232,14 +232,25 @@ class NodeService(pb_grpc.NodeServicer):
                 digests = dict(request.tensor_sha256)
                 missing = [n for n in names if n not in digests or not self.store.has(digests[n])]
                 if missing:
+                    partial = {
+                        n: kept
+                        for n in missing
+                        if n in digests and (kept := self.store.partial_bytes(digests[n]))
+                    }
                     total = sum(tensors[n].nbytes for n in missing if n in tensors)
+                    total -= sum(partial.values())
                     self.expected_bytes = total
                     log.info(
                         "layers %d–%d: no local copy of the model; receiving %d tensors, %.1f MiB "
                         "from the head",
                         request.start, request.stop - 1, len(missing), total / 2**20,
                     )  # fmt: skip
-                    return pb.LoadReply(need_tensors=True, missing=missing)
+                    if partial:
+                        log.info(
+                            "resuming %d tensors of a broken transfer (%.1f MiB kept)",
+                            len(partial), sum(partial.values()) / 2**20,
+                        )  # fmt: skip
+                    return pb.LoadReply(need_tensors=True, missing=missing, partial=partial)
                 src = BlobSource(tensors, digests, self.store)
             need = self._check_memory(tensors, hp, request)
             with self.compute:
@@ -392,19 +403,26 @@ class NodeService(pb_grpc.NodeServicer):
                     pending = None
 
                 pending = None
-                self.store.put(first.sha256, first.total_bytes, pieces())
+                self.store.put(first.sha256, first.total_bytes, pieces(), first.offset)
                 received += 1
-                got += first.total_bytes
+                got += first.total_bytes - first.offset
                 if got >= next_report and (not total or got < total):
-                    of = f" of {total / 2**20:.1f} MiB ({got / total:.0%})" if total else ""
+                    rate = got / max(time.perf_counter() - t0, 1e-9)
+                    of = (
+                        f" of {total / 2**20:.1f} MiB ({got / total:.0%}), "
+                        f"{rate / 1e6:.0f} MB/s, {(total - got) / rate:.0f} s left"
+                        if total
+                        else f", {rate / 1e6:.0f} MB/s"
+                    )
                     log.info("received %.1f MiB%s", got / 2**20, of)
                     next_report = got + step
         except (IntegrityError, WireError) as exc:
             context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         dt = time.perf_counter() - t0
         log.info(
-            "received %d tensors, %.1f MiB in %.1f s (checked, cached)", received, got / 2**20, dt
-        )
+            "received %d tensors, %.1f MiB in %.1f s, %.0f MB/s (checked, cached)",
+            received, got / 2**20, dt, got / max(dt, 1e-9) / 1e6,
+        )  # fmt: skip
         return pb.PutReply(received=received)
 
     # -- compute -----------------------------------------------------------------------------------

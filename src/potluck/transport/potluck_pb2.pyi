@@ -98,32 +98,43 @@ class LoadRequest(_message.Message):
     def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ..., head_id: _Optional[str] = ..., n_gpu_layers: _Optional[int] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("need_tensors", "missing", "weight_bytes", "load_seconds", "kv_bytes", "rss_bytes")
+    __slots__ = ("need_tensors", "missing", "weight_bytes", "load_seconds", "kv_bytes", "rss_bytes", "partial")
+    class PartialEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NEED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     need_tensors: bool
     missing: _containers.RepeatedScalarFieldContainer[str]
     weight_bytes: int
     load_seconds: float
     kv_bytes: int
     rss_bytes: int
-    def __init__(self, need_tensors: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
+    partial: _containers.ScalarMap[str, int]
+    def __init__(self, need_tensors: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., partial: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("name", "sha256", "total_bytes", "data")
+    __slots__ = ("name", "sha256", "total_bytes", "data", "offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
     sha256: str
     total_bytes: int
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class PutReply(_message.Message):
     __slots__ = ("received",)
