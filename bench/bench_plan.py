@@ -4,12 +4,15 @@
         [-p 64] [-n 32] [--out bench/out/plan.json]
 
 Setups (workers are `potluck worker -t 1` processes, each pinned to one core with `taskset`,
-standing in for two single-core machines; the "network" is loopback):
-  pair  the head holds no layers (--mem 0): the best single machine is one worker, the pool is
-        the two workers (BENCHMARKS.md's "two single-core workers vs one")
-  head  the head (2 threads, unpinned) takes part too: three processes on two cores, so its
-        stage and a worker's share a core while the other waits (one stream runs the stages in
-        turn, but a polling worker burns its core meanwhile)
+standing in for two single-core machines):
+  pair     over loopback; the head holds no layers (--mem 0): the best single machine is one
+           worker, the pool is the two workers (BENCHMARKS.md's "two single-core workers vs one")
+  head     over loopback; the head (2 threads, unpinned) takes part too: three processes on two
+           cores, so its stage and a worker's share a core while the other waits
+  gbit     as pair, each machine a network namespace on a 1 Gbit/s link (tc tbf; needs root)
+  fasteth  as pair on 100 Mbit/s links
+  gbit-3ms as gbit, every worker behind a proxy that delays each byte 3 ms each way (the gRPC
+           port only: the data port is not reachable, so hidden states take the gRPC stream)
 Each run is `potluck bench --json` (the planner's figures for the pool and the best single
 machine, then both measured, in one process); the table shows predicted / measured for each and
 whether the two verdicts agree. Target (issue 15): within 15 %. Never asserts a time.
@@ -18,46 +21,116 @@ whether the two verdicts agree. Target (issue 15): within 15 %. Never asserts a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import MODEL_NAMES, median, model_path, print_table, run_info, write_json  # noqa: E402
 
-SETUPS = ("pair", "head")
+SETUPS = ("pair", "head", "gbit", "fasteth", "gbit-3ms")
+NETNS = {"gbit": ("1gbit", 0.0), "fasteth": ("100mbit", 0.0), "gbit-3ms": ("1gbit", 3.0)}
+SECRET = "bench-plan-pool-secret-0123456789"
+TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 
-def start_worker(core: int, model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [
-        "taskset", "-c", str(core), sys.executable, "-m", "potluck.cli", "worker", "-p", "0",
-        "-t", "1", "--no-mdns", "--model-dir", str(model_dir),
-    ]  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+def _wait(log: Path, pattern: str, proc: subprocess.Popen, what: str) -> re.Match[str]:
     deadline = time.monotonic() + 120
-    while (found := re.search(r"listening on [^ ]*:(\d+) ", log.read_text())) is None:
+    while (found := re.search(pattern, log.read_text())) is None:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit(f"worker did not start: {log.read_text()}")
+            raise SystemExit(f"{what} did not start: {log.read_text()}")
         time.sleep(0.2)
-    return proc, f"127.0.0.1:{found.group(1)}"
+    return found
 
 
-def bench_once(model: Path, peers: list[str], setup: str, n_prompt: int, n_predict: int) -> dict:
+def _worker_cmd(core: int, model_dir: Path, host: str) -> list[str]:
+    return [
+        "taskset", "-c", str(core), sys.executable, "-m", "potluck.cli", "worker", "-H", host,
+        "-p", "0" if host == "127.0.0.1" else "50052", "-t", "1", "--no-mdns",
+        "--model-dir", str(model_dir),
+    ]  # fmt: skip
+
+
+def _bench_cmd(model: Path, peers: list[str], setup: str, n_prompt: int, n_predict: int):
     cmd = [sys.executable, "-m", "potluck.cli", "bench", "-m", str(model), "--no-mdns", "--json"]
     cmd += ["-p", str(n_prompt), "-n", str(n_predict)]
     cmd += [a for p in peers for a in ("--peer", p)]
-    if setup == "pair":
+    if setup != "head":
         cmd += ["--mem", "0"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    return cmd
+
+
+def _report(done: subprocess.CompletedProcess) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"potluck bench failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout)
+
+
+@contextlib.contextmanager
+def pool(setup: str, model_dir: Path, logs: Path) -> Iterator[Callable[[list[str]], dict]]:
+    """Two pinned workers for `setup`; yields run(bench command) -> its JSON report, with the
+    workers' addresses already in the command."""
+    if setup not in NETNS:
+        procs = []
+        try:
+            peers = []
+            for core in (0, 1):
+                log = logs / f"w{core}.log"
+                with open(log, "w") as out:
+                    proc = subprocess.Popen(
+                        _worker_cmd(core, model_dir, "127.0.0.1"),
+                        stdout=subprocess.DEVNULL, stderr=out,
+                    )  # fmt: skip
+                procs.append(proc)
+                port = _wait(log, r"listening on [^ ]*:(\d+) ", proc, "worker").group(1)
+                peers.append(f"127.0.0.1:{port}")
+            yield lambda cmd: _report(subprocess.run(
+                cmd + [a for p in peers for a in ("--peer", p)],
+                capture_output=True, text=True, timeout=1800,
+            ))  # fmt: skip
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(timeout=30)
+        return
+    sys.path.insert(0, str(TESTS))
+    from netns import netns_lan  # noqa: PLC0415 (root and `ip netns` only for these setups)
+
+    rate, delay_ms = NETNS[setup]
+    env = {**os.environ, "POTLUCK_SECRET": SECRET, "POTLUCK_MDNS": "0"}
+    with netns_lan(3, rate=rate) as (head, *hosts):
+        peers = []
+        for core, host in enumerate(hosts):
+            log = logs / f"w{core}-{setup}.log"
+            listen = "127.0.0.1" if delay_ms else host.ip
+            with open(log, "w") as out:
+                proc = host.popen(
+                    _worker_cmd(core, model_dir, listen), env=env,
+                    stdout=subprocess.DEVNULL, stderr=out,
+                )  # fmt: skip
+            port = _wait(log, r"listening on [^ ]*:(\d+) ", proc, "worker").group(1)
+            if delay_ms:
+                plog = logs / f"proxy{core}-{setup}.log"
+                with open(plog, "w") as out:
+                    proxy = host.popen(
+                        [sys.executable, str(TESTS / "delay_proxy.py"), f"{host.ip}:6000",
+                         f"127.0.0.1:{port}", str(delay_ms)],
+                        stdout=out, stderr=subprocess.STDOUT,
+                    )  # fmt: skip
+                _wait(plog, "ready", proxy, "delay proxy")
+                peers.append(f"{host.ip}:6000")
+            else:
+                peers.append(f"{host.ip}:{port}")
+        yield lambda cmd: _report(head.run(
+            cmd + [a for p in peers for a in ("--peer", p)], env=env, timeout=1800, check=False,
+        ))  # fmt: skip
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -91,7 +164,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", default="smollm2,qwen7b")
-    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--setups", default="pair,head")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("-p", "--n-prompt", type=int, default=64)
     ap.add_argument("-n", "--n-predict", type=int, default=32)
@@ -113,19 +186,13 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     for name in models:
         path = model_path(name)
-        workers = [start_worker(core, path.parent, logs / f"{name}-w{core}.log") for core in (0, 1)]
-        try:
-            peers = [addr for _, addr in workers]
-            for setup in setups:
+        for setup in setups:
+            with pool(setup, path.parent, logs) as run:
                 runs = []
                 for rep in range(args.reps):
                     print(f"{name} · {setup} · run {rep + 1}/{args.reps}", file=sys.stderr)
-                    runs.append(bench_once(path, peers, setup, args.n_prompt, args.n_predict))
+                    runs.append(run(_bench_cmd(path, [], setup, args.n_prompt, args.n_predict)))
                 results[f"{name}/{setup}"] = {"runs": runs, **summarize(runs)}
-        finally:
-            for proc, _ in workers:
-                proc.terminate()
-                proc.wait(timeout=30)
     rows = []
     for key, r in results.items():
         agree = all(

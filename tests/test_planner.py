@@ -299,10 +299,11 @@ def test_equal_nodes_verdict_blames_the_pipeline_not_a_node() -> None:
 
 def test_network_verdict() -> None:
     # two GPUs that each hold half the model: a split would keep everything on a GPU, but the link
-    # is slow (50 ms one way), so the best is one machine with half its layers on the CPU
+    # is slow (35 ms one way: under the 80 ms round trip that leaves a node out), so the best is
+    # one machine with half its layers on the CPU
     fp = synth()
     nodes = [gpu("g1", 8 * GiB, 700 * MiB), gpu("g2", 8 * GiB, 700 * MiB)]
-    slow = {("g1", "g2"): Link(latency_s=0.05, bytes_per_s=1e9 / 8)}
+    slow = {("g1", "g2"): Link(latency_s=0.035, bytes_per_s=1e9 / 8)}
     plan = plan_pool(fp, nodes, slow)
     assert len(plan.stages) == 1 and not plan.worth_it
     assert "the network: its 2 hops add" in plan.verdict
@@ -523,3 +524,28 @@ def test_unsupported_quant_type_is_refused_at_plan_time(smollm2_path: Path) -> N
     tensors[name] = replace(tensors[name], qtype=T.Q8_K)  # an activation format, not a weight type
     with pytest.raises(PotluckError, match=rf"tensor {name}: quantization Q8_K is not supported"):
         footprint_from_gguf(tensors, hp, 256, held=held_bytes)
+
+
+def test_a_peer_too_far_away_is_left_out_with_the_reason() -> None:
+    """A node whose round trip from the head is over MAX_RTT_S (80 ms) takes no part while the
+    model fits without it, and the plan says why; when only it makes the model fit, it stays."""
+    from potluck.planner.plan import MAX_RTT_S
+    from potluck.planner.table import format_summary
+
+    fp = synth()  # 1250 MiB in all
+    far = Link(latency_s=0.060, bytes_per_s=1e9 / 8)  # 120 ms round trip
+    assert 2 * far.latency_s > MAX_RTT_S
+    links = {**lan("head", "near"), ("head", "far"): far, ("near", "far"): far}
+    # fast and big: without the rule, the far node would take a share (more memory, more speed)
+    nodes = [cpu("head", 700 * MiB), cpu("near", 900 * MiB), cpu("far", 4 * GiB, speed=40 * GB)]
+    plan = plan_pool(fp, nodes, links)
+    assert {s.node for s in plan.stages} == {"head", "near"}
+    assert plan.left_out == ("far",)
+    said = [line for line in format_summary(plan) if line.startswith("left out:")]
+    assert said == [
+        "left out: far (round trip 120 ms, over the 80 ms a pipeline tolerates per token)"
+    ]
+    # the same node, when the others cannot hold the model: kept, not a "does not fit" error
+    small = [cpu("head", 300 * MiB), cpu("near", 300 * MiB), nodes[2]]
+    kept = plan_pool(fp, small, links)
+    assert "far" in {s.node for s in kept.stages} and not kept.why_left_out

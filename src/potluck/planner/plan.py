@@ -11,16 +11,17 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from potluck.planner.cost import DECODE, NS, CostModel, StageCost
 from potluck.planner.errors import NotEnoughMemoryError, PlanError, fmt_bytes
 from potluck.planner.footprint import ModelFootprint
-from potluck.planner.nodes import Links, NodeInfo
+from potluck.planner.nodes import Links, NodeInfo, link_between
 from potluck.planner.search import MAX_EXACT_NODES, Route, route_cost, search
 
-PLANNER_VERSION = 1  # bump when the cost model changes: old plan ids must not match new plans
+PLANNER_VERSION = 2  # bump when the cost model changes: old plan ids must not match new plans
 WORTH_IT = 1.2  # pooling must beat the best single machine by 20 % to be worth its trouble
+MAX_RTT_S = 0.080  # a node farther than this round trip from the head is left out (see _too_far)
 WEAK = 1.25  # a machine this many times slower than the best one alone is called too weak
 
 
@@ -71,6 +72,7 @@ class Plan:
     worth_it: bool
     verdict: str  # one line
     manual: bool  # ranges from --tensor-split
+    why_left_out: tuple[tuple[str, str], ...] = ()  # (node, reason) where a rule left it out
 
 
 def layers_label(start: int, stop: int) -> str:
@@ -96,6 +98,18 @@ def plan_pool(
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise PlanError(f"node names must be unique, got {names}")
+    far = _too_far(nodes, links) if tensor_split is None else {}
+    if far:  # plan without them, unless only they make the model fit
+        try:
+            near = plan_pool(model, [n for n in nodes if n.name not in far], links, None, balance)
+        except NotEnoughMemoryError:
+            pass
+        else:
+            return replace(
+                near,
+                left_out=near.left_out + tuple(far),
+                why_left_out=near.why_left_out + tuple(far.items()),
+            )
     if tensor_split is None:
         # canonical order, so that the same pool gives the same plan however it was discovered
         candidates = sorted(nodes, key=lambda n: n.name)
@@ -139,6 +153,22 @@ def plan_pool(
         verdict=verdict,
         manual=tensor_split is not None,
     )
+
+
+def _too_far(nodes: Sequence[NodeInfo], links: Links) -> dict[str, str]:
+    """Nodes whose round trip from the first node (the head) exceeds MAX_RTT_S, with the reason:
+    every token crosses each link of the pipeline, so such a node costs more than any share of
+    the model it could take (Mesh-LLM draws the same line at 80 ms)."""
+    head = nodes[0].name
+    out = {}
+    for n in nodes[1:]:
+        rtt = 2 * link_between(links, head, n.name).latency_s
+        if rtt > MAX_RTT_S:
+            out[n.name] = (
+                f"round trip {rtt * 1e3:.0f} ms, over the {MAX_RTT_S * 1e3:.0f} ms a pipeline "
+                "tolerates per token"
+            )
+    return out
 
 
 def _speed_rank(node: NodeInfo) -> tuple[float, int, str]:

@@ -58,7 +58,10 @@ def format_summary(plan: Plan) -> list[str]:
     else:
         lines.append("best single machine: none can hold the model")
     if plan.left_out:
-        lines.append("left out: " + ", ".join(plan.left_out))
+        why = dict(plan.why_left_out)
+        lines.append(
+            "left out: " + ", ".join(f"{n} ({why[n]})" if n in why else n for n in plan.left_out)
+        )
     lines.append(plan.verdict)
     return lines
 
