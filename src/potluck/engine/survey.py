@@ -36,7 +36,10 @@ def this_machine(mem_limit: int | None = None, matrices: tuple[Matrix, ...] = ()
     gpu = gpu_offer()
     free = usable_memory_bytes()
     free = free if mem_limit is None else min(free, mem_limit)
-    speed = model_bytes_per_s(matrices) if matrices else decode_bytes_per_s()
+    if mem_limit == 0:  # no layers here: its speed plays no part, and timing it takes a second
+        speed = decode_bytes_per_s(0.05)
+    else:
+        speed = model_bytes_per_s(matrices) if matrices else decode_bytes_per_s()
     cpu = (free, physical_cores(), speed)
     if gpu is None:
         return NodeInfo(THIS_MACHINE, "cpu", *cpu)
