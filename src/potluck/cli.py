@@ -332,9 +332,7 @@ HeadMemOpt = Annotated[
 
 def _head_mem(text: str | None) -> int | None:
     """The head's --mem in bytes (0 allowed: no layers here); None: what is free."""
-    if text is None:
-        return None
-    return 0 if text.strip() in ("0", "0G", "0M") else _size(text, "--mem")
+    return None if text is None else _size(text, "--mem", allow_zero=True)
 
 
 def _secret(secret: str | None) -> tuple[str | None, str]:
@@ -1162,7 +1160,7 @@ def _failover(seconds: float) -> float:
     return seconds
 
 
-def _size(text: str, flag: str) -> int:
+def _size(text: str, flag: str, allow_zero: bool = False) -> int:
     """'4G', '512M', '1.5GiB', '800000000' -> bytes (binary units, as free(1) and llama.cpp)."""
     import re
 
@@ -1171,7 +1169,7 @@ def _size(text: str, flag: str) -> int:
         raise typer.BadParameter(f"{flag} {text!r}: give a size like 4G, 512M or 1.5GiB")
     scale = 1024 ** "_KMGT".index(m.group(2).upper() or "_") if m.group(2) else 1
     size = int(float(m.group(1)) * scale)
-    if size < 1:
+    if size < 1 and not allow_zero:
         raise typer.BadParameter(f"{flag} {text!r} is 0 bytes: give a size like 4G, 512M or 1.5GiB")
     return size
 

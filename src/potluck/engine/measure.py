@@ -75,6 +75,11 @@ def measure(
     )
 
 
+def worth_it(single: Measured, pool: Measured) -> bool:
+    """Whether the pool decodes WORTH_IT times faster than the single machine, measured."""
+    return pool.decode_tokens_per_s >= WORTH_IT * single.decode_tokens_per_s
+
+
 def measured_verdict(single: Measured, pool: Measured, stage_names: list[str]) -> str:
     """One line: is the pool worth it by the measurements, and if not, why."""
     ratio = pool.decode_tokens_per_s / single.decode_tokens_per_s
@@ -82,7 +87,7 @@ def measured_verdict(single: Measured, pool: Measured, stage_names: list[str]) -
         f"measured: pool {pool.decode_tokens_per_s:.1f} tok/s vs {single.label} alone "
         f"{single.decode_tokens_per_s:.1f} tok/s ({ratio:.2f}×)"
     )
-    if ratio >= WORTH_IT:
+    if worth_it(single, pool):
         return f"{head}: pooling is worth it"
     net, compute = sum(pool.hop_ms), sum(pool.stage_ms)
     slowest = max(range(len(pool.stage_ms)), key=lambda i: pool.stage_ms[i])
@@ -114,11 +119,7 @@ def bench_report(
     best = plan.best_single
     single = next((r for r in runs if r.label != "pool"), None)
     pool = next((r for r in runs if r.label == "pool"), None)
-    measured_worth_it = (
-        None
-        if single is None or pool is None
-        else pool.decode_tokens_per_s >= WORTH_IT * single.decode_tokens_per_s
-    )
+    measured_worth_it = None if single is None or pool is None else worth_it(single, pool)
     return {
         "model": model,
         "n_prompt": n_prompt,

@@ -141,19 +141,30 @@ def decode_bytes_per_s(seconds: float = 0.3, threads: int | None = None) -> floa
         _QTYPE, _N, _K, min(_MAX_LAYERS, max(_MIN_LAYERS, n)), threads or default_threads()
     )
     try:
-        for i in range(len(probe)):  # warm-up: pages touched, threads started
-            probe.run(i)
-        times: list[float] = []
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end or len(times) < 5:
-            for i in range(len(probe)):
-                t0 = time.perf_counter()
-                probe.run(i)
-                times.append(time.perf_counter() - t0)
+        return probe.nbytes / _median_seconds(probe, seconds, per_layer=True)
     finally:
         probe.close()
+
+
+def _median_seconds(probe, seconds: float, per_layer: bool) -> float:
+    """Median seconds of one call (per_layer: `probe.run(i)`) or one pass over every layer,
+    timed for `seconds` (at least 5 samples) after one warm-up pass (pages touched, threads
+    started). probe: a MatVec or LayerProbe."""
+    for i in range(len(probe)):
+        probe.run(i)
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 5:
+        t_pass = time.perf_counter()
+        for i in range(len(probe)):
+            t0 = time.perf_counter()
+            probe.run(i)
+            if per_layer:
+                times.append(time.perf_counter() - t0)
+        if not per_layer:
+            times.append(time.perf_counter() - t_pass)
     times.sort()
-    return probe.nbytes / times[len(times) // 2]
+    return times[len(times) // 2]
 
 
 _PROBE_MATRIX_BYTES = 8 << 20  # each probed matrix cut to at most this many bytes (rows dropped)
@@ -207,19 +218,9 @@ def model_layer_speed(matrices: tuple[Matrix, ...], threads: int, seconds: float
     copies = min(_MAX_COPIES, max(4, -(-fill // layer)))
     probe = LayerProbe(cut, copies, threads)
     try:
-        for i in range(len(probe)):  # warm-up: pages touched, threads started
-            probe.run(i)
-        times: list[float] = []
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end or len(times) < 3:
-            t0 = time.perf_counter()
-            for i in range(len(probe)):
-                probe.run(i)
-            times.append(time.perf_counter() - t0)
+        return probe.nbytes * len(probe) / _median_seconds(probe, seconds, per_layer=False)
     finally:
         probe.close()
-    times.sort()
-    return probe.nbytes * len(probe) / times[len(times) // 2]
 
 
 def trim_heap() -> None:

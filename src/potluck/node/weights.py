@@ -144,31 +144,26 @@ class BlobStore:
                 with open(part, "rb") as f:
                     while block := f.read(_HASH_BLOCK):
                         h.update(block)
-            try:
-                with open(part, mode) as f:
-                    for piece in pieces:
-                        n += len(piece)
-                        if n > total:
-                            raise IntegrityError(
-                                f"tensor {digest[:12]} is longer than the announced {total:,} bytes"
-                            )
-                        h.update(piece)
-                        f.write(piece)
-                if n != total:  # the sender ended early: keep what came, to resume
-                    raise IntegrityError(
-                        f"tensor {digest[:12]} ended after {n:,} of {total:,} bytes"
-                    )
-                if h.hexdigest() != digest:
-                    part.unlink(missing_ok=True)
-                    raise IntegrityError(
-                        f"tensor {digest[:12]} arrived with a different sha256; the transfer was "
-                        "corrupted"
-                    )
-                os.replace(part, target)
-            except IntegrityError as exc:
-                if "longer than" in str(exc):
-                    part.unlink(missing_ok=True)
-                raise
+            with open(part, mode) as f:
+                for piece in pieces:
+                    n += len(piece)
+                    if n > total:
+                        f.close()
+                        part.unlink(missing_ok=True)
+                        raise IntegrityError(
+                            f"tensor {digest[:12]} is longer than the announced {total:,} bytes"
+                        )
+                    h.update(piece)
+                    f.write(piece)
+            if n != total:  # the sender ended early: keep what came, to resume
+                raise IntegrityError(f"tensor {digest[:12]} ended after {n:,} of {total:,} bytes")
+            if h.hexdigest() != digest:
+                part.unlink(missing_ok=True)
+                raise IntegrityError(
+                    f"tensor {digest[:12]} arrived with a different sha256; the transfer was "
+                    "corrupted"
+                )
+            os.replace(part, target)
 
     def _lock(self, digest: str) -> threading.Lock:
         """One writer per blob (two heads may send the same tensor at once)."""
