@@ -206,14 +206,15 @@ def test_14b_on_one_capped_worker_is_refused_before_loading(
     """One 6 GiB worker and a head with no room: `plan` and `run` say what is short, in one
     line with the numbers, and nothing is loaded."""
     one = capped[0]
-    before = one.said().count("loaded plan")
+    before = one.said()
     for command in (["plan"], ["run", "--temp", "0", "-n", "4", PROMPT]):
-        t0 = time.monotonic()
         done = _potluck(*command, "-m", str(model14b), "--mem", "0", "--peer", one.address)
         assert done.returncode == 1, (command, done.stdout, done.stderr)
         said = done.stderr.strip().splitlines()[-1]
         assert said.startswith("error: the model needs "), done.stderr
         assert "short" in said and one.address in said and "this machine: 0 B" in said, said
         assert "Traceback" not in done.stderr
-        assert time.monotonic() - t0 < 60, "refused only after loading"
-    assert one.said().count("loaded plan") == before, one.said()
+        # the planner refused it: no Load reached the worker (a Load logs what it loads, or
+        # that it has no copy of the model)
+        new = one.said()[len(before) :]
+        assert "loaded plan" not in new and "no local copy" not in new, new
