@@ -1,9 +1,12 @@
 """Memory cgroups for tests: a real limit the kernel enforces on a worker process.
 
 `MemoryCgroup.make(name, limit)` creates a group under the memory controller (cgroup v1's
-/sys/fs/cgroup/memory, or v2's unified tree), `preexec` puts a child process in it before it
-execs, `oom_kills` and `peak_bytes` read what the kernel recorded. Needs root and a writable
-cgroup tree: `MemoryCgroup.make` raises `Unavailable` with the reason otherwise (tests skip).
+/sys/fs/cgroup/memory, or v2's unified tree), `command` wraps a command so that its process joins
+the group before it execs, `oom_kills` and `peak_bytes` read what the kernel recorded. (Not
+`preexec_fn`: with it Python forks the whole test process instead of vforking, and the fork of a
+test process that has mapped gigabytes fails with ENOMEM where the kernel accounts memory
+strictly, as seen in CI.) Needs root and a writable cgroup tree: `MemoryCgroup.make` raises
+`Unavailable` with the reason otherwise (tests skip).
 """
 
 from __future__ import annotations
@@ -52,9 +55,15 @@ class MemoryCgroup:
             raise Unavailable(f"cannot make a memory cgroup at {group.path}: {exc}") from None
         return group
 
-    def preexec(self) -> None:
-        """For subprocess.Popen(preexec_fn=...): the child joins the group before it execs."""
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+    def command(self, cmd: list[str]) -> list[str]:
+        """`cmd` started by a shell that first puts itself (then `cmd`, which it execs) in the group."""
+        return [
+            "/bin/sh",
+            "-c",
+            'echo $$ > "$0" && exec "$@"',
+            str(self.path / "cgroup.procs"),
+            *cmd,
+        ]
 
     def _counter(self, file: str, key: str) -> int:
         try:

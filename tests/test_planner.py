@@ -549,3 +549,42 @@ def test_a_peer_too_far_away_is_left_out_with_the_reason() -> None:
     small = [cpu("head", 300 * MiB), cpu("near", 300 * MiB), nodes[2]]
     kept = plan_pool(fp, small, links)
     assert "far" in {s.node for s in kept.stages} and not kept.why_left_out
+
+
+def test_weight_sources_prefer_a_peer_about_as_fast_as_the_head() -> None:
+    """Whom a node without the model file asks for its layers before the head: peers whose link
+    to it carries ≥ PEER_SOURCE_FRACTION of the head's bandwidth, fastest first; then peers whose
+    link was not measured; never the node itself or the head; a slow peer not at all."""
+    from potluck.planner import weight_sources
+    from potluck.planner.nodes import PEER_SOURCE_FRACTION
+
+    gbit, fast_eth = 117e6, 11.7e6
+    links = {
+        ("head", "t"): Link(1e-3, fast_eth),  # the head on Wi-Fi-like speed
+        ("wired", "t"): Link(2e-4, gbit),
+        ("t", "equal"): Link(2e-4, fast_eth * PEER_SOURCE_FRACTION),  # measured the other way
+        ("slow", "t"): Link(2e-4, fast_eth * PEER_SOURCE_FRACTION * 0.9),
+    }
+    peers = ["t", "slow", "equal", "unknown", "wired", "head", "wired"]
+    assert weight_sources("t", peers, links, head="head") == ["wired", "equal", "unknown"]
+    # the head on a gigabit link: the Fast-Ethernet peers would be slower, so only the head
+    fast_head = {**links, ("head", "t"): Link(2e-4, gbit)}
+    assert weight_sources("t", ["equal", "slow"], fast_head, head="head") == []
+
+
+def test_a_plan_names_weight_sources_for_every_node_but_the_head() -> None:
+    """plan_pool gives each remote stage the pool's other nodes to ask (left-out ones too), the
+    head's stage none; assignments_of carries them to the pipeline."""
+    from potluck.engine.survey import assignments_of
+    from potluck.planner import THIS_MACHINE as HEAD
+
+    fp = synth()
+    links = lan(HEAD, "a", "b")
+    nodes = [cpu(HEAD, 500 * MiB), cpu("a", 700 * MiB), cpu("b", 700 * MiB)]
+    plan = plan_pool(fp, nodes, links)
+    by_node = {s.node: s.weight_sources for s in plan.stages}
+    assert len(by_node) >= 2 and by_node.pop(HEAD, ()) == ()
+    for node, sources in by_node.items():
+        assert set(sources) == {"a", "b"} - {node}, (node, sources)
+    remote = [a for a in assignments_of(plan) if a.node != "local"]
+    assert remote and all(a.sources == by_node[a.node] for a in remote)

@@ -91,7 +91,7 @@ def _start(group: MemoryCgroup, log: Path, model_dir: Path) -> CappedWorker:
     ]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=out, preexec_fn=group.preexec,
+            group.command(cmd), stdout=subprocess.DEVNULL, stderr=out,
             env={**os.environ, "POTLUCK_MDNS": "0"},
         )  # fmt: skip
     deadline = time.monotonic() + 90

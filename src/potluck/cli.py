@@ -482,6 +482,12 @@ def _load(
             line += " · " + format_held(
                 r.weight_bytes, r.kv_bytes, r.rss_bytes, planned.get(a.node)
             )
+            if r.pulled_bytes:  # it had no copy of the model: a peer sent its layers
+                rate = r.pulled_bytes / max(r.pull_seconds, 1e-9) / 1e6
+                line += (
+                    f" · received {r.pulled_bytes / 2**20:.0f} MiB of its layers from "
+                    f"{r.pulled_from} at {rate:.0f} MB/s"
+                )
         err.print(f"[dim]  {line}[/]")
     return m
 

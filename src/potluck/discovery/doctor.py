@@ -39,14 +39,13 @@ from potluck.discovery.measure import (
 from potluck.discovery.nodes import Dial, fmt_rate
 from potluck.discovery.static import Peer
 from potluck.errors import PotluckError
-from potluck.planner import Link, NodeInfo, NotEnoughMemoryError
+from potluck.planner import THIS_MACHINE, Link, NodeInfo, NotEnoughMemoryError
 from potluck.planner.errors import fmt_bytes
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.codec import PROTOCOL_VERSION
 from potluck.transport.tls import speaks_tls
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
-THIS_MACHINE = "this machine"
 
 # A wired home LAN: round trips of 0.1-0.5 ms (a gRPC call adds ~0.2 ms), jitter below 1 ms,
 # 940 Mbit/s on gigabit. Wi-Fi: 2-10 ms, jitter of several ms, 50-400 Mbit/s.

@@ -24,11 +24,11 @@ from potluck.discovery.measure import (
 )
 from potluck.discovery.pool import usable_reason
 from potluck.discovery.static import Peer
+from potluck.planner import THIS_MACHINE
 from potluck.planner.errors import fmt_bytes
 from potluck.transport.client import NodeClient
 
 Dial = Callable[[str], NodeClient]  # address -> a client (cli.py builds it, with the pool secret)
-THIS_MACHINE = "this machine"
 
 
 @dataclass(frozen=True)

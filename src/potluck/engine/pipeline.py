@@ -25,6 +25,7 @@ from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams
+from potluck.node.transfer import PULL_TIMEOUT_S
 from potluck.node.weights import sha256_file, tensor_digests
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
@@ -42,6 +43,7 @@ LOCAL = "local"
 # This process as a head: its plans give way to each other on a node, never to another head's
 # live one (node/worker.py); two processes with the same model and split get different plan ids.
 HEAD_ID = secrets.token_hex(8)
+LOAD_TIMEOUT_S = 300.0  # a node's Load of weights it has (seconds)
 RELEASE_WAIT_S = 1.0  # longest a closing head waits for the nodes to free its plan (seconds)
 
 
@@ -55,6 +57,8 @@ class Assignment:
     start: int
     stop: int
     n_gpu_layers: int = 0
+    # peers the node asks for the tensors it lacks before this head sends them (the plan's)
+    sources: tuple[str, ...] = ()
 
     def describe(self) -> str:
         n = self.stop - self.start
@@ -269,8 +273,10 @@ class RemotePipeline:
                 plan_id=self.plan_id, model_sha256=self.model_sha, start=a.start, stop=a.stop, n_ctx=n_ctx,
                 next_hop=nxt, metadata_gguf=header, tensor_sha256=digests, wire_dtype=wire_dtype,
                 model_bytes=file.size_bytes, head_id=self.head_id, n_gpu_layers=a.n_gpu_layers,
+                tensor_sources=[p for p in a.sources if p != a.node],
             )  # fmt: skip
-            reply = client.load(req)
+            # a node that pulls its layers from a peer does it within Load: as long as a push
+            reply = client.load(req, LOAD_TIMEOUT_S if not a.sources else PULL_TIMEOUT_S)
             if reply.need_tensors:
                 chunks = self._tensor_chunks(
                     a.node, list(reply.missing), digests, dict(reply.partial)

@@ -19,14 +19,14 @@ from potluck.node.probe import (
     physical_cores,
     usable_memory_bytes,
 )
-from potluck.planner import DEFAULT_LINK, Link, NodeInfo, Plan
+from potluck.planner import DEFAULT_LINK, THIS_MACHINE, Link, NodeInfo, Plan
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient
 from potluck.transport.codec import PROTOCOL_VERSION, matrix_to_proto
 from potluck.transport.linkprobe import quick_link
 
-THIS_MACHINE = "this machine"
+__all__ = ["THIS_MACHINE", "assignments_of", "node_info", "survey", "this_machine"]
 
 
 def this_machine(mem_limit: int | None = None, matrices: tuple[Matrix, ...] = ()) -> NodeInfo:
@@ -126,6 +126,7 @@ def assignments_of(plan: Plan) -> list[Assignment]:
         n = st.stop - st.start
         gpu = st.n_gpu_layers + (1 if st.head_on_gpu else 0)  # (Stage's -ngl: head past them)
         node = LOCAL if st.node == THIS_MACHINE else st.node
-        out.append(Assignment(node, start, start + n, min(gpu, n + 1) if gpu else 0))
+        gpu_layers = min(gpu, n + 1) if gpu else 0
+        out.append(Assignment(node, start, start + n, gpu_layers, st.weight_sources))
         start += n
     return out

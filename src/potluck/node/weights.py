@@ -7,6 +7,7 @@ later plan (or a restart) finds it again without any transfer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -164,6 +165,14 @@ class BlobStore:
                     "corrupted"
                 )
             os.replace(part, target)
+
+    def settle(self, digest: str, total: int) -> None:
+        """A kept part that holds all `total` bytes (a transfer that broke off right after the
+        tensor's last byte, before the check): moved into place if its hash is right, thrown
+        away if not."""
+        if self.partial_bytes(digest) >= total:
+            with contextlib.suppress(IntegrityError):
+                self.put(digest, total, iter(()), offset=self.partial_bytes(digest))
 
     def _lock(self, digest: str) -> threading.Lock:
         """One writer per blob (two heads may send the same tensor at once)."""

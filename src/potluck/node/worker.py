@@ -39,6 +39,7 @@ from potluck.node.probe import (
     trim_heap,
     usable_memory_bytes,
 )
+from potluck.node.transfer import Received, pull, receive, send_tensors
 from potluck.node.weights import BlobSource, BlobStore, IntegrityError, find_local_model
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
@@ -62,7 +63,6 @@ from potluck.transport.tls import server_credentials, server_ssl_context
 
 ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
 log = logging.getLogger("potluck.worker")
-REPORT_EVERY_BYTES = 32 * 2**20  # the worker logs weights received in steps of this size
 DEFAULT_IDLE_S = 120.0  # a plan no head used or named for this long is freed (seconds)
 REHEARSE_MAX_BYTES = 64 << 10  # largest input rehearsed while waiting (_rehearse)
 ORDER_WAIT_S = 30.0  # longest a batch waits for an earlier batch of its sequence (seconds)
@@ -221,7 +221,9 @@ class NodeService(pb_grpc.NodeServicer):
                 )
             with self.plans_lock:
                 self._check_room(request)  # early: before seconds of loading
+            need = self._check_memory(tensors, hp, request)  # and before any transfer
             src: WeightSource
+            pulled: tuple[str, Received | None] = ("", None)  # from which peer, how much
             local = find_local_model(request.model_sha256, request.model_bytes, self.model_dirs)
             if local is not None:
                 src = GGUFFile(local)
@@ -230,15 +232,9 @@ class NodeService(pb_grpc.NodeServicer):
                     tensors.values(), hp.n_layer, request.start, request.stop
                 )
                 digests = dict(request.tensor_sha256)
-                missing = [n for n in names if n not in digests or not self.store.has(digests[n])]
+                pulled = self._pull_from_peers(request, names, digests, tensors)
+                missing, partial, total = self._lacking(names, digests, tensors)
                 if missing:
-                    partial = {
-                        n: kept
-                        for n in missing
-                        if n in digests and (kept := self.store.partial_bytes(digests[n]))
-                    }
-                    total = sum(tensors[n].nbytes for n in missing if n in tensors)
-                    total -= sum(partial.values())
                     self.expected_bytes = total
                     log.info(
                         "layers %d–%d: no local copy of the model; receiving %d tensors, %.1f MiB "
@@ -252,7 +248,6 @@ class NodeService(pb_grpc.NodeServicer):
                         )  # fmt: skip
                     return pb.LoadReply(need_tensors=True, missing=missing, partial=partial)
                 src = BlobSource(tensors, digests, self.store)
-            need = self._check_memory(tensors, hp, request)
             with self.compute:
                 stage = Stage(
                     hp, src, request.start, request.stop, request.n_ctx, threads=self.threads,
@@ -293,6 +288,9 @@ class NodeService(pb_grpc.NodeServicer):
         reply = pb.LoadReply(
             weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0,
             kv_bytes=stage.full_kv_bytes(), rss_bytes=psutil.Process().memory_info().rss,
+            pulled_from=pulled[0],
+            pulled_bytes=pulled[1].nbytes if pulled[1] else 0,
+            pull_seconds=pulled[1].seconds if pulled[1] else 0.0,
         )  # fmt: skip
         mib = 2**20
         log.info(
@@ -375,55 +373,72 @@ class NodeService(pb_grpc.NodeServicer):
         if gone.next_hop is not None:
             gone.next_hop.close()
 
+    def _lacking(
+        self, names: list[str], digests: dict[str, str], tensors: dict
+    ) -> tuple[list[str], dict[str, int], int]:
+        """Of a stage's tensors, those not in the store: (names, bytes kept of each from a broken
+        transfer, bytes still to receive)."""
+        for n in names:
+            if n in digests and n in tensors:
+                self.store.settle(digests[n], tensors[n].nbytes)
+        missing = [n for n in names if n not in digests or not self.store.has(digests[n])]
+        partial = {
+            n: kept
+            for n in missing
+            if n in digests and (kept := self.store.partial_bytes(digests[n]))
+        }
+        total = sum(tensors[n].nbytes for n in missing if n in tensors) - sum(partial.values())
+        return missing, partial, total
+
+    def _pull_from_peers(
+        self, request: pb.LoadRequest, names: list[str], digests: dict[str, str], tensors: dict
+    ) -> tuple[str, Received | None]:
+        """Ask the request's tensor sources, in order, for the stage's tensors this node lacks,
+        until it has them all: (the peer that sent the last of them, what came from peers). A
+        peer without the file, or whose link breaks, passes the rest on to the next (the head
+        is the last resort: Load answers need_tensors)."""
+        source, got = "", None
+        for peer in request.tensor_sources:
+            missing, partial, total = self._lacking(names, digests, tensors)
+            if not missing:
+                break
+            log.info(
+                "layers %d–%d: no local copy of the model; asking peer %s for %d tensors, "
+                "%.1f MiB", request.start, request.stop - 1, peer, len(missing), total / 2**20,
+            )  # fmt: skip
+            try:
+                more = pull(self.store, peer, self.auth, request, missing, partial, total)
+            except (PotluckError, OSError) as exc:
+                log.warning("peer %s did not send them: %s", peer, exc)
+                continue
+            source = peer
+            got = more if got is None else Received(
+                got.tensors + more.tensors, got.nbytes + more.nbytes, got.seconds + more.seconds
+            )  # fmt: skip
+        return source, got
+
     def PutTensors(
         self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext
     ) -> pb.PutReply:
-        t0 = time.perf_counter()
-        total = self.expected_bytes
-        step = max(total // 10, 1) if total else REPORT_EVERY_BYTES  # tenths, when it is known
-        received, got, next_report = 0, 0, step
-        it = iter(request_iterator)
-        pending = next(it, None)
         try:
-            while pending is not None:
-                first = pending
-                if not first.sha256 or not first.total_bytes:
-                    raise WireError(
-                        f"tensor {first.name!r}: the first chunk must carry sha256 and total_bytes"
-                    )
-
-                def pieces(first: pb.TensorChunk = first) -> Iterator[bytes]:
-                    nonlocal pending
-                    yield first.data
-                    for chunk in it:
-                        if chunk.sha256:  # the next tensor starts
-                            pending = chunk
-                            return
-                        yield chunk.data
-                    pending = None
-
-                pending = None
-                self.store.put(first.sha256, first.total_bytes, pieces(), first.offset)
-                received += 1
-                got += first.total_bytes - first.offset
-                if got >= next_report and (not total or got < total):
-                    rate = got / max(time.perf_counter() - t0, 1e-9)
-                    of = (
-                        f" of {total / 2**20:.1f} MiB ({got / total:.0%}), "
-                        f"{rate / 1e6:.0f} MB/s, {(total - got) / rate:.0f} s left"
-                        if total
-                        else f", {rate / 1e6:.0f} MB/s"
-                    )
-                    log.info("received %.1f MiB%s", got / 2**20, of)
-                    next_report = got + step
+            got = receive(self.store, request_iterator, self.expected_bytes, "the head")
         except (IntegrityError, WireError) as exc:
             context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
-        dt = time.perf_counter() - t0
-        log.info(
-            "received %d tensors, %.1f MiB in %.1f s, %.0f MB/s (checked, cached)",
-            received, got / 2**20, dt, got / max(dt, 1e-9) / 1e6,
-        )  # fmt: skip
-        return pb.PutReply(received=received)
+        return pb.PutReply(received=got.tensors)
+
+    def GetTensors(
+        self, request: pb.GetTensorsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.TensorChunk]:
+        local = find_local_model(request.model_sha256, request.model_bytes, self.model_dirs)
+        if local is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"node {self.name} does not have model {request.model_sha256[:12]}",
+            )
+        try:
+            yield from send_tensors(GGUFFile(local), list(request.tensors), context.peer())
+        except (PotluckError, ValueError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     # -- compute -----------------------------------------------------------------------------------
     def _loaded(self, plan_id: str) -> LoadedStage:

@@ -9,7 +9,14 @@ whether pooling beats the best single machine. No I/O, no torch, no network.
 from potluck.planner.cost import DECODE, PROMPT
 from potluck.planner.errors import NotEnoughMemoryError, PlanError
 from potluck.planner.footprint import ModelFootprint, footprint_from_gguf, held_bytes
-from potluck.planner.nodes import DEFAULT_LINK, DEVICE_KINDS, Link, NodeInfo
+from potluck.planner.nodes import (
+    DEFAULT_LINK,
+    DEVICE_KINDS,
+    THIS_MACHINE,
+    Link,
+    NodeInfo,
+    weight_sources,
+)
 from potluck.planner.plan import Plan, PlannedStage, SingleMachine, layers_label, plan_pool
 from potluck.planner.table import PLAN_COLUMNS, format_held, format_plan, format_summary
 
@@ -27,6 +34,7 @@ __all__ = [
     "PlanError",
     "PlannedStage",
     "SingleMachine",
+    "THIS_MACHINE",
     "footprint_from_gguf",
     "format_held",
     "format_plan",
@@ -34,4 +42,5 @@ __all__ = [
     "held_bytes",
     "layers_label",
     "plan_pool",
+    "weight_sources",
 ]

@@ -8,12 +8,16 @@ the planner only takes the numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from potluck.planner.errors import PlanError
 
 DEVICE_KINDS = ("cpu", "gpu", "cuda", "rocm", "mps")  # "gpu": any ggml GPU backend (Vulkan, …)
+THIS_MACHINE = "this machine"  # the head's name among the nodes and in the links
+# A peer whose measured link to a node is at least this fraction of the head's link counts as just
+# as fast (measurements on one link differ by more than 10 % from run to run), and is asked first.
+PEER_SOURCE_FRACTION = 0.75
 
 
 @dataclass(frozen=True)
@@ -91,3 +95,28 @@ def link_between(links: Links, a: str, b: str) -> Link:
     """The link a -> b: measured that way, else measured b -> a (links are symmetric unless both
     directions are given), else DEFAULT_LINK."""
     return links.get((a, b)) or links.get((b, a)) or DEFAULT_LINK
+
+
+def weight_sources(
+    target: str, peers: Sequence[str], links: Links, head: str = THIS_MACHINE
+) -> list[str]:
+    """The peers that node `target` should ask for the tensors it lacks before it asks the
+    `head` (which always has the file), best first. A peer counts when its link to
+    `target` carries at least PEER_SOURCE_FRACTION of the head's bandwidth to it: from a peer
+    that is about as fast, the transfer spares the head's own link, which the head shares
+    between every node it loads (and on a laptop is often Wi-Fi). A pair that was not measured
+    counts as a tie, after the measured ones. Which peers have the file is not known here: a
+    peer without it says so at once, and the node asks the next."""
+    via_head = links.get((head, target)) or links.get((target, head))
+    measured: list[tuple[float, str]] = []
+    unmeasured: list[str] = []
+    for peer in dict.fromkeys(peers):
+        if peer in (target, head):
+            continue
+        link = links.get((peer, target)) or links.get((target, peer))
+        if link is None:
+            unmeasured.append(peer)
+        elif via_head is None or link.bytes_per_s >= PEER_SOURCE_FRACTION * via_head.bytes_per_s:
+            measured.append((link.bytes_per_s, peer))
+    measured.sort(key=lambda bw_peer: -bw_peer[0])
+    return [peer for _, peer in measured] + unmeasured

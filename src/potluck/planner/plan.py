@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from potluck.planner.cost import DECODE, NS, CostModel, StageCost
 from potluck.planner.errors import NotEnoughMemoryError, PlanError, fmt_bytes
 from potluck.planner.footprint import ModelFootprint
-from potluck.planner.nodes import Links, NodeInfo, link_between
+from potluck.planner.nodes import Links, NodeInfo, link_between, weight_sources
 from potluck.planner.search import MAX_EXACT_NODES, Route, route_cost, search
 
 PLANNER_VERSION = 2  # bump when the cost model changes: old plan ids must not match new plans
@@ -44,6 +44,8 @@ class PlannedStage:
     gpu_memory_bytes: int  # accelerator memory the node has free
     compute_ms: float  # per decoded token
     net_ms: float  # the hop out of this stage per token (the last: the token id back to the first)
+    # peers of the pool this node asks for the tensors it lacks before the head (nodes.weight_sources)
+    weight_sources: tuple[str, ...] = ()
 
     @property
     def n_gpu_layers(self) -> int:
@@ -131,7 +133,7 @@ def plan_pool(
         route, multi = search(costs)
     if route is None:
         raise _not_enough_memory(model, list(nodes))
-    stages = _stages(costs, route)
+    stages = _with_sources(_stages(costs, route), nodes, links or {})
     compute = [costs.stage(i, a, b).compute_ns for i, a, b in route.stages]
     transfers = [
         costs.transfer_ns(i, j, model.wire_bytes)
@@ -286,6 +288,19 @@ def _stages(costs: CostModel, route: Route) -> tuple[PlannedStage, ...]:
             net = costs.return_ns(i, route.stages[0][0])
         out.append(_planned(st, net))
     return tuple(out)
+
+
+def _with_sources(
+    stages: tuple[PlannedStage, ...], nodes: Sequence[NodeInfo], links: Links
+) -> tuple[PlannedStage, ...]:
+    """Each stage of a node other than the head (nodes[0]) with the peers it may receive its
+    weights from: any node of the pool, in the plan or left out."""
+    head, names = nodes[0].name, [n.name for n in nodes]
+    return tuple(
+        st if st.node == head
+        else replace(st, weight_sources=tuple(weight_sources(st.node, names, links, head)))
+        for st in stages
+    )  # fmt: skip
 
 
 def _planned(st: StageCost, net_ns: int) -> PlannedStage:

@@ -383,6 +383,17 @@ class NodeClient:
     def put_tensors(self, chunks: Iterator[pb.TensorChunk], timeout: float = 3600.0) -> pb.PutReply:
         return self._call("PutTensors", chunks, timeout, retry=False)  # type: ignore[return-value]
 
+    def get_tensors(
+        self, request: pb.GetTensorsRequest, timeout: float = 3600.0
+    ) -> Iterator[pb.TensorChunk]:
+        """A peer's tensors of a model file it has (node/transfer.py); NodeError when it lacks
+        the file or the link breaks, also midway."""
+        replies = self._call("GetTensors", request, timeout, retry=False)
+        try:
+            yield from replies  # type: ignore[misc]
+        except grpc.RpcError as exc:
+            raise _explain(self.address, exc, timeout) from None
+
     def forward(self, request: pb.ForwardRequest, timeout: float = 120.0) -> pb.ForwardReply:
         return self._call("Forward", request, timeout)  # type: ignore[return-value]
 

@@ -30,6 +30,7 @@ MAX_SEQ_IDS = 1 << 16  # sequences dropped in one call
 MAX_STOP_IDS = 1 << 12  # stop ids of one follow-up batch
 MAX_ID_CHARS = 64  # plan ids
 MAX_NAME_CHARS = 256  # tensor and node names
+MAX_SOURCES = 64  # peers a node may ask for tensors
 MAX_THREADS = 4096
 MAX_TENSOR_BYTES = 1 << 40
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -78,6 +79,17 @@ def _check_load(m: pb.LoadRequest) -> None:
     for name, digest in m.tensor_sha256.items():
         _at_most("tensor name characters", len(name), MAX_NAME_CHARS)
         _sha(f"sha256 of tensor {name[:80]!r}", digest)
+    _at_most("tensor sources", len(m.tensor_sources), MAX_SOURCES)
+    for source in m.tensor_sources:
+        if not _HOST_PORT.fullmatch(source):
+            raise WireError(f"tensor source {source[:80]!r} is not host:port")
+
+
+def _check_get_tensors(m: pb.GetTensorsRequest) -> None:
+    _sha("model sha256", m.model_sha256)
+    _at_most("tensors asked for", len(m.tensors), MAX_TENSORS)
+    for t in m.tensors:
+        _at_most("tensor name characters", len(t.name), MAX_NAME_CHARS)
 
 
 def _check_chunk(m: pb.TensorChunk) -> None:
@@ -114,6 +126,7 @@ _CHECKS = {
     pb.DropRequest: _check_drop,
     pb.HelloRequest: _check_hello,
     pb.ProbeSpeedRequest: _check_probe,
+    pb.GetTensorsRequest: _check_get_tensors,
 }
 
 

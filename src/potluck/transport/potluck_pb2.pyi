@@ -61,7 +61,7 @@ class HelloReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., node_name: _Optional[str] = ..., potluck_version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., physical_cores: _Optional[int] = ..., decode_bytes_per_s: _Optional[float] = ..., model_sha256: _Optional[_Iterable[str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes", "head_id", "n_gpu_layers")
+    __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes", "head_id", "n_gpu_layers", "tensor_sources")
     class TensorSha256Entry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class LoadRequest(_message.Message):
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEAD_ID_FIELD_NUMBER: _ClassVar[int]
     N_GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_SOURCES_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     model_sha256: str
     start: int
@@ -95,10 +96,11 @@ class LoadRequest(_message.Message):
     model_bytes: int
     head_id: str
     n_gpu_layers: int
-    def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ..., head_id: _Optional[str] = ..., n_gpu_layers: _Optional[int] = ...) -> None: ...
+    tensor_sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ..., head_id: _Optional[str] = ..., n_gpu_layers: _Optional[int] = ..., tensor_sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadReply(_message.Message):
-    __slots__ = ("need_tensors", "missing", "weight_bytes", "load_seconds", "kv_bytes", "rss_bytes", "partial")
+    __slots__ = ("need_tensors", "missing", "weight_bytes", "load_seconds", "kv_bytes", "rss_bytes", "partial", "pulled_from", "pulled_bytes", "pull_seconds")
     class PartialEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,9 @@ class LoadReply(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FROM_FIELD_NUMBER: _ClassVar[int]
+    PULLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     need_tensors: bool
     missing: _containers.RepeatedScalarFieldContainer[str]
     weight_bytes: int
@@ -120,7 +125,28 @@ class LoadReply(_message.Message):
     kv_bytes: int
     rss_bytes: int
     partial: _containers.ScalarMap[str, int]
-    def __init__(self, need_tensors: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., partial: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    pulled_from: str
+    pulled_bytes: int
+    pull_seconds: float
+    def __init__(self, need_tensors: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., partial: _Optional[_Mapping[str, int]] = ..., pulled_from: _Optional[str] = ..., pulled_bytes: _Optional[int] = ..., pull_seconds: _Optional[float] = ...) -> None: ...
+
+class GetTensorsRequest(_message.Message):
+    __slots__ = ("model_sha256", "model_bytes", "tensors")
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    model_sha256: str
+    model_bytes: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorRange]
+    def __init__(self, model_sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ...) -> None: ...
+
+class TensorRange(_message.Message):
+    __slots__ = ("name", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "sha256", "total_bytes", "data", "offset")

@@ -49,6 +49,11 @@ class NodeStub:
                 request_serializer=potluck_dot_transport_dot_potluck__pb2.TensorChunk.SerializeToString,
                 response_deserializer=potluck_dot_transport_dot_potluck__pb2.PutReply.FromString,
                 _registered_method=True)
+        self.GetTensors = channel.unary_stream(
+                '/potluck.v1.Node/GetTensors',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.GetTensorsRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.TensorChunk.FromString,
+                _registered_method=True)
         self.Forward = channel.unary_unary(
                 '/potluck.v1.Node/Forward',
                 request_serializer=potluck_dot_transport_dot_potluck__pb2.ForwardRequest.SerializeToString,
@@ -108,6 +113,14 @@ class NodeServicer:
 
     def PutTensors(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTensors(self, request, context):
+        """The named tensors of a model file this node has, as TensorChunks without sha256 (the receiver
+        checks each against the digests its head sent); NOT_FOUND when the node lacks the file.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -183,6 +196,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.PutTensors,
                     request_deserializer=potluck_dot_transport_dot_potluck__pb2.TensorChunk.FromString,
                     response_serializer=potluck_dot_transport_dot_potluck__pb2.PutReply.SerializeToString,
+            ),
+            'GetTensors': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetTensors,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.GetTensorsRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.TensorChunk.SerializeToString,
             ),
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
@@ -306,6 +324,33 @@ class Node:
             '/potluck.v1.Node/PutTensors',
             potluck_dot_transport_dot_potluck__pb2.TensorChunk.SerializeToString,
             potluck_dot_transport_dot_potluck__pb2.PutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTensors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/potluck.v1.Node/GetTensors',
+            potluck_dot_transport_dot_potluck__pb2.GetTensorsRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.TensorChunk.FromString,
             options,
             channel_credentials,
             insecure,
