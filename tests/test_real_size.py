@@ -84,16 +84,30 @@ class CappedWorker:
         return int(found.group(1)) * 1024
 
 
+def _memory_facts() -> str:
+    """The machine's and this process's memory, for an error message."""
+    keys = ("MemTotal", "MemAvailable", "CommitLimit", "Committed_AS", "SwapTotal")
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    status = Path("/proc/self/status").read_text().splitlines()
+    facts = [line for line in meminfo if line.split(":")[0] in keys]
+    facts += [line for line in status if line.split(":")[0] in ("VmSize", "VmRSS", "VmData")]
+    mode = Path("/proc/sys/vm/overcommit_memory").read_text().strip()
+    return f"overcommit_memory {mode}; " + "; ".join(" ".join(f.split()) for f in facts)
+
+
 def _start(group: MemoryCgroup, log: Path, model_dir: Path) -> CappedWorker:
     cmd = [
         sys.executable, "-m", "potluck.cli", "worker", "-p", "0", "-t", "1", "--no-mdns",
         "--model-dir", str(model_dir),
     ]  # fmt: skip
     with open(log, "w") as out:
-        proc = subprocess.Popen(
-            group.command(cmd), stdout=subprocess.DEVNULL, stderr=out,
-            env={**os.environ, "POTLUCK_MDNS": "0"},
-        )  # fmt: skip
+        try:
+            proc = subprocess.Popen(
+                group.command(cmd), stdout=subprocess.DEVNULL, stderr=out,
+                env={**os.environ, "POTLUCK_MDNS": "0"},
+            )  # fmt: skip
+        except OSError as exc:  # (seen once in CI: ENOMEM) say what the memory looked like
+            raise RuntimeError(f"cannot start a worker: {exc}; {_memory_facts()}") from exc
     deadline = time.monotonic() + 90
     while (found := re.search(r"listening on [^ ]*:(\d+) ", log.read_text())) is None:
         if proc.poll() is not None or time.monotonic() > deadline:
