@@ -2,7 +2,8 @@
 streams, side by side.
 
     python bench/bench_pool.py [--models smollm2,gemma3] [--tasks decode,pp,streams] [--reps 3]
-        [--llama-bin DIR | --no-llama] [--head-cpus 0,1] [--quick] [--out bench/out/pool.json]
+        [--llama-bin DIR | --no-llama] [--head-cpus 0,1] [--quick] [--pp N]
+        [--out bench/out/pool.json]
 
 Each worker is its own OS process pinned to one core with `taskset` (standing in for two
 single-core machines on a LAN; here the "network" is loopback). The single-core baseline is a
@@ -171,11 +172,14 @@ def main() -> None:
         help="cores the pool's head may run on (taskset -c); 0 = beside the first worker, the "
         "machine that idles while the second computes",
     )  # fmt: skip
+    ap.add_argument("--pp", type=int, help=f"prompt tokens of the pp task (default {TASKS['pp']})")
     args = ap.parse_args()
     HEAD_CPUS = args.head_cpus
     tasks = dict(TASKS)
     if args.quick:
         args.models, args.reps, tasks = "smollm2", 1, dict(QUICK_TASKS)
+    if args.pp:
+        tasks["pp"] = args.pp
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs two cores to pin two workers")
     llama_bin = (

@@ -588,3 +588,21 @@ def test_a_plan_names_weight_sources_for_every_node_but_the_head() -> None:
         assert set(sources) == {"a", "b"} - {node}, (node, sources)
     remote = [a for a in assignments_of(plan) if a.node != "local"]
     assert remote and all(a.sources == by_node[a.node] for a in remote)
+
+
+def test_kv_is_counted_for_every_sequence_at_once(tmp_path: Path) -> None:
+    """serve's -np: the footprint holds the KV of n_seq sequences at the full context, a plan
+    that fits one sequence may not fit four, and the error names -np with the numbers."""
+    f = GGUFFile(write_tiny_model(tmp_path / "m.gguf", "llama", None, n_layer=3))
+    hp = hparams_from_metadata(f.metadata)
+    one = footprint_from_gguf(f.tensors, hp, 512)
+    four = footprint_from_gguf(f.tensors, hp, 512, n_seq=4)
+    assert four.kv(0, hp.n_layer) == 4 * one.kv(0, hp.n_layer) > 0
+    assert four.weights(0, hp.n_layer) == one.weights(0, hp.n_layer)
+    room = one.total_bytes + (four.total_bytes - one.total_bytes) // 2  # between the two
+    node = [cpu("head", room)]
+    assert plan_pool(one, node).stages
+    with pytest.raises(NotEnoughMemoryError, match=r"KV at -c 512 × -np 4 .* lower -c or -np"):
+        plan_pool(four, node)
+    with pytest.raises(PlanError, match="-np"):
+        footprint_from_gguf(f.tensors, hp, 512, n_seq=0)

@@ -412,6 +412,14 @@ def test_worker_mem_limit(smollm2_path: Path) -> None:
         assert few.pipeline.assignments[1].start == 25
         ids = few.tokenizer.encode("Hello")
         assert len(list(generate(few, ids, 3, Sampler(GREEDY)))) == 3
+        one_kv = few.pipeline.held[addr].kv_bytes
+        few.close()
+        # serve's -np: the node counts the KV of that many sequences at the full context
+        three = load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(5, 1), n_seq=3)
+        assert three.pipeline.held[addr].kv_bytes == 3 * one_kv > 0
+        three.close()
+        with pytest.raises(NodeError, match=r"KV at -c 256 × -np 100\); .* a smaller -c or -np"):
+            load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(5, 1), n_seq=100)
     finally:
         _stop(proc)
 

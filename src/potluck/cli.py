@@ -381,12 +381,14 @@ def _load(
     balance: str = "prompt",
     wire: str = "f32",
     mem: int | None = None,
+    n_seq: int = 1,
 ):
     """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan).
     Over a pool, a node silent for failover_s seconds is dropped and the planner re-plans on the
     nodes left (the generation pauses, then goes on). balance: what the planner evens out between
     stages, "prompt" for one conversation (run, chat) or "decode" for many streams (serve).
-    mem: the most memory this machine offers for layers (--mem; 0: none, workers only)."""
+    mem: the most memory this machine offers for layers (--mem; 0: none, workers only).
+    n_seq: sequences at once (serve's -np): the plan and every node count KV for each."""
     from potluck.engine.generate import load_model
     from potluck.modelfile.sources import resolve_model
 
@@ -425,7 +427,7 @@ def _load(
         if addresses:
             bar.update(task, description=f"{path.name} (asking {len(addresses)} peers, planning)")
             auth = _auth(*auth_flags)
-            plan = _plan(path, ctx, addresses, shares, auth, balance, mem)
+            plan = _plan(path, ctx, addresses, shares, auth, balance, mem, n_seq)
             from potluck.engine.survey import assignments_of
 
             assignments = assignments_of(plan)
@@ -442,8 +444,10 @@ def _load(
                     with contextlib.suppress(
                         PotluckError
                     ):  # e.g. they no longer fit: the planner's choice
-                        return assignments_of(_plan(path, ctx, alive, kept, auth, balance, mem))
-            return assignments_of(_plan(path, ctx, alive, None, auth, balance, mem))
+                        return assignments_of(
+                            _plan(path, ctx, alive, kept, auth, balance, mem, n_seq)
+                        )
+            return assignments_of(_plan(path, ctx, alive, None, auth, balance, mem, n_seq))
 
         def on_failover(ev) -> None:
             err.print(
@@ -468,7 +472,7 @@ def _load(
         m = load_model(
             path, ctx, splits or (), on_layer, assignments=assignments, auth=auth,
             failover_s=failover_s, replan=replan, on_failover=on_failover,
-            on_transfer=on_transfer, wire_dtype=WIRE_DTYPES[wire],
+            on_transfer=on_transfer, wire_dtype=WIRE_DTYPES[wire], n_seq=n_seq,
         )  # fmt: skip
     err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
     err.print(f"[dim]{_backends()}[/]")
@@ -518,9 +522,10 @@ def _plan(
     auth=None,
     balance: str = "prompt",
     mem: int | None = None,
+    n_seq: int = 1,
 ):
     """Survey the peers, then run the planner for this model and context (this machine offering
-    at most `mem` bytes)."""
+    at most `mem` bytes; KV for `n_seq` sequences at once)."""
     from potluck.engine.generate import DEFAULT_CTX
     from potluck.engine.survey import survey
     from potluck.modelfile.gguf_file import GGUFFile
@@ -543,10 +548,21 @@ def _plan(
     nodes, links = survey(peers, auth=auth, mem_limit=mem, matrices=layer)
     from potluck.planner import held_bytes
 
-    fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes)
+    fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes, n_seq=n_seq)
     return plan_pool(fp, nodes, links, shares or None, balance)
 
 
+DEFAULT_PARALLEL = 4  # serve's requests at once (llama.cpp's server: 4 slots)
+ParallelOpt = Annotated[
+    int,
+    typer.Option(
+        "-np",
+        "--parallel",
+        min=1,
+        help="Requests generating at once (serve); memory is planned for the KV cache of each "
+        "at the full context (-c).",
+    ),
+]
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = all).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")]
@@ -832,6 +848,7 @@ def plan(
     ctx: CtxOpt = None,
     tensor_split: SplitOpt = None,
     mem: HeadMemOpt = None,
+    parallel: ParallelOpt = 1,
     pool: PoolOpt = DEFAULT_POOL,
     no_mdns: NoMdnsOpt = False,
     secret: SecretOpt = None,
@@ -848,9 +865,10 @@ def plan(
     found = _found(finder, lambda: _auth(secret, tls))
     p = _plan(
         path, ctx, found, _shares(tensor_split), _auth(secret, tls) if found else None,
-        mem=_head_mem(mem),
+        mem=_head_mem(mem), n_seq=parallel,
     )  # fmt: skip
-    table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}")
+    seqs = f" × {parallel} sequences at once" if parallel > 1 else ""
+    table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}{seqs}")
     table.columns[0].no_wrap = True  # a node's address is what the user types: never cut it
     for row in format_plan(p):
         table.add_row(*row)
@@ -1245,9 +1263,7 @@ def serve(
     max_queue: Annotated[
         int, typer.Option("--max-queue", help="Requests that may wait; more get HTTP 429.")
     ] = 64,
-    parallel: Annotated[
-        int, typer.Option("-np", "--parallel", help="Requests generating at once.")
-    ] = 16,
+    parallel: ParallelOpt = DEFAULT_PARALLEL,
     pool: PoolOpt = DEFAULT_POOL,
     no_mdns: NoMdnsOpt = False,
     secret: SecretOpt = None,
@@ -1280,7 +1296,7 @@ def serve(
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
-        balance="decode", wire=wire_dtype, mem=_head_mem(mem),
+        balance="decode", wire=wire_dtype, mem=_head_mem(mem), n_seq=parallel,
     )  # fmt: skip
     sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, batch))
     scheduler = Scheduler(m, sched_config)

@@ -56,7 +56,9 @@ class PoolInfo:
             from potluck.planner import footprint_from_gguf, held_bytes
 
             m = self.model
-            self._footprint = footprint_from_gguf(m.file.tensors, m.hp, m.n_ctx, held=held_bytes)
+            self._footprint = footprint_from_gguf(
+                m.file.tensors, m.hp, m.n_ctx, held=held_bytes, n_seq=m.n_seq
+            )
         fp = self._footprint
         extra = (
             (fp.head_bytes if b == self.model.hp.n_layer else 0)

@@ -182,6 +182,7 @@ class Model:
     chat: ChatTemplate
     pipeline: Pipeline
     n_ctx: int
+    n_seq: int = 1  # sequences at once the pool's memory was planned for (serve's -np)
     _next_seq: int = field(default=0, repr=False)
 
     def close(self) -> None:
@@ -217,6 +218,7 @@ def load_model(
     replan: Callable[[list[str]], Sequence[Assignment]] | None = None,
     on_failover: Callable[[FailoverEvent], None] | None = None,
     on_transfer: Callable[[str, int, int], None] | None = None,
+    n_seq: int = 1,
 ) -> Model:
     """Open `path`, check it, and build its pipeline: one local stage by default; in-process stages
     split at `splits`; or with `peers` (host:port) a pool where this machine takes the first share
@@ -228,7 +230,8 @@ def load_model(
     `replan(surviving nodes)` gives the new assignments (default: the layers evenly over this
     machine and the survivors). failover_s = 0: no failover, but a node silent for OFF_TIMEOUT_S
     ends the request with an error (the CLI's --failover-timeout 0); None: a bare pipeline, no
-    heartbeat at all (measurements, tests)."""
+    heartbeat at all (measurements, tests). n_seq: sequences at once (serve's -np), for which
+    every node checks its memory (KV for each at n_ctx)."""
     gguf = GGUFFile(path)
     hp = hparams_from_metadata(gguf.metadata, str(path))
     n_ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_CTX)
@@ -246,7 +249,7 @@ def load_model(
         else:
             pipe = _pool(
                 gguf, hp, assignments, n_ctx, wire_dtype, auth, replan, failover_s, on_failover,
-                on_transfer,
+                on_transfer, n_seq,
             )  # fmt: skip
     elif peers:
         nodes = [LOCAL, *peers]
@@ -258,13 +261,14 @@ def load_model(
         ranges = layer_ranges(hp.n_layer, bounds)
         plan = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True) if b > a]
         pipe = _pool(
-            gguf, hp, plan, n_ctx, wire_dtype, auth, replan, failover_s, on_failover, on_transfer
-        )
+            gguf, hp, plan, n_ctx, wire_dtype, auth, replan, failover_s, on_failover, on_transfer,
+            n_seq,
+        )  # fmt: skip
     else:
         pipe = LocalPipeline(
             [Stage(hp, gguf, a, b, n_ctx, on_layer) for a, b in layer_ranges(hp.n_layer, splits)]
         )
-    return Model(Path(path), gguf, hp, tokenizer, chat, pipe, n_ctx)
+    return Model(Path(path), gguf, hp, tokenizer, chat, pipe, n_ctx, n_seq)
 
 
 def _pool(
@@ -278,12 +282,15 @@ def _pool(
     failover_s: float | None,
     on_failover: Callable[[FailoverEvent], None] | None = None,
     on_transfer: Callable[[str, int, int], None] | None = None,
+    n_seq: int = 1,
 ) -> Pipeline:
     """The pool's pipeline for `plan`, wrapped to fail over to the nodes left when one goes away."""
     from potluck.engine.failover import OFF_TIMEOUT_S, FailoverPipeline
     from potluck.engine.pipeline import RemotePipeline
 
-    first = RemotePipeline(gguf, hp, plan, n_ctx, wire_dtype, auth, on_transfer=on_transfer)
+    first = RemotePipeline(
+        gguf, hp, plan, n_ctx, wire_dtype, auth, on_transfer=on_transfer, n_seq=n_seq
+    )
     if failover_s is None:
         return first
     if failover_s == 0:  # watched, not re-planned: a hung node ends the request, not the head
@@ -300,7 +307,9 @@ def _pool(
             new = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True)]
         if all(a.node == LOCAL for a in new):
             return LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx)])
-        return RemotePipeline(gguf, hp, new, n_ctx, wire_dtype, auth, epoch, on_transfer)
+        return RemotePipeline(
+            gguf, hp, new, n_ctx, wire_dtype, auth, epoch, on_transfer, n_seq=n_seq
+        )
 
     return FailoverPipeline(first, connect, failover_s, on_failover)
 

@@ -202,10 +202,13 @@ class RemotePipeline:
         epoch: int = 0,
         on_transfer: Callable[[str, int, int], None] | None = None,
         head_id: str = "",
+        n_seq: int = 1,
     ) -> None:
         """on_transfer(node, bytes sent, bytes to send) reports weights shipped to a node that
         lacks the model file. head_id: who loads the plan (this process by default): a node lets
-        that head's older plans go first when it needs room."""
+        that head's older plans go first when it needs room. n_seq: sequences at once (serve's
+        -np), each up to n_ctx: what each node counts KV memory for."""
+        self.n_seq = n_seq
         self.on_transfer = on_transfer
         if any(a.node == LOCAL for a in assignments[1:]):
             raise ValueError("only the first stage can run on this machine")
@@ -273,7 +276,7 @@ class RemotePipeline:
                 plan_id=self.plan_id, model_sha256=self.model_sha, start=a.start, stop=a.stop, n_ctx=n_ctx,
                 next_hop=nxt, metadata_gguf=header, tensor_sha256=digests, wire_dtype=wire_dtype,
                 model_bytes=file.size_bytes, head_id=self.head_id, n_gpu_layers=a.n_gpu_layers,
-                tensor_sources=[p for p in a.sources if p != a.node],
+                tensor_sources=[p for p in a.sources if p != a.node], n_seq=self.n_seq,
             )  # fmt: skip
             # a node that pulls its layers from a peer does it within Load: as long as a push
             reply = client.load(req, LOAD_TIMEOUT_S if not a.sources else PULL_TIMEOUT_S)

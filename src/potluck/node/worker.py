@@ -287,17 +287,19 @@ class NodeService(pb_grpc.NodeServicer):
         trim_heap()  # the replaced plan's stage and the load's buffers go back to the OS
         reply = pb.LoadReply(
             weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0,
-            kv_bytes=stage.full_kv_bytes(), rss_bytes=psutil.Process().memory_info().rss,
+            kv_bytes=stage.full_kv_bytes() * max(1, request.n_seq),
+            rss_bytes=psutil.Process().memory_info().rss,
             pulled_from=pulled[0],
             pulled_bytes=pulled[1].nbytes if pulled[1] else 0,
             pull_seconds=pulled[1].seconds if pulled[1] else 0.0,
         )  # fmt: skip
         mib = 2**20
         log.info(
-            "loaded plan %s: layers %d–%d · weights %.1f MiB + KV %.1f MiB at -c %d · "
-            "process RSS %.1f MiB · %.1f s",
+            "loaded plan %s: layers %d–%d · weights %.1f MiB + KV %.1f MiB at -c %d × %d "
+            "sequences · process RSS %.1f MiB · %.1f s",
             request.plan_id[:12], request.start, request.stop - 1, reply.weight_bytes / mib,
-            reply.kv_bytes / mib, request.n_ctx, reply.rss_bytes / mib, reply.load_seconds,
+            reply.kv_bytes / mib, request.n_ctx, max(1, request.n_seq), reply.rss_bytes / mib,
+            reply.load_seconds,
         )  # fmt: skip
         return reply
 
@@ -308,11 +310,13 @@ class NodeService(pb_grpc.NodeServicer):
         return min(request.n_gpu_layers, self.gpu.max_layers)
 
     def _check_memory(self, tensors: dict, hp: HParams, request: pb.LoadRequest) -> int:
-        """Bytes the stage reserves (its tensors + one sequence's KV cache at full context); with
+        """Bytes the stage reserves (its tensors + the KV caches of the plan's n_seq sequences at
+        full context); with
         --mem, refuse a stage that does not fit beside the plan kept from before."""
         names = stage_tensor_names(tensors.values(), hp.n_layer, request.start, request.stop)
         weights = sum(tensors[n].nbytes for n in names)
-        kv = hp.kv_bytes_per_token(request.stop - request.start) * request.n_ctx
+        n_seq = max(1, request.n_seq)
+        kv = hp.kv_bytes_per_token(request.stop - request.start) * request.n_ctx * n_seq
         need = weights + kv
         if self.mem_limit is None:
             return need
@@ -322,9 +326,12 @@ class NodeService(pb_grpc.NodeServicer):
             raise NodeMemoryError(
                 f"node {self.name} has --mem {self.mem_limit / mib:.0f} MiB: layers "
                 f"{request.start}–{request.stop - 1} need {need / mib:.1f} MiB ({weights / mib:.1f} "
-                f"weights + {kv / mib:.1f} KV at -c {request.n_ctx})"
+                f"weights + {kv / mib:.1f} KV at -c {request.n_ctx}"
+                + (f" × -np {n_seq})" if n_seq > 1 else ")")
                 + (f" beside {held / mib:.1f} MiB of the previous plan" if held else "")
-                + "; give it fewer layers (--tensor-split), a smaller -c, or more --mem"
+                + "; give it fewer layers (--tensor-split), a smaller -c"
+                + (" or -np" if n_seq > 1 else "")
+                + ", or more --mem"
             )
         return need
 

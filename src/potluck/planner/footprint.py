@@ -5,8 +5,9 @@ The in-memory rule mirrors model/weights.py (tests/test_planner.py loads real st
 their bytes): every tensor is the file's own bytes, mapped in place, whatever its type.
   token_embd on the first stage: its bytes are mapped, but decode reads one row per token
   output head on the last stage: output.weight, or token_embd itself when the head is tied
-  KV cache: f16 K and V for n_ctx positions in every layer (model/kv_cache.py grows it by
-      doubling up to n_ctx; sliding-window layers keep all n_ctx positions too)
+  KV cache: f16 K and V for n_ctx positions in every layer, for each of n_seq sequences at once
+      (serve's -np; model/kv_cache.py grows a sequence's cache by doubling up to n_ctx, so this
+      is the most it can take; sliding-window layers keep all n_ctx positions too)
 
 Activation buffers, per stage (they are reused layer after layer, so they do not grow with the
 number of layers): one micro-batch of n_batch tokens in one block holds in fp32 the residual and
@@ -79,6 +80,17 @@ class ModelFootprint:
     wire_bytes: int  # one token's fp16 hidden state between two stages, with its header
     token_wire_bytes: int  # one token id from the last stage back to the first
     tied: bool = False  # the head is token_embd itself: a stage that is first and last maps it once
+    n_seq: int = 1  # sequences at once, each up to n_ctx (serve's -np): the KV counts all of them
+
+    @property
+    def ctx_label(self) -> str:
+        """The context the KV is counted for, as the user set it: '-c 4096' or '-c 4096 × -np 4'."""
+        return f"-c {self.n_ctx}" + (f" × -np {self.n_seq}" if self.n_seq > 1 else "")
+
+    @property
+    def ctx_fix(self) -> str:
+        """What lowers the KV: '-c', or '-c or -np' when several sequences are counted."""
+        return "-c or -np" if self.n_seq > 1 else "-c"
 
     def __post_init__(self) -> None:
         per_layer = (self.layer_weight_bytes, self.layer_kv_bytes, self.layer_read_bytes)
@@ -131,14 +143,18 @@ def footprint_from_gguf(
     n_ctx: int,
     n_batch: int = DEFAULT_BATCH,
     held: HeldBytes | None = None,
+    n_seq: int = 1,
 ) -> ModelFootprint:
-    """The footprint of the model whose tensor index is `tensors` (GGUFFile.tensors) at `n_ctx`.
+    """The footprint of the model whose tensor index is `tensors` (GGUFFile.tensors) at `n_ctx`,
+    with KV for `n_seq` sequences at once (each up to n_ctx).
 
     held(qtype, shape) gives the bytes a weight occupies once loaded (default: `held_bytes`, the
     file's own bytes)."""
     held = held or held_bytes
     if n_ctx < 1 or n_batch < 1:
         raise PlanError(f"context ({n_ctx}) and batch ({n_batch}) must be at least 1 token")
+    if n_seq < 1:
+        raise PlanError(f"sequences at once (-np) must be at least 1, got {n_seq}")
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise PlanError("the model has no token_embd.weight: cannot size its first stage")
@@ -157,7 +173,7 @@ def footprint_from_gguf(
     head = held_by(head_matrix)
     if norm := tensors.get("output_norm.weight"):
         head += held_by(norm)
-    kv = hp.kv_bytes_per_token(1, KV_BYTES) * n_ctx
+    kv = hp.kv_bytes_per_token(1, KV_BYTES) * n_ctx * n_seq
     return ModelFootprint(
         n_layer=hp.n_layer,
         n_embd=hp.n_embd,
@@ -175,4 +191,5 @@ def footprint_from_gguf(
         wire_bytes=hp.n_embd * FP16_BYTES + WIRE_HEADER_BYTES,
         token_wire_bytes=TOKEN_ID_BYTES + WIRE_HEADER_BYTES,
         tied="output.weight" not in tensors,
+        n_seq=n_seq,
     )

@@ -227,10 +227,10 @@ def _manual_route(costs: CostModel, split: Sequence[float]) -> Route:
             raise NotEnoughMemoryError(
                 f"--tensor-split {shown}: {st.node.name} gets layers {layers_label(a, b)}, which "
                 f"need {fmt_bytes(st.ram_bytes)} of RAM{gpu} (weights {fmt_bytes(st.weight_bytes)}"
-                f" + KV {fmt_bytes(st.kv_bytes)} at -c {costs.model.n_ctx} + buffers "
+                f" + KV {fmt_bytes(st.kv_bytes)} at {costs.model.ctx_label} + buffers "
                 f"{fmt_bytes(st.buffer_bytes)}), but it has {fmt_bytes(st.node.memory_bytes)} free "
                 f"({fmt_bytes(st.ram_bytes - st.node.memory_bytes)} short); give it a smaller "
-                "share, lower -c, or use a smaller quantization",
+                f"share, lower {costs.model.ctx_fix}, or use a smaller quantization",
                 st.ram_bytes,
                 st.node.memory_bytes,
                 st.node.name,
@@ -252,11 +252,11 @@ def _not_enough_memory(model: ModelFootprint, nodes: list[NodeInfo]) -> NotEnoug
         who = f"{nodes[0].name} has {fmt_bytes(free)} free"
     weights, kv = model.weights(0, model.n_layer), model.kv(0, model.n_layer)
     other = model.embd_bytes + model.head_bytes + model.buffer_bytes
-    fix = "lower -c, use a smaller quantization, or add a node"
+    fix = f"lower {model.ctx_fix}, use a smaller quantization, or add a node"
     if need > free:
         msg = (
             f"the model needs {fmt_bytes(need)}: {fmt_bytes(weights)} for {model.n_layer} layers "
-            f"+ {fmt_bytes(kv)} KV at -c {model.n_ctx} + {fmt_bytes(other)} embeddings, head and "
+            f"+ {fmt_bytes(kv)} KV at {model.ctx_label} + {fmt_bytes(other)} embeddings, head and "
             f"buffers, but {who}; "
             f"{fmt_bytes(need - free)} short: {fix}"
         )
@@ -266,7 +266,7 @@ def _not_enough_memory(model: ModelFootprint, nodes: list[NodeInfo]) -> NotEnoug
         )
         msg = (
             f"no split fits: {who} for the "
-            f"{fmt_bytes(need)} the model needs at -c {model.n_ctx}, but layers "
+            f"{fmt_bytes(need)} the model needs at {model.ctx_label}, but layers "
             f"({fmt_bytes(largest)} each with KV) cannot be cut, every stage needs "
             f"{fmt_bytes(model.buffer_bytes)} of buffers, the first holds the token embedding "
             f"({fmt_bytes(model.embd_bytes)}) and the last the output head "
@@ -344,7 +344,7 @@ def _verdict(
         )
         return True, (
             f"pooling is needed: no single machine can hold the model "
-            f"({fmt_bytes(model.total_bytes)} at -c {model.n_ctx}; the most on one is "
+            f"({fmt_bytes(model.total_bytes)} at {model.ctx_label}; the most on one is "
             f"{fmt_bytes(big.memory_bytes + big.gpu_memory_bytes)} on {big.name}); the pool gives "
             f"{pool_tps:.1f} tok/s"
         )

@@ -69,8 +69,8 @@ def format_summary(plan: Plan) -> list[str]:
 def format_held(
     weight_bytes: int, kv_bytes: int, rss_bytes: int, planned: PlannedStage | None = None
 ) -> str:
-    """What a loaded node says it holds (its weights and one sequence's KV at the full context,
-    its process's RSS), beside what the plan counted for it."""
+    """What a loaded node says it holds (its weights; the KV of the plan's sequences at once, each
+    at the full context; its process's RSS), beside what the plan counted for it."""
     held = f"holds {fmt_bytes(weight_bytes)} + KV {fmt_bytes(kv_bytes)}, RSS {fmt_bytes(rss_bytes)}"
     if planned is None:
         return held
