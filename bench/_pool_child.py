@@ -5,7 +5,8 @@
 MODE: single (whole model in this process) | pool (all layers on the PEERs, split as the
 planner does for equal nodes: even prompt work for pp, even decode time otherwise; this process
 only sends token ids). TASK: decode (one stream, N tokens) | pp (a prompt of N tokens;
-the pool runs it in micro-batches of POOL_N_BATCH (128) so that both stages work at once) | streams (4 streams,
+the pool cuts it as `potluck run` does, prompt_ubatch: ≥ 4 micro-batches of 32–128 tokens, so
+that both stages work at once; $POOL_UBATCH fixes the size) | streams (4 streams,
 N tokens each; over the pool two groups of two are kept in flight). Prints one JSON line.
 """
 
@@ -19,7 +20,7 @@ import time
 
 import numpy as np
 
-from potluck.engine.generate import POOL_N_BATCH, generate, load_model, prefill
+from potluck.engine.generate import POOL_N_BATCH, generate, load_model, prefill, prompt_ubatch
 from potluck.engine.pipeline import Assignment
 from potluck.engine.sampling import GREEDY, Sampler
 from potluck.model.stage import SeqChunk, set_threads
@@ -27,7 +28,8 @@ from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 
 N_STREAMS = 4
-POOL_UBATCH = int(os.environ.get("POOL_UBATCH", str(POOL_N_BATCH)))
+# a fixed micro-batch (bench_ubatch's sweep); by default the one `potluck run` picks (prompt_ubatch)
+POOL_UBATCH = int(os.environ["POOL_UBATCH"]) if "POOL_UBATCH" in os.environ else None
 
 
 def balanced_cuts(path: str, n_nodes: int, balance: str) -> list[int]:
@@ -111,7 +113,9 @@ def main() -> None:
     if task == "pp":
         ids = m.tokenizer.encode(text)[:n]
         seq = m.new_seq_id()
-        ubatch = POOL_UBATCH if mode == "pool" else n
+        ubatch = n
+        if mode == "pool":
+            ubatch = POOL_UBATCH or prompt_ubatch(n, POOL_N_BATCH, pipe.depth)
         prefill(pipe, seq, ids[:8], Sampler(GREEDY))  # warm-up of every stage
         pipe.drop(seq)
         seq = m.new_seq_id()

@@ -281,3 +281,21 @@ def test_running_a_model_imports_no_torch(tmp_path: Path) -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_prompt_is_cut_so_that_every_stage_of_a_pool_works() -> None:
+    """Over a pool of d stages a prompt goes in 2 d micro-batches (every stage busy while the
+    others work), never above -b and never under MIN_POOL_UBATCH tokens; one machine: -b."""
+    from potluck.engine.generate import MIN_POOL_UBATCH, prompt_ubatch
+
+    assert prompt_ubatch(512, 512, 1) == 512
+    assert prompt_ubatch(512, 128, 2) == 128  # 4 micro-batches of 128
+    assert prompt_ubatch(128, 128, 2) == 32  # 4 of 32, not one of 128 (no overlap at all)
+    assert prompt_ubatch(300, 128, 3) == 50  # 6 of 50
+    assert prompt_ubatch(40, 128, 2) == MIN_POOL_UBATCH  # short prompts: not below the floor
+    assert prompt_ubatch(128, 16, 2) == 16  # the user's -b caps it
+    for n in range(1, 600, 7):
+        for depth in (2, 3, 4):
+            ub = prompt_ubatch(n, 128, depth)
+            assert 1 <= ub <= 128 and (ub >= MIN_POOL_UBATCH or ub == 128)
+            assert -(-n // ub) >= min(2 * depth, -(-n // MIN_POOL_UBATCH))

@@ -276,6 +276,17 @@ def test_plan_command(workers: list[str], smollm2_path: Path) -> None:
     )
     assert manual.returncode == 0, manual.stderr
     assert "0–9" in manual.stdout and "10–29" in manual.stdout
+    # serve's -np: KV for that many sequences at once (SmolLM2 at -c 256: 5.6 MiB for 30 layers)
+    kv = [
+        _cli(*split, "-np", n) for n in ("1", "3")
+        for split in [("plan", "-m", str(smollm2_path), "--peer", workers[0], "-c", "256",
+                       "--tensor-split", "1,2")]
+    ]  # fmt: skip
+    assert "context 256 × 3 sequences at once" in kv[1].stdout, kv[1].stdout
+    per_node = [re.findall(r"\+ ([\d.]+) MiB \+", k.stdout) for k in kv]
+    assert per_node[0] and len(per_node[0]) == len(per_node[1]), kv[0].stdout
+    for one, three in zip(per_node[0], per_node[1], strict=True):
+        assert float(three) == pytest.approx(3 * float(one), abs=0.2)
 
 
 def test_run_over_pool_cli(workers: list[str], smollm2_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -33,6 +34,9 @@ DEFAULT_N_BATCH = 512  # prompt tokens per forward pass on one machine (llama.cp
 # (bench/RESULTS.md, SmolLM2 over two single-core workers, 512-token prompt): 64 → 1.38×, 96 and
 # 128 → 1.45× one core; 256 → 1.06×, 512 → no overlap at all.
 POOL_N_BATCH = 128
+# The smallest micro-batch a prompt is cut into over a pool: below it, ggml's matrix products lose
+# more per token than the overlap gains (prompt_ubatch).
+MIN_POOL_UBATCH = 32
 
 
 def layer_ranges(n_layer: int, splits: Sequence[int]) -> list[tuple[int, int]]:
@@ -336,6 +340,17 @@ def prompt_batch(model: Model, n_batch: int | None = None) -> int:
     return n_batch or (POOL_N_BATCH if model.pipeline.depth > 1 else DEFAULT_N_BATCH)
 
 
+def prompt_ubatch(n_prompt: int, n_batch: int, depth: int) -> int:
+    """Tokens per micro-batch for a prompt of n_prompt tokens: at most n_batch; over a pool of
+    `depth` stages, small enough that the prompt makes 2 × depth micro-batches, so that every
+    stage works on one while the others work on theirs (with k equal micro-batches, the prompt
+    takes (k + depth - 1) / k stage-times instead of depth), but not under MIN_POOL_UBATCH
+    tokens. One machine: n_batch."""
+    if depth <= 1:
+        return n_batch
+    return max(1, min(n_batch, max(MIN_POOL_UBATCH, math.ceil(n_prompt / (2 * depth)))))
+
+
 def prefill(
     pipeline: Pipeline,
     seq_id: int,
@@ -390,7 +405,8 @@ def generate(
     # failover may move the first stage onto this machine.
     ahead: deque[Future[list[int]]] = deque()  # the steps for the next tokens, in order
     try:
-        tok = prefill(pipe, seq, prompt_ids, sampler, n_batch)
+        ubatch = prompt_ubatch(len(prompt_ids), n_batch, pipe.depth)
+        tok = prefill(pipe, seq, prompt_ids, sampler, ubatch)
         for i in range(max_tokens):
             history.append(tok)
             yield tok

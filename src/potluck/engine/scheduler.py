@@ -33,7 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
-from potluck.engine.generate import LocalPipeline, Pipeline
+from potluck.engine.generate import LocalPipeline, Pipeline, prompt_ubatch
 from potluck.engine.sampling import Sampler, SamplingParams
 from potluck.errors import ContextError, PotluckError, UnsupportedError
 from potluck.model.stage import SeqChunk
@@ -396,7 +396,8 @@ class Scheduler:
 
     def _prompt_batch(self, seq: _Seq) -> _Batch:
         a = seq.prefilled
-        b = min(a + self.config.n_batch, len(seq.req.prompt))
+        n = len(seq.req.prompt)  # micro-batches as generate() cuts them alone (same tokens)
+        b = min(a + prompt_ubatch(n, self.config.n_batch, self.depth), n)
         seq.prefilled = b
         return _Batch(
             "prompt",
