@@ -15,7 +15,14 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from potluck import __version__
@@ -1229,6 +1236,90 @@ def _announce(host: str, port: int, pool: str, no_mdns: bool):
     where = "this machine only" if host.startswith("127.") else ", ".join(a.addresses)
     err.print(f"announced on mDNS as {a.instance!r} in pool {pool!r} ({where})")
     return advertiser
+
+
+@app.command()
+def batch(
+    input_file: Annotated[
+        Path, typer.Argument(help="OpenAI Batch API input: one request per line (JSONL).")
+    ],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="Results, one line per request (JSONL).")
+    ],
+    errors_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--errors", help="Lines that failed, with the reason (default: OUTPUT.errors.jsonl)."
+        ),
+    ] = None,
+    model: ModelOpt = None,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    parallel: ParallelOpt = DEFAULT_PARALLEL,
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
+    mem: HeadMemOpt = None,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
+) -> None:
+    """Run a file of OpenAI batch requests (chat or text completions) and write OpenAI's output
+    lines. Killed or stopped, the same command again continues where it ended."""
+    import asyncio
+
+    from potluck.api.batch import Journal, read_input, run_batch, write_bad_lines
+    from potluck.api.server import ServerConfig, create_app, model_id_of
+    from potluck.engine.generate import prompt_batch
+    from potluck.engine.scheduler import Scheduler, SchedulerConfig
+
+    if not input_file.is_file():
+        raise PotluckError(f"batch input {input_file} does not exist or is not a file")
+    errors_path = errors_file or output.with_name(
+        output.name.removesuffix(".jsonl") + ".errors.jsonl"
+    )
+    items, bad = read_input(input_file)
+    journal = Journal(output, errors_path)
+    already = sum(journal.is_done(it) for it in items)
+    if already:
+        err.print(f"[dim]resuming: {already} of {len(items)} requests are done in {output}[/]")
+    if n_bad := write_bad_lines(bad, journal):
+        err.print(f"[yellow]{n_bad} lines cannot run: reasons in {errors_path}[/]")
+    if already == len(items):
+        err.print(f"every request is done: {output}")
+        return
+    finder = _peers(peer, rpc, pool, no_mdns)
+    m = _load(
+        model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
+        balance="decode", mem=_head_mem(mem), n_seq=parallel,
+    )  # fmt: skip
+    config = SchedulerConfig(n_batch=prompt_batch(m), max_active=parallel, max_queue=len(items))
+    scheduler = Scheduler(m, config)
+    app_ = create_app(m, scheduler, ServerConfig(model_id=model_id_of(m), api_key=None))
+    bar = Progress(
+        TextColumn("[bold]batch[/]"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=err,
+    )  # fmt: skip
+    try:
+        with bar:
+            task = bar.add_task("batch", total=len(items) - already, rate="")
+
+            def on_progress(p) -> None:
+                dt = max(time.perf_counter() - p.t0, 1e-9)
+                failed = f", {p.failed} failed" if p.failed else ""
+                rate = f"{p.tokens / dt:.1f} tok/s{failed}"
+                bar.update(task, completed=p.done + p.failed, rate=rate)
+
+            done = asyncio.run(run_batch(app_, items, journal, parallel, on_progress))
+    finally:
+        scheduler.close()
+        m.close()
+    err.print(
+        f"{done.done} requests done, {done.failed} failed, {done.tokens} tokens in "
+        f"{time.perf_counter() - done.t0:.0f} s: {output}"
+        + (f" (errors: {errors_path})" if done.failed or bad else "")
+    )
 
 
 @app.command()
