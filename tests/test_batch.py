@@ -146,3 +146,45 @@ def test_the_journal_reruns_what_failed_for_the_servers_sake(tmp_path: Path) -> 
     assert journal.retried == 1
     assert not journal.is_done(items[0]) and journal.is_done(items[1])
     assert [e["custom_id"] for e in _lines(errors)] == ["y"]
+
+
+def test_replicas_on_two_workers_survive_one_killed(smollm2_path: Path, tmp_path: Path) -> None:
+    """Two workers, each holding the whole model, are two replicas (the head holds none:
+    --mem 0); one is SIGKILLed mid-job: its requests go to the other, and the output has every
+    custom_id once, each answer as one process gives it."""
+    from test_pool import start_worker
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(
+        "".join(_chat(f"q{i}", f"Count from {i} to {i + 20}.", n=24) + "\n" for i in range(24))
+    )
+    whole = tmp_path / "whole.jsonl"
+    ref = _batch(inp, whole, "-np", "2")
+    _, said = ref.communicate(timeout=600)
+    assert ref.returncode == 0, said
+    want = {line["custom_id"]: _content(line) for line in _lines(whole)}
+    a, addr_a = start_worker()
+    b, addr_b = start_worker()
+    try:
+        out = tmp_path / "out.jsonl"
+        proc = _batch(inp, out, "--peer", addr_a, "--peer", addr_b, "--mem", "0", "-np", "2")
+        deadline = time.monotonic() + 300
+        while len(_lines(out)) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        a.kill()
+        _, said = proc.communicate(timeout=600)
+    finally:
+        for w in (a, b):
+            w.kill()
+            w.wait(timeout=10)
+    assert proc.returncode == 0, said
+    assert (
+        f"replica {addr_a}: the whole model" in said
+        and f"replica {addr_b}: the whole model" in said
+    )
+    assert f"replica {addr_a} failed" in said, said
+    lines = _lines(out)
+    assert sorted(line["custom_id"] for line in lines) == sorted(want)
+    assert {line["custom_id"]: _content(line) for line in lines} == want
+    assert not _lines(tmp_path / "out.errors.jsonl")

@@ -606,3 +606,28 @@ def test_kv_is_counted_for_every_sequence_at_once(tmp_path: Path) -> None:
         plan_pool(four, node)
     with pytest.raises(PlanError, match="-np"):
         footprint_from_gguf(f.tensors, hp, 512, n_seq=0)
+
+
+def test_batch_replicas_each_machine_that_holds_the_model_and_one_pipeline() -> None:
+    """plan_replicas: a replica per node that holds the whole model alone (fastest first); the
+    nodes that cannot, pooled into one pipeline replica; a node offering nothing left out."""
+    from potluck.planner.replicas import plan_replicas
+
+    fp = synth()  # 1250 MiB in all
+    links = lan("head", "a", "b", "c", "d")
+    nodes = [
+        cpu("head", 0), cpu("a", 2 * GiB, speed=8 * GB), cpu("b", 2 * GiB, speed=12 * GB),
+        cpu("c", 800 * MiB), cpu("d", 800 * MiB),
+    ]  # fmt: skip
+    reps = plan_replicas(fp, nodes, links)
+    assert [r.nodes for r in reps.replicas[:2]] == [("b",), ("a",)]
+    pipe = reps.replicas[2]
+    assert pipe.plan is not None and set(pipe.nodes) == {"c", "d"}
+    assert reps.left_out == (("head", "offers no memory (--mem 0)"),)
+    assert reps.tokens_per_s == pytest.approx(sum(r.tokens_per_s for r in reps.replicas))
+    # alone, one small node is left out with the reason; nothing that fits at all: the error
+    one = plan_replicas(fp, nodes[:2] + nodes[3:4], links)
+    assert [r.nodes for r in one.replicas] == [("a",)]
+    assert one.left_out[1][0] == "c" and "cannot hold the model alone" in one.left_out[1][1]
+    with pytest.raises(NotEnoughMemoryError):
+        plan_replicas(fp, [cpu("c", 800 * MiB)], links)

@@ -533,11 +533,7 @@ def _plan(
 ):
     """Survey the peers, then run the planner for this model and context (this machine offering
     at most `mem` bytes; KV for `n_seq` sequences at once)."""
-    from potluck.engine.generate import DEFAULT_CTX
-    from potluck.engine.survey import survey
-    from potluck.modelfile.gguf_file import GGUFFile
-    from potluck.modelfile.hparams import hparams_from_metadata
-    from potluck.planner import footprint_from_gguf, plan_pool
+    from potluck.planner import plan_pool
 
     if shares and len(shares) != len(peers) + 1:  # the planner says so too, without the names
         shown, n = ",".join(f"{x:g}" for x in shares), len(peers) + 1
@@ -546,17 +542,25 @@ def _plan(
             f"node{'s' * (n > 1)} ({', '.join(['this machine', *peers])}; a worker found twice "
             "counts once): give one share per node, this machine first"
         )
+    nodes, links, fp = _survey(path, ctx, peers, auth, mem, n_seq)
+    return plan_pool(fp, nodes, links, shares or None, balance)
+
+
+def _survey(path: Path, ctx: int | None, peers: list[str], auth, mem: int | None, n_seq: int = 1):
+    """(nodes, links, the model's footprint): what the planner takes, measured on this model."""
+    from potluck.engine.generate import DEFAULT_CTX
+    from potluck.engine.survey import survey
+    from potluck.modelfile.gguf_file import GGUFFile, layer_matrices
+    from potluck.modelfile.hparams import hparams_from_metadata
+    from potluck.planner import footprint_from_gguf, held_bytes
+
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata, str(path))
     n_ctx = ctx or min(hp.n_ctx_train, DEFAULT_CTX)
-    from potluck.modelfile.gguf_file import layer_matrices
-
     layer = layer_matrices(f.tensors, hp.n_layer // 2)  # every node times its decode through it
     nodes, links = survey(peers, auth=auth, mem_limit=mem, matrices=layer)
-    from potluck.planner import held_bytes
-
     fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes, n_seq=n_seq)
-    return plan_pool(fp, nodes, links, shares or None, balance)
+    return nodes, links, fp
 
 
 DEFAULT_PARALLEL = 4  # serve's requests at once (llama.cpp's server: 4 slots)
@@ -1258,7 +1262,6 @@ def batch(
     parallel: ParallelOpt = DEFAULT_PARALLEL,
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
-    tensor_split: SplitOpt = None,
     mem: HeadMemOpt = None,
     pool: PoolOpt = DEFAULT_POOL,
     no_mdns: NoMdnsOpt = False,
@@ -1266,7 +1269,8 @@ def batch(
     tls: TlsOpt = False,
 ) -> None:
     """Run a file of OpenAI batch requests (chat or text completions) and write OpenAI's output
-    lines. Killed or stopped, the same command again continues where it ended."""
+    lines; with workers, every machine that holds the model runs requests of its own (replicas).
+    Killed or stopped, the same command again continues where it ended."""
     import asyncio
 
     from potluck.api.batch import Journal, read_input, run_batch, write_bad_lines
@@ -1290,17 +1294,18 @@ def batch(
         err.print(f"every request is done: {output}")
         return
     finder = _peers(peer, rpc, pool, no_mdns)
-    m = _load(
-        model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
-        balance="decode", mem=_head_mem(mem), n_seq=parallel,
-    )  # fmt: skip
-    config = SchedulerConfig(n_batch=prompt_batch(m), max_active=parallel, max_queue=len(items))
-    scheduler = Scheduler(m, config)
-    app_ = create_app(m, scheduler, ServerConfig(model_id=model_id_of(m), api_key=None))
+    replicas = _replicas(model, ctx, threads, finder, (secret, tls), _head_mem(mem), parallel)
+    apps, schedulers = [], []
+    for label, m in replicas:
+        config = SchedulerConfig(n_batch=prompt_batch(m), max_active=parallel, max_queue=len(items))
+        schedulers.append(Scheduler(m, config))
+        server = ServerConfig(model_id=model_id_of(m), api_key=None)
+        apps.append((label, create_app(m, schedulers[-1], server)))
     bar = Progress(
         TextColumn("[bold]batch[/]"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=err,
     )  # fmt: skip
+    lost: list[str] = []
     try:
         with bar:
             task = bar.add_task("batch", total=len(items) - already, rate="")
@@ -1308,18 +1313,63 @@ def batch(
             def on_progress(p) -> None:
                 dt = max(time.perf_counter() - p.t0, 1e-9)
                 failed = f", {p.failed} failed" if p.failed else ""
-                rate = f"{p.tokens / dt:.1f} tok/s{failed}"
-                bar.update(task, completed=p.done + p.failed, rate=rate)
+                each = (
+                    " (" + ", ".join(f"{k}: {v}" for k, v in p.by_replica.items()) + ")"
+                    if len(replicas) > 1
+                    else ""
+                )
+                bar.update(
+                    task,
+                    completed=p.done + p.failed,
+                    rate=f"{p.tokens / dt:.1f} tok/s{failed}{each}",
+                )
+                for label in p.lost[len(lost) :]:
+                    lost.append(label)
+                    err.print(f"[yellow]replica {label} failed: its requests go to the others[/]")
 
-            done = asyncio.run(run_batch(app_, items, journal, parallel, on_progress))
+            done = asyncio.run(run_batch(apps, items, journal, parallel, on_progress))
     finally:
-        scheduler.close()
-        m.close()
+        for sch in schedulers:
+            sch.close()
+        for _, m in replicas:
+            m.close()
     err.print(
         f"{done.done} requests done, {done.failed} failed, {done.tokens} tokens in "
-        f"{time.perf_counter() - done.t0:.0f} s: {output}"
+        f"{time.perf_counter() - done.t0:.1f} s: {output}"
         + (f" (errors: {errors_path})" if done.failed or bad else "")
     )
+
+
+def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
+    """The batch job's replicas, loaded: [(label, Model)]. Alone: this machine. With workers:
+    each machine that holds the whole model is a replica, the others one pipeline (planner)."""
+    from potluck.engine.generate import load_model
+    from potluck.engine.replicas import load_replicas
+    from potluck.modelfile.sources import resolve_model
+    from potluck.planner.replicas import plan_replicas
+
+    _setup_threads(threads)
+    path = resolve_model(model)
+    addresses = _found(finder, lambda: _auth(*auth_flags))
+    if not addresses:
+        if mem == 0:
+            raise PotluckError(
+                "--mem 0 keeps the model off this machine, and no worker was found: name them "
+                "with --peer HOST:PORT (or start `potluck worker` on them)"
+            )
+        m = load_model(path, ctx, n_seq=n_seq)
+        err.print(f"[dim]{m.summary()}[/]")
+        return [("this machine", m)]
+    auth = _auth(*auth_flags)
+    nodes, links, fp = _survey(path, ctx, addresses, auth, mem, n_seq)
+    plan = plan_replicas(fp, nodes, links)
+    for r in plan.replicas:
+        how = "a pipeline" if r.plan is not None else "the whole model"
+        err.print(f"[dim]replica {r.label}: {how}, {r.tokens_per_s:.1f} tok/s per stream[/]")
+    for node, why in plan.left_out:
+        err.print(f"[dim]  left out {node}: {why}[/]")
+    names = [n.name for n in nodes]
+    return load_replicas(path, ctx, plan.replicas, names, links, auth, n_seq)
 
 
 @app.command()

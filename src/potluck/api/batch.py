@@ -23,8 +23,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,8 @@ class Progress:
     failed: int = 0
     tokens: int = 0
     t0: float = 0.0
+    by_replica: dict[str, int] = field(default_factory=dict)  # requests each replica finished
+    lost: list[str] = field(default_factory=list)  # replicas that failed, in order
 
 
 def _error_line(line: int, cid: str | None, code: str, message: str, response: Any = None) -> dict:
@@ -177,62 +180,97 @@ def _error_line(line: int, cid: str | None, code: str, message: str, response: A
     }
 
 
-async def _run_item(
-    client: httpx.AsyncClient, item: Item, journal: Journal, progress: Progress
-) -> None:
+class _ServerFailed(Exception):
+    """The replica, not the request, failed (HTTP 5xx or no answer): `line` is the error line."""
+
+    def __init__(self, line: dict[str, Any]) -> None:
+        super().__init__(line["error"]["message"])
+        self.line = line
+
+
+async def _run_item(client: httpx.AsyncClient, item: Item) -> tuple[bool, dict[str, Any]]:
+    """POST one item: (True, output line) on 200, (False, error line) on a 4xx; raises
+    _ServerFailed when the replica failed."""
     rid = f"req_{uuid.uuid4().hex}"
     try:
         resp = await client.post(item.url, json=item.body, headers={"X-Request-Id": rid})
         body = resp.json()
     except (httpx.HTTPError, ValueError) as exc:
-        journal.write(
-            journal.errors, _error_line(item.line, item.custom_id, "server_error", str(exc))
-        )
-        progress.failed += 1
-        return
+        raise _ServerFailed(
+            _error_line(item.line, item.custom_id, "server_error", str(exc))
+        ) from exc
     response = {"status_code": resp.status_code, "request_id": rid, "body": body}
     if resp.status_code == 200:
-        journal.write(
-            journal.output,
-            {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.custom_id,
-             "response": response, "error": None},
-        )  # fmt: skip
-        progress.done += 1
-        progress.tokens += int((body.get("usage") or {}).get("completion_tokens", 0))
-    else:
-        message = (
-            (body.get("error") or {}).get("message") if isinstance(body, dict) else None
-        ) or ""
-        journal.write(
-            journal.errors,
-            _error_line(item.line, item.custom_id, f"http_{resp.status_code}", message, response),
-        )
-        progress.failed += 1
+        line = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.custom_id,
+                "response": response, "error": None}  # fmt: skip
+        return True, line
+    message = (body.get("error") or {}).get("message") if isinstance(body, dict) else None
+    err = _error_line(
+        item.line, item.custom_id, f"http_{resp.status_code}", message or "", response
+    )
+    if resp.status_code >= 500:
+        raise _ServerFailed(err)
+    return False, err
 
 
 async def run_batch(
-    app: Any,
+    apps: Sequence[tuple[str, Any]],
     items: list[Item],
     journal: Journal,
     parallel: int,
     on_progress: Callable[[Progress], None] = lambda p: None,
 ) -> Progress:
-    """Run the items not yet in the journal through `app`, `parallel` at a time."""
-    todo = [it for it in items if not journal.is_done(it)]
+    """Run the items not yet in the journal through the replicas' apps ((label, ASGI app) each),
+    `parallel` at a time on each: a replica takes the next item whenever it has room (work
+    stealing: long items do not hold the others back). A replica that fails hands the item back
+    and takes no more; when none is left, the rest go to the error file (as 5xx, to run again)."""
+    todo = deque(it for it in items if not journal.is_done(it))
     progress = Progress(total=len(todo), t0=time.perf_counter())
-    gate = asyncio.Semaphore(parallel)
-    transport = httpx.ASGITransport(app=app)
+    alive = {label for label, _ in apps}
     timeout = httpx.Timeout(None)  # an item takes as long as its generation does
-    async with httpx.AsyncClient(
-        transport=transport, base_url="http://batch", timeout=timeout
-    ) as c:
 
-        async def one(item: Item) -> None:
-            async with gate:
-                await _run_item(c, item, journal, progress)
-                on_progress(progress)
+    async def replica(label: str, app: Any) -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://batch", timeout=timeout
+        ) as c:
 
-        await asyncio.gather(*(one(it) for it in todo))
+            async def lane() -> None:
+                while todo and label in alive:
+                    item = todo.popleft()
+                    try:
+                        ok, line = await _run_item(c, item)
+                    except _ServerFailed as exc:
+                        if label in alive:
+                            alive.discard(label)
+                            progress.lost.append(label)
+                        if alive:  # another replica takes it
+                            todo.appendleft(item)
+                        else:
+                            journal.write(journal.errors, exc.line)
+                            progress.failed += 1
+                        on_progress(progress)
+                        return
+                    if ok:
+                        journal.write(journal.output, line)
+                        progress.done += 1
+                        progress.by_replica[label] = progress.by_replica.get(label, 0) + 1
+                        usage = line["response"]["body"].get("usage") or {}
+                        progress.tokens += int(usage.get("completion_tokens", 0))
+                    else:
+                        journal.write(journal.errors, line)
+                        progress.failed += 1
+                    on_progress(progress)
+
+            await asyncio.gather(*(lane() for _ in range(parallel)))
+
+    await asyncio.gather(*(replica(label, app) for label, app in apps))
+    if todo:  # every replica failed with items left: they run again next time
+        for item in todo:
+            journal.write(journal.errors, _error_line(
+                item.line, item.custom_id, "server_error", "every replica failed"
+            ))  # fmt: skip
+            progress.failed += 1
     return progress
 
 
