@@ -81,7 +81,8 @@ def test_bad_lines_go_to_the_error_file_and_the_rest_runs(
     ids = m.tokenizer.encode(
         m.chat.render([{"role": "user", "content": "The capital of France is"}])
     )
-    want = m.tokenizer.decode(list(generate(m, ids, 12, Sampler(GREEDY))))
+    gen = generate(m, ids, 12, Sampler(GREEDY))
+    want = m.tokenizer.decode([t for t in gen if t not in m.tokenizer.eot_ids])
     assert _content(results["a"]) == want
     # the same command again: nothing left to do, nothing written twice
     again = _batch(inp, out)

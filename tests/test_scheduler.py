@@ -240,3 +240,40 @@ def test_failed_batch_reports_and_scheduler_goes_on(smol: Model, sched: Schedule
     assert isinstance(evs_g[-1], Finished) and evs_g[-1].n_generated == 5
     ((toks, fin),) = _run(sched, [Request(tuple(good), GREEDY, 5, frozenset())])
     assert toks == _alone(smol, good, 5)
+
+
+def test_interactive_requests_go_before_waiting_batch_requests(smol: Model) -> None:
+    """One sequence at a time: while a batch request runs, another batch request and then a chat
+    wait; the chat is admitted first when the slot frees (FIFO within each kind)."""
+    from potluck.engine.scheduler import BATCH, INTERACTIVE
+
+    s = Scheduler(smol, SchedulerConfig(max_active=1))
+    try:
+        ids = tuple(smol.tokenizer.encode("Hello"))
+        first_token: dict[str, float] = {}
+
+        def sink(name: str) -> QueueSink:
+            q = QueueSink()
+            inner = q.__call__
+
+            def call(ev) -> None:
+                if isinstance(ev, TokenEvent):
+                    first_token.setdefault(name, time.perf_counter())
+                inner(ev)
+
+            q.__call__ = call  # type: ignore[method-assign]
+            return q
+
+        sinks = {}
+        for name, prio in (("running", BATCH), ("batch", BATCH), ("chat", INTERACTIVE)):
+            sinks[name] = sink(name)
+            s.submit(Request(ids, GREEDY, 24, frozenset(), prio), sinks[name].__call__)
+            deadline = time.monotonic() + 30
+            while name == "running" and name not in first_token:  # it holds the one slot
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+        for q in sinks.values():
+            assert isinstance(list(q.events(timeout=60))[-1], Finished)
+        assert first_token["running"] < first_token["chat"] < first_token["batch"]
+    finally:
+        s.close()

@@ -76,6 +76,7 @@ class Server:
         cmd = [sys.executable, "-m", "potluck.cli", "serve", "-m", str(model), "-c", str(CTX)]
         cmd += ["-t", os.environ.get("POTLUCK_TEST_THREADS", "2")]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *extra]
+        cmd += ["--batch-dir", str(log.with_suffix(".batches"))]  # batches of its own
         with log.open("w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
         self._wait_healthy()
@@ -624,3 +625,36 @@ def test_errors_are_shown_and_the_chat_recovers(page: Page, server: Server) -> N
     page.ask("Hello!")
     got = page.stored()[0]["messages"][-1]["content"]
     assert got == server.greedy([{"role": "user", "content": "Hello!"}], 8)
+
+
+def test_dashboard_shows_a_batch_and_its_progress(
+    page: Page, server: Server, artifacts: Path
+) -> None:
+    """A batch created through the Batches API appears under the nodes with its status and the
+    requests done, and ends as completed."""
+    import openai
+
+    model = server.model_id()
+    lines = [
+        json.dumps({"custom_id": f"w{i}", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": model, "max_tokens": 4, "temperature": 0,
+                             "messages": [{"role": "user", "content": f"Say {i}."}]}})
+        for i in range(6)
+    ]  # fmt: skip
+    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", timeout=60)
+    f = client.files.create(file=("web.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    b = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    pg = page.page
+    row = pg.locator("#batches .batch", has_text=b.id[-8:])
+    row.wait_for()
+    pg.wait_for_function(
+        "id => [...document.querySelectorAll('#batches .batch')].some("
+        "li => li.textContent.includes(id) && li.dataset.status === 'completed')",
+        arg=b.id[-8:],
+        timeout=ANSWER_TIMEOUT_MS,
+    )
+    assert "completed · 6/6" in row.inner_text()
+    assert row.locator(".bar").get_attribute("aria-valuenow") == "100"
+    page.shot(artifacts, "desktop-batch")

@@ -1404,6 +1404,13 @@ def serve(
     max_queue: Annotated[
         int, typer.Option("--max-queue", help="Requests that may wait; more get HTTP 429.")
     ] = 64,
+    batch_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--batch-dir",
+            help="Where the batch API keeps its database and files (default: the cache's batches/).",
+        ),
+    ] = None,
     parallel: ParallelOpt = DEFAULT_PARALLEL,
     pool: PoolOpt = DEFAULT_POOL,
     no_mdns: NoMdnsOpt = False,
@@ -1441,7 +1448,11 @@ def serve(
     )  # fmt: skip
     sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, batch))
     scheduler = Scheduler(m, sched_config)
-    app_ = create_app(m, scheduler, ServerConfig(model_id=model_id_of(m), api_key=key))
+    from potluck.modelfile.sources import cache_dir
+
+    batches = batch_dir or cache_dir() / "batches"
+    config = ServerConfig(model_id=model_id_of(m), api_key=key, batch_dir=batches)
+    app_ = create_app(m, scheduler, config)
 
     def on_listen(url: str) -> None:
         auth = "API key required" if key else "no API key"

@@ -188,12 +188,15 @@ class _ServerFailed(Exception):
         self.line = line
 
 
-async def _run_item(client: httpx.AsyncClient, item: Item) -> tuple[bool, dict[str, Any]]:
+async def _run_item(
+    client: httpx.AsyncClient, item: Item, extra: dict[str, str]
+) -> tuple[bool, dict[str, Any]]:
     """POST one item: (True, output line) on 200, (False, error line) on a 4xx; raises
     _ServerFailed when the replica failed."""
     rid = f"req_{uuid.uuid4().hex}"
     try:
-        resp = await client.post(item.url, json=item.body, headers={"X-Request-Id": rid})
+        headers = {"X-Request-Id": rid, "X-Potluck-Priority": "batch", **extra}
+        resp = await client.post(item.url, json=item.body, headers=headers)
         body = resp.json()
     except (httpx.HTTPError, ValueError) as exc:
         raise _ServerFailed(
@@ -219,11 +222,15 @@ async def run_batch(
     journal: Journal,
     parallel: int,
     on_progress: Callable[[Progress], None] = lambda p: None,
+    stop: Callable[[], bool] = lambda: False,
+    headers: dict[str, str] | None = None,
 ) -> Progress:
     """Run the items not yet in the journal through the replicas' apps ((label, ASGI app) each),
     `parallel` at a time on each: a replica takes the next item whenever it has room (work
     stealing: long items do not hold the others back). A replica that fails hands the item back
-    and takes no more; when none is left, the rest go to the error file (as 5xx, to run again)."""
+    and takes no more; when none is left, the rest go to the error file (as 5xx, to run again).
+    stop(): no more items are started once it says so (a cancelled batch); the ones running end.
+    headers: sent with every item (the server's API key)."""
     todo = deque(it for it in items if not journal.is_done(it))
     progress = Progress(total=len(todo), t0=time.perf_counter())
     alive = {label for label, _ in apps}
@@ -236,10 +243,10 @@ async def run_batch(
         ) as c:
 
             async def lane() -> None:
-                while todo and label in alive:
+                while todo and label in alive and not stop():
                     item = todo.popleft()
                     try:
-                        ok, line = await _run_item(c, item)
+                        ok, line = await _run_item(c, item, headers or {})
                     except _ServerFailed as exc:
                         if label in alive:
                             alive.discard(label)
@@ -265,7 +272,7 @@ async def run_batch(
             await asyncio.gather(*(lane() for _ in range(parallel)))
 
     await asyncio.gather(*(replica(label, app) for label, app in apps))
-    if todo:  # every replica failed with items left: they run again next time
+    if todo and not stop():  # every replica failed with items left: they run again next time
         for item in todo:
             journal.write(journal.errors, _error_line(
                 item.line, item.custom_id, "server_error", "every replica failed"

@@ -14,7 +14,8 @@ GET /api/pool returns exactly:
    "nodes": [{"name", "address" ("local" or "host:port"), "device", "layers": [start, stop],
               "memory_used_bytes", "memory_total_bytes", "compute_ms" (or null), "hop_ms" (or null),
               "tokens_per_s" (or null), "status" ("ok" or "unreachable")}],
-   "tokens_per_s", "requests_active", "requests_queued", "requests_total"}
+   "tokens_per_s", "requests_active", "requests_queued", "requests_total",
+   "batches": [{"id", "status", "total", "completed", "failed"}] (running ones and the last done)}
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from potluck import __version__
 from potluck.api import errors
+from potluck.api.batches import batch_progress
 from potluck.api.errors import ApiError
 from potluck.api.metrics import CONTENT_TYPE, HttpCounters, render
 from potluck.api.pool import PoolInfo
@@ -53,6 +55,8 @@ from potluck.api.text import StopText
 from potluck.engine.generate import Model
 from potluck.engine.sampling import SamplingParams, Token
 from potluck.engine.scheduler import (
+    BATCH,
+    INTERACTIVE,
     Event,
     Failed,
     Finished,
@@ -78,6 +82,7 @@ class ServerConfig:
     api_key: str | None = None
     event_timeout_s: float = 300.0  # longest silence from the scheduler before a request fails
     default_completion_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
+    batch_dir: Path | None = None  # the Files and Batches API's database and files (None: off)
 
 
 def model_id_of(model: Model) -> str:
@@ -240,6 +245,7 @@ class Api:
         prompts: list[list[int]],
         body: ChatCompletionRequest | CompletionRequest,
         default_tokens: int | None,
+        priority: int = INTERACTIVE,
     ) -> _Job:
         """Submit every choice (prompts × n); all or none (429 cancels the ones already in)."""
         if len(prompts) * body.n > MAX_CHOICES:
@@ -269,7 +275,7 @@ class Api:
                     def sink(ev: Event, index: int = index) -> None:
                         loop.call_soon_threadsafe(job.queue.put_nowait, (index, ev))
 
-                    req = Request(tuple(ids), params, budget, self.tokenizer.eot_ids)
+                    req = Request(tuple(ids), params, budget, self.tokenizer.eot_ids, priority)
                     stream = self.scheduler.submit(req, sink)
                     job.choices.append(
                         _Choice(index, stream, StopText(self.tokenizer, body.stops()), len(ids))
@@ -427,6 +433,23 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
             404, f"no route {request.method} {request.url.path}", "invalid_request_error"
         ).response()
 
+    if config.batch_dir is not None:  # the Files and Batches API (api/batches.py)
+        from potluck.api.batches import (
+            LANES_BEHIND_CHATS,
+            BatchRunner,
+            BatchStore,
+            add_batch_routes,
+        )
+
+        store = BatchStore(config.batch_dir)
+        lanes = max(1, scheduler.config.max_active - LANES_BEHIND_CHATS)
+        key = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        runner = BatchRunner(store, app, lanes, key)
+        app.state.batches = store
+        app.router.on_startup.append(runner.start)
+        app.router.on_shutdown.append(runner.stop)
+        add_batch_routes(app, store, runner, guarded)
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {
@@ -448,7 +471,10 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
     @app.get("/api/pool", dependencies=guarded)
     async def pool() -> dict[str, Any]:
         await run_in_threadpool(api.pool.refresh_hellos)
-        return api.pool.snapshot()
+        snap = api.pool.snapshot()
+        store = getattr(app.state, "batches", None)
+        snap["batches"] = [] if store is None else batch_progress(store)
+        return snap
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics() -> Response:
@@ -464,7 +490,7 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
         except ChatTemplateError as exc:
             raise errors.bad_request(str(exc), "messages") from exc
         ids = await run_in_threadpool(model.tokenizer.encode, text)
-        job = api.start([ids], body, None)
+        job = api.start([ids], body, None, _priority(request))
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         want_lp = body.logprobs
         if body.stream:
@@ -512,7 +538,7 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
         prompts, texts0 = await run_in_threadpool(_completion_prompts, api, body.prompt)
         if body.echo and body.logprobs is not None:
             raise errors.bad_request("echo with logprobs is not supported", "echo")
-        job = api.start(prompts, body, config.default_completion_tokens)
+        job = api.start(prompts, body, config.default_completion_tokens, _priority(request))
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         echo = {c.index: (texts0[c.index // body.n] if body.echo else "") for c in job.choices}
         if body.stream:
@@ -558,6 +584,15 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
     if STATIC_DIR.is_dir():
         app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")
     return app
+
+
+PRIORITY_HEADER = "X-Potluck-Priority"  # "batch": after interactive requests (a batch job's)
+
+
+def _priority(request: HttpRequest) -> int:
+    """A request that says it belongs to a batch job waits behind interactive ones (a client can
+    only lower its own priority this way)."""
+    return BATCH if request.headers.get(PRIORITY_HEADER, "").lower() == "batch" else INTERACTIVE
 
 
 def _model_card(api: Api) -> dict[str, Any]:
@@ -798,7 +833,7 @@ def uvicorn_server(app: FastAPI) -> Any:
     import uvicorn
 
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off"
+        app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="on"
     )
     return uvicorn.Server(config)
 

@@ -50,6 +50,7 @@ class SchedulerClosedError(PotluckError):
 
 
 MAX_DECODE_ROWS = 8  # sequences in one decode step by default
+INTERACTIVE, BATCH = 0, 1  # Request.priority: who is admitted first when sequences free up
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Request:
     params: SamplingParams
     max_tokens: int
     stop_ids: frozenset[int]
+    priority: int = INTERACTIVE  # lower runs first: a chat before a batch job's request
 
 
 @dataclass(frozen=True)
@@ -331,7 +333,9 @@ class Scheduler:
     def _admit(self) -> None:
         with self._lock:
             while self._waiting and len(self._active) < self.config.max_active:
-                seq = self._waiting.popleft()
+                # the first waiting request of the most urgent kind (FIFO within a kind)
+                seq = min(self._waiting, key=lambda s: s.req.priority)
+                self._waiting.remove(seq)
                 self._active[seq.seq_id] = seq
         # a request cancelled while it waited never touches the pipeline
         for seq in [s for s in self._active.values() if s.cancelled and s.in_flight == 0]:

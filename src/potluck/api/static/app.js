@@ -564,6 +564,35 @@ function renderPool(pool) {
       nodeViews.delete(key);
     }
   }
+  renderBatches(Array.isArray(pool.batches) ? pool.batches : []);
+}
+
+// Batch jobs (the Batches API): one line each, with a bar of the requests done.
+function renderBatches(batches) {
+  const list = $("batches");
+  list.replaceChildren(
+    ...batches.map((b) => {
+      const li = document.createElement("li");
+      li.className = "batch";
+      li.dataset.status = String(b.status);
+      const done = (b.completed ?? 0) + (b.failed ?? 0);
+      const pct = b.total > 0 ? Math.min(100, (100 * done) / b.total) : 0;
+      const label = document.createElement("span");
+      label.className = "batch-label";
+      const failed = b.failed ? `, ${b.failed} failed` : "";
+      label.textContent = `batch ${String(b.id).slice(-8)} · ${b.status} · ${b.completed ?? 0}/${b.total ?? 0}${failed}`;
+      const bar = document.createElement("div");
+      bar.className = "bar";
+      bar.setAttribute("role", "progressbar");
+      bar.setAttribute("aria-valuenow", pct.toFixed(0));
+      const fill = document.createElement("div");
+      fill.className = "bar-fill";
+      fill.style.width = `${pct}%`;
+      bar.append(fill);
+      li.append(label, bar);
+      return li;
+    }),
+  );
 }
 
 function fillNode(li, node, slowest) {

@@ -1,0 +1,366 @@
+"""OpenAI's Files and Batches API on `potluck serve`: upload a batch input file, create a batch, poll
+it, download its output and error files. Batches run on the server's own model, behind the
+interactive requests (their requests carry X-Potluck-Priority: batch), and survive a restart.
+
+    POST /v1/files (multipart: purpose=batch, file)    GET /v1/files/{id}    GET /v1/files
+    GET /v1/files/{id}/content                          DELETE /v1/files/{id}
+    POST /v1/batches {input_file_id, endpoint, completion_window: "24h", metadata}
+    GET /v1/batches/{id}    POST /v1/batches/{id}/cancel    GET /v1/batches?after=&limit=
+
+State: a SQLite database (the standard library's) and the files, under one folder (the cache's
+`batches/`). A batch goes validating → in_progress → finalizing → completed; cancel makes it
+cancelling → cancelled once its running requests end; one not done 24 h after it was created is
+expired. Its requests run through api/batch.py's runner with its journal (an output and an error
+file per batch), so a server killed mid-batch continues it on restart, every request once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, File, Form, UploadFile
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from potluck.api import errors
+from potluck.api.batch import URLS, Journal, Progress, read_input, run_batch, write_bad_lines
+
+log = logging.getLogger(__name__)
+WINDOW_S = 24 * 3600  # "24h", the one completion window OpenAI offers
+MAX_FILE_BYTES = 200 * 2**20  # OpenAI's limit for a batch input file
+LANES_BEHIND_CHATS = 1  # sequences a batch leaves free for interactive requests (of -np)
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+  id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL,
+  created_at INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS batches (
+  id TEXT PRIMARY KEY, seq INTEGER NOT NULL, body TEXT NOT NULL);
+"""
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+class BatchStore:
+    """Files and batches on disk: <root>/potluck.sqlite3 and <root>/files/<file id>. One lock: the
+    server's loop and the runner both use it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.files_dir = root, root / "files"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(root / "potluck.sqlite3", check_same_thread=False)
+        self.db.executescript(_SCHEMA)
+        self.lock = threading.Lock()
+
+    # files
+    def add_file(self, data: bytes, filename: str, purpose: str) -> dict[str, Any]:
+        fid = f"file-{uuid.uuid4().hex[:24]}"
+        return self.add_file_at(fid, data, filename, purpose)
+
+    def add_file_at(self, fid: str, data: bytes, filename: str, purpose: str) -> dict[str, Any]:
+        tmp = self.files_dir / f".{fid}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(self.files_dir / fid)
+        with self.lock, self.db:
+            self.db.execute(
+                "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
+                (fid, purpose, filename, len(data), int(time.time())),
+            )
+        return self.file(fid)  # type: ignore[return-value]
+
+    def file(self, fid: str) -> dict[str, Any] | None:
+        with self.lock:
+            row = self.db.execute("SELECT * FROM files WHERE id = ?", (fid,)).fetchone()
+        if row is None:
+            return None
+        fid, purpose, filename, nbytes, created = row
+        return {"id": fid, "object": "file", "bytes": nbytes, "created_at": created,
+                "filename": filename, "purpose": purpose, "status": "processed",
+                "expires_at": None, "status_details": None}  # fmt: skip
+
+    def files(self) -> list[dict[str, Any]]:
+        with self.lock:
+            ids = [r[0] for r in self.db.execute("SELECT id FROM files ORDER BY created_at")]
+        return [f for i in ids if (f := self.file(i)) is not None]
+
+    def delete_file(self, fid: str) -> bool:
+        with self.lock, self.db:
+            gone = self.db.execute("DELETE FROM files WHERE id = ?", (fid,)).rowcount
+        (self.files_dir / fid).unlink(missing_ok=True)
+        return bool(gone)
+
+    def path(self, fid: str) -> Path:
+        return self.files_dir / fid
+
+    # batches
+    def put(self, batch: dict[str, Any]) -> None:
+        with self.lock, self.db:
+            seq = self.db.execute(
+                "SELECT COALESCE((SELECT seq FROM batches WHERE id = ?), "
+                "(SELECT COALESCE(MAX(seq), 0) + 1 FROM batches))",
+                (batch["id"],),
+            ).fetchone()[0]
+            self.db.execute(
+                "INSERT OR REPLACE INTO batches VALUES (?, ?, ?)",
+                (batch["id"], seq, json.dumps(batch)),
+            )
+
+    def batch(self, bid: str) -> dict[str, Any] | None:
+        with self.lock:
+            row = self.db.execute("SELECT body FROM batches WHERE id = ?", (bid,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def batches(self) -> list[dict[str, Any]]:
+        """Newest first, as OpenAI lists them."""
+        with self.lock:
+            rows = self.db.execute("SELECT body FROM batches ORDER BY seq DESC").fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def journal_paths(self, bid: str) -> tuple[Path, Path]:
+        return self.root / f"{bid}.output.jsonl", self.root / f"{bid}.errors.jsonl"
+
+
+class BatchRunner:
+    """Runs the store's active batches one after the other on the server's own app, in the
+    server's event loop; `wake()` after a batch is created or cancelled."""
+
+    def __init__(self, store: BatchStore, app: Any, lanes: int, headers: dict[str, str]) -> None:
+        self.store, self.app, self.lanes, self.headers = store, app, lanes, headers
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            todo = [b for b in reversed(self.store.batches()) if b["status"] in ACTIVE]
+            if not todo:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._run(todo[0])
+            except Exception:  # a bug must not stop every later batch: fail this one, go on
+                log.exception("batch %s failed", todo[0]["id"])
+                b = self.store.batch(todo[0]["id"]) or todo[0]
+                self.store.put({**b, "status": "failed", "failed_at": int(time.time()),
+                                "errors": _errors("internal_error", "the batch runner failed")})  # fmt: skip
+
+    async def _run(self, b: dict[str, Any]) -> None:
+        bid = b["id"]
+        source = self.store.path(b["input_file_id"])
+        if not source.is_file():
+            self.store.put({**b, "status": "failed", "failed_at": int(time.time()),
+                            "errors": _errors("missing_file", f"input file {b['input_file_id']} is gone")})  # fmt: skip
+            return
+        items, bad = read_input(source)
+        for it in items:  # every line goes to the batch's own endpoint
+            if it.url != b["endpoint"]:
+                bad.append(_wrong_url(it, b["endpoint"]))
+        items = [it for it in items if it.url == b["endpoint"]]
+        out, err = self.store.journal_paths(bid)
+        journal = Journal(out, err)
+        write_bad_lines(bad, journal)
+        total = len(items) + len(bad)
+        if b["status"] == "validating":
+            b = {**b, "status": "in_progress", "in_progress_at": int(time.time())}
+            self.store.put(b)
+
+        def counts() -> dict[str, int]:
+            return {"total": total, "completed": _lines(out), "failed": _lines(err)}
+
+        def on_progress(_: Progress) -> None:
+            fresh = self.store.batch(bid) or b
+            self.store.put({**fresh, "request_counts": counts()})
+
+        def stop() -> bool:
+            fresh = self.store.batch(bid) or b
+            return fresh["status"] == "cancelling" or time.time() > fresh["expires_at"]
+
+        if b["status"] == "in_progress":
+            self.store.put({**b, "request_counts": counts()})
+            await run_batch(
+                [("this server", self.app)], items, journal, self.lanes, on_progress, stop,
+                self.headers,
+            )  # fmt: skip
+        self._finish(bid, journal, counts())
+
+    def _finish(self, bid: str, journal: Journal, counts: dict[str, int]) -> None:
+        b = self.store.batch(bid)
+        assert b is not None
+        now = int(time.time())
+        if b["status"] == "cancelling":
+            end = {"status": "cancelled", "cancelled_at": now}
+        elif now > b["expires_at"] and counts["completed"] + counts["failed"] < counts["total"]:
+            end = {"status": "expired", "expired_at": now}
+        else:
+            self.store.put({**b, "status": "finalizing", "finalizing_at": now})
+            end = {"status": "completed", "completed_at": int(time.time())}
+        files = {}
+        for key, path, suffix in (("output_file_id", journal.output, "output"),
+                                  ("error_file_id", journal.errors, "errors")):  # fmt: skip
+            if path.exists() and path.stat().st_size:
+                f = self.store.add_file_at(f"file-{bid}-{suffix}", path.read_bytes(),
+                                           f"{bid}_{suffix}.jsonl", f"batch_{suffix}")  # fmt: skip
+                files[key] = f["id"]
+        b = self.store.batch(bid) or b
+        self.store.put({**b, **end, **files, "request_counts": counts})
+        log.info("batch %s %s: %s", bid, end["status"], counts)
+
+
+def batch_progress(store: BatchStore, recent: int = 3) -> list[dict[str, Any]]:
+    """The dashboard's view: every active batch and the last few finished ones, oldest first."""
+    shown, done = [], 0
+    for b in store.batches():  # newest first
+        if b["status"] not in ACTIVE:
+            done += 1
+            if done > recent:
+                continue
+        counts = b.get("request_counts") or {}
+        shown.append({"id": b["id"], "status": b["status"], "total": counts.get("total", 0),
+                      "completed": counts.get("completed", 0), "failed": counts.get("failed", 0)})  # fmt: skip
+    return shown[::-1]
+
+
+def _lines(path: Path) -> int:
+    return sum(1 for _ in open(path, "rb")) if path.exists() else 0
+
+
+def _errors(code: str, message: str) -> dict[str, Any]:
+    return {"object": "list", "data": [{"code": code, "message": message, "param": None,
+                                        "line": None}]}  # fmt: skip
+
+
+def _wrong_url(it: Any, endpoint: str) -> Any:
+    from potluck.api.batch import BadLine
+
+    return BadLine(it.line, it.custom_id, "invalid_url",
+                   f"url {it.url!r} is not the batch's endpoint {endpoint!r}")  # fmt: skip
+
+
+def new_batch(req: BatchCreate) -> dict[str, Any]:
+    now = int(time.time())
+    return {
+        "id": f"batch_{uuid.uuid4().hex[:24]}", "object": "batch", "endpoint": req.endpoint,
+        "errors": None, "input_file_id": req.input_file_id,
+        "completion_window": req.completion_window, "status": "validating",
+        "output_file_id": None, "error_file_id": None, "created_at": now,
+        "in_progress_at": None, "expires_at": now + WINDOW_S, "finalizing_at": None,
+        "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
+        "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "metadata": req.metadata,
+    }  # fmt: skip
+
+
+def add_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner, guarded: list) -> None:
+    """The Files and Batches endpoints on `app` (guarded: the API key check)."""
+
+    @app.post("/v1/files", dependencies=guarded)
+    async def upload(file: UploadFile = File(...), purpose: str = Form(...)) -> dict[str, Any]:  # noqa: B008
+        if purpose != "batch":
+            raise errors.bad_request(
+                f"purpose {purpose!r}: this server takes 'batch' files", "purpose"
+            )
+        data = await file.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise errors.bad_request(
+                f"the file is larger than {MAX_FILE_BYTES // 2**20} MiB; split the batch", "file"
+            )
+        return store.add_file(data, file.filename or "upload.jsonl", purpose)
+
+    @app.get("/v1/files", dependencies=guarded)
+    async def list_files() -> dict[str, Any]:
+        return {"object": "list", "data": store.files(), "has_more": False}
+
+    @app.get("/v1/files/{fid}", dependencies=guarded)
+    async def get_file(fid: str) -> dict[str, Any]:
+        return _found(store.file(fid), "file", fid)
+
+    @app.get("/v1/files/{fid}/content", dependencies=guarded)
+    async def file_content(fid: str) -> Response:
+        _found(store.file(fid), "file", fid)
+        return Response(store.path(fid).read_bytes(), media_type="application/jsonl")
+
+    @app.delete("/v1/files/{fid}", dependencies=guarded)
+    async def delete_file(fid: str) -> dict[str, Any]:
+        _found(store.file(fid), "file", fid)
+        store.delete_file(fid)
+        return {"id": fid, "object": "file", "deleted": True}
+
+    @app.post("/v1/batches", dependencies=guarded)
+    async def create(body: BatchCreate) -> dict[str, Any]:
+        if body.endpoint not in URLS:
+            raise errors.bad_request(
+                f"endpoint {body.endpoint!r}: use {' or '.join(URLS)}", "endpoint"
+            )
+        if body.completion_window != "24h":
+            raise errors.bad_request("completion_window must be '24h'", "completion_window")
+        f = store.file(body.input_file_id)
+        if f is None or f["purpose"] != "batch":
+            raise errors.bad_request(
+                f"input_file_id {body.input_file_id!r} is not an uploaded batch file",
+                "input_file_id",
+            )
+        batch = new_batch(body)
+        store.put(batch)
+        runner.wake()
+        return batch
+
+    @app.get("/v1/batches/{bid}", dependencies=guarded)
+    async def get_batch(bid: str) -> dict[str, Any]:
+        return _found(store.batch(bid), "batch", bid)
+
+    @app.post("/v1/batches/{bid}/cancel", dependencies=guarded)
+    async def cancel(bid: str) -> dict[str, Any]:
+        b = _found(store.batch(bid), "batch", bid)
+        if b["status"] in ("validating", "in_progress"):
+            b = {**b, "status": "cancelling", "cancelling_at": int(time.time())}
+            store.put(b)
+            runner.wake()
+        return b
+
+    @app.get("/v1/batches", dependencies=guarded)
+    async def list_batches(after: str | None = None, limit: int = 20) -> dict[str, Any]:
+        all_ = store.batches()
+        if after is not None:
+            ids = [b["id"] for b in all_]
+            all_ = all_[ids.index(after) + 1 :] if after in ids else []
+        limit = max(1, min(limit, 100))
+        page = all_[:limit]
+        return {"object": "list", "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(all_) > limit}  # fmt: skip
+
+
+def _found(obj: dict[str, Any] | None, what: str, oid: str) -> dict[str, Any]:
+    if obj is None:
+        raise errors.ApiError(404, f"no {what} with id {oid!r}", "invalid_request_error", "id",
+                              f"{what}_not_found")  # fmt: skip
+    return obj

@@ -1,0 +1,163 @@
+"""The Files and Batches API on a real `potluck serve`, driven by the official `openai` client:
+a 200-request batch survives the server being SIGKILLed and started again (every custom_id once,
+greedy answers as one process gives them alone); cancel; the listing; errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from potluck.engine.generate import generate, load_model
+from potluck.engine.sampling import GREEDY, Sampler
+
+pytestmark = pytest.mark.slow  # ≈ 1 min: 200 requests, a kill and a restart
+
+
+def _serve(model: Path, batch_dir: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "potluck.cli", "serve", "-m", str(model), "-c", "512", "--port",
+         "0", "-np", "4", "--batch-dir", str(batch_dir), "--no-mdns"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        env={**os.environ, "POTLUCK_MDNS": "0"},
+    )  # fmt: skip
+    assert proc.stderr is not None
+    deadline, seen = time.monotonic() + 90, []
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if found := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line):
+            return proc, found.group(1)
+    proc.kill()
+    raise AssertionError("".join(seen))
+
+
+@pytest.fixture
+def batch_dir(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "batches"
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _input(path: Path, model_id: str, n: int) -> None:
+    with open(path, "w") as f:
+        for i in range(n):
+            body = {"model": model_id, "max_tokens": 10, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"Say the number {i} in words."}]}  # fmt: skip
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                "url": "/v1/chat/completions", "body": body}) + "\n")  # fmt: skip
+        f.write('{"custom_id": "broken"\n')  # a bad line: to the error file
+
+
+def _wait(c: openai.OpenAI, bid: str, until, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        b = c.batches.retrieve(bid)
+        if until(b):
+            return b
+        time.sleep(0.2)
+    raise AssertionError(f"batch {bid} stayed {b.status}: {b.request_counts}")
+
+
+def test_a_batch_survives_a_server_killed_and_restarted(
+    smollm2_path: Path, batch_dir: Path, tmp_path: Path
+) -> None:
+    model_id = smollm2_path.stem
+    inp = tmp_path / "in.jsonl"
+    _input(inp, model_id, 200)
+    proc, url = _serve(smollm2_path, batch_dir)
+    try:
+        c = _client(url)
+        f = c.files.create(file=inp.open("rb"), purpose="batch")
+        assert f.purpose == "batch" and f.bytes == inp.stat().st_size
+        b = c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+            metadata={"job": "numbers"},
+        )  # fmt: skip
+        assert b.status in ("validating", "in_progress") and b.metadata == {"job": "numbers"}
+        b = _wait(c, b.id, lambda b: b.request_counts and b.request_counts.completed >= 30)
+        assert b.status == "in_progress" and b.request_counts.total == 201
+        # an interactive chat meanwhile is answered (batch requests wait behind it)
+        chat = c.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert chat.usage.completion_tokens >= 1
+    finally:
+        proc.kill()  # SIGKILL: no chance to tidy up
+        proc.wait()
+    proc, url = _serve(smollm2_path, batch_dir)
+    try:
+        c = _client(url)
+        b = _wait(c, b.id, lambda b: b.status == "completed")
+        assert b.request_counts.completed == 200 and b.request_counts.failed == 1
+        assert b.completed_at and b.in_progress_at and b.finalizing_at
+        out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
+        errs = [json.loads(x) for x in c.files.content(b.error_file_id).text.splitlines()]
+        assert [e["error"]["code"] for e in errs] == ["invalid_json"]
+        ids = [o["custom_id"] for o in out]
+        assert sorted(ids) == sorted(f"r{i}" for i in range(200))  # each once
+        assert [x.id for x in c.batches.list().data] == [b.id]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    # greedy answers as one process alone gives them (a sample of ten)
+    m = load_model(smollm2_path, n_ctx=512)
+    by_id = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in out}
+    for i in random.Random(0).sample(range(200), 10):
+        msgs = [{"role": "user", "content": f"Say the number {i} in words."}]
+        ids = generate(m, m.tokenizer.encode(m.chat.render(msgs)), 10, Sampler(GREEDY))
+        want = m.tokenizer.decode([t for t in ids if t not in m.tokenizer.eot_ids])
+        assert by_id[f"r{i}"] == want, i
+
+
+def test_cancel_list_and_errors(smollm2_path: Path, batch_dir: Path, tmp_path: Path) -> None:
+    inp = tmp_path / "in.jsonl"
+    _input(inp, smollm2_path.stem, 60)
+    proc, url = _serve(smollm2_path, batch_dir)
+    try:
+        c = _client(url)
+        f = c.files.create(file=inp.open("rb"), purpose="batch")
+        first = c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        b = c.batches.cancel(first.id)
+        assert b.status in ("cancelling", "cancelled")
+        b = _wait(c, first.id, lambda b: b.status == "cancelled")
+        assert b.cancelled_at and b.request_counts.completed < 60
+        second = c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        listed = c.batches.list(limit=1)
+        assert [x.id for x in listed.data] == [second.id] and listed.has_more
+        assert [x.id for x in c.batches.list(after=second.id).data] == [first.id]
+        # errors in OpenAI's shape, with the reason
+        with pytest.raises(openai.BadRequestError, match="input_file_id"):
+            c.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
+                             completion_window="24h")  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match="endpoint"):
+            c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+        with pytest.raises(openai.NotFoundError):
+            c.batches.retrieve("batch_nope")
+        r = httpx.post(url + "/v1/files", files={"file": ("x.jsonl", b"{}\n")},
+                       data={"purpose": "fine-tune"})  # fmt: skip
+        assert r.status_code == 400 and "purpose" in r.json()["error"]["message"]
+        assert c.files.delete(f.id).deleted
+        with pytest.raises(openai.NotFoundError):
+            c.files.retrieve(f.id)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
