@@ -620,7 +620,9 @@ def test_pool_and_metrics(server: Server) -> None:
         "requests_active",
         "requests_queued",
         "requests_total",
+        "batches",
     }
+    assert p["batches"] == []  # (no batch API on this app: ServerConfig.batch_dir is None)
     assert p["model"]["name"] == server.model_id and p["model"]["arch"] == "llama"
     assert p["model"]["n_layer"] == 30 and p["model"]["n_ctx"] == N_CTX and p["model"]["quant"]
     (node,) = p["nodes"]

@@ -151,13 +151,14 @@ def test_the_journal_reruns_what_failed_for_the_servers_sake(tmp_path: Path) -> 
 
 def test_replicas_on_two_workers_survive_one_killed(smollm2_path: Path, tmp_path: Path) -> None:
     """Two workers, each holding the whole model, are two replicas (the head holds none:
-    --mem 0); one is SIGKILLed mid-job: its requests go to the other, and the output has every
-    custom_id once, each answer as one process gives it."""
+    --mem 0); one is SIGKILLed mid-job: its requests go to the other; started again on its
+    port, it joins the job again; the output has every custom_id once, each answer as one
+    process gives it."""
     from test_pool import start_worker
 
     inp = tmp_path / "in.jsonl"
     inp.write_text(
-        "".join(_chat(f"q{i}", f"Count from {i} to {i + 20}.", n=24) + "\n" for i in range(24))
+        "".join(_chat(f"q{i}", f"Count from {i} to {i + 20}.", n=24) + "\n" for i in range(40))
     )
     whole = tmp_path / "whole.jsonl"
     ref = _batch(inp, whole, "-np", "2")
@@ -167,6 +168,15 @@ def test_replicas_on_two_workers_survive_one_killed(smollm2_path: Path, tmp_path
     a, addr_a = start_worker()
     b, addr_b = start_worker()
     try:
+        plan = subprocess.run(
+            [sys.executable, "-m", "potluck.cli", "plan", "--batch", "-m", str(smollm2_path),
+             "--peer", addr_a, "--peer", addr_b, "--mem", "0", "--no-mdns", "-np", "2"],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "POTLUCK_MDNS": "0", "COLUMNS": "200"},
+        )  # fmt: skip
+        assert plan.returncode == 0, plan.stderr
+        assert addr_a in plan.stdout and addr_b in plan.stdout, plan.stdout
+        assert "best single machine: 127.0.0.1:" in plan.stdout and "the pool:" in plan.stdout
         out = tmp_path / "out.jsonl"
         proc = _batch(inp, out, "--peer", addr_a, "--peer", addr_b, "--mem", "0", "-np", "2")
         deadline = time.monotonic() + 300
@@ -174,6 +184,10 @@ def test_replicas_on_two_workers_survive_one_killed(smollm2_path: Path, tmp_path
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         a.kill()
+        a.wait(timeout=10)
+        port = addr_a.rsplit(":", 1)[1]
+        a, again = start_worker(args=("-p", port))  # the same machine, back
+        assert again == addr_a
         _, said = proc.communicate(timeout=600)
     finally:
         for w in (a, b):
@@ -185,6 +199,7 @@ def test_replicas_on_two_workers_survive_one_killed(smollm2_path: Path, tmp_path
         and f"replica {addr_b}: the whole model" in said
     )
     assert f"replica {addr_a} failed" in said, said
+    assert f"replica {addr_a} is back" in said, said
     lines = _lines(out)
     assert sorted(line["custom_id"] for line in lines) == sorted(want)
     assert {line["custom_id"]: _content(line) for line in lines} == want

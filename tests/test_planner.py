@@ -631,3 +631,16 @@ def test_batch_replicas_each_machine_that_holds_the_model_and_one_pipeline() -> 
     assert one.left_out[1][0] == "c" and "cannot hold the model alone" in one.left_out[1][1]
     with pytest.raises(NotEnoughMemoryError):
         plan_replicas(fp, [cpu("c", 800 * MiB)], links)
+    # potluck plan --batch: a row per replica; the pool's items/hour against the best machine's
+    from potluck.planner.replicas import format_replicas
+
+    rows, lines = format_replicas(reps, item_tokens=100)
+    assert [r[0] for r in rows] == ["b", "a", pipe.label] and rows[2][1] == "a pipeline"
+    per_hour = [float(r[3]) for r in rows]
+    assert per_hour[0] == pytest.approx(reps.replicas[0].tokens_per_s * 36, abs=1)
+    assert lines[0].startswith(f"the pool: {reps.tokens_per_s * 36:.0f} items/hour of 100 tokens")
+    ratio = reps.tokens_per_s / reps.replicas[0].tokens_per_s
+    assert lines[1] == (
+        f"best single machine: b, {per_hour[0]:.0f} items/hour; the pool {ratio:.2f}× that"
+    )
+    assert lines[2] == "left out: head (offers no memory (--mem 0))"

@@ -860,13 +860,22 @@ def plan(
     tensor_split: SplitOpt = None,
     mem: HeadMemOpt = None,
     parallel: ParallelOpt = 1,
+    batch_plan: Annotated[
+        bool,
+        typer.Option(
+            "--batch", help="Plan a batch job: replicas (data parallel) and items per hour."
+        ),
+    ] = False,
+    item_tokens: Annotated[
+        int, typer.Option("--item-tokens", min=1, help="--batch: tokens generated per item.")
+    ] = 256,
     pool: PoolOpt = DEFAULT_POOL,
     no_mdns: NoMdnsOpt = False,
     secret: SecretOpt = None,
     tls: TlsOpt = False,
 ) -> None:
     """Dry run: who would get which layers, memory per node, predicted tok/s, and whether pooling
-    beats the best single machine at all."""
+    beats the best single machine at all (--batch: the replicas of a batch job)."""
     from potluck.modelfile.sources import resolve_model
     from potluck.planner import PLAN_COLUMNS, format_plan, format_summary
 
@@ -874,6 +883,20 @@ def plan(
     _setup_threads(None)
     path = resolve_model(model)
     found = _found(finder, lambda: _auth(secret, tls))
+    if batch_plan:
+        from potluck.planner.replicas import REPLICA_COLUMNS, format_replicas, plan_replicas
+
+        auth = _auth(secret, tls) if found else None
+        nodes, links, fp = _survey(path, ctx, found, auth, _head_mem(mem), parallel)
+        rows, lines = format_replicas(plan_replicas(fp, nodes, links), item_tokens)
+        table = Table(*REPLICA_COLUMNS, title=f"{path.name} · batch replicas · context {fp.n_ctx}")
+        table.columns[0].no_wrap = True
+        for row in rows:
+            table.add_row(*row)
+        Console().print(table)
+        for line in lines:
+            print(line)
+        return
     p = _plan(
         path, ctx, found, _shares(tensor_split), _auth(secret, tls) if found else None,
         mem=_head_mem(mem), n_seq=parallel,
@@ -1294,18 +1317,31 @@ def batch(
         err.print(f"every request is done: {output}")
         return
     finder = _peers(peer, rpc, pool, no_mdns)
-    replicas = _replicas(model, ctx, threads, finder, (secret, tls), _head_mem(mem), parallel)
-    apps, schedulers = [], []
-    for label, m in replicas:
+    replicas, reload = _replicas(
+        model, ctx, threads, finder, (secret, tls), _head_mem(mem), parallel
+    )  # fmt: skip
+    schedulers: list = []
+
+    def app_of(m):
         config = SchedulerConfig(n_batch=prompt_batch(m), max_active=parallel, max_queue=len(items))
         schedulers.append(Scheduler(m, config))
-        server = ServerConfig(model_id=model_id_of(m), api_key=None)
-        apps.append((label, create_app(m, schedulers[-1], server)))
+        return create_app(m, schedulers[-1], ServerConfig(model_id=model_id_of(m), api_key=None))
+
+    apps = [(label, app_of(m)) for label, m in replicas]
+
+    async def revive(label: str):
+        m = await asyncio.to_thread(reload, label)
+        if m is None:
+            return None
+        replicas.append((label, m))
+        return app_of(m)
+
     bar = Progress(
         TextColumn("[bold]batch[/]"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=err,
     )  # fmt: skip
     lost: list[str] = []
+    back: list[str] = []
     try:
         with bar:
             task = bar.add_task("batch", total=len(items) - already, rate="")
@@ -1326,8 +1362,13 @@ def batch(
                 for label in p.lost[len(lost) :]:
                     lost.append(label)
                     err.print(f"[yellow]replica {label} failed: its requests go to the others[/]")
+                for label in p.back[len(back) :]:
+                    back.append(label)
+                    err.print(f"[green]replica {label} is back and takes requests again[/]")
 
-            done = asyncio.run(run_batch(apps, items, journal, parallel, on_progress))
+            done = asyncio.run(
+                run_batch(apps, items, journal, parallel, on_progress, revive=revive)
+            )
     finally:
         for sch in schedulers:
             sch.close()
@@ -1341,8 +1382,10 @@ def batch(
 
 
 def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
-    """The batch job's replicas, loaded: [(label, Model)]. Alone: this machine. With workers:
-    each machine that holds the whole model is a replica, the others one pipeline (planner)."""
+    """The batch job's replicas, loaded: ([(label, Model)], reload). Alone: this machine. With
+    workers: each machine that holds the whole model is a replica, the others one pipeline
+    (planner). reload(label): a failed single-machine replica loaded again if its machine
+    answers, else None (blocking)."""
     from potluck.engine.generate import load_model
     from potluck.engine.replicas import load_replicas
     from potluck.modelfile.sources import resolve_model
@@ -1359,7 +1402,7 @@ def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
             )
         m = load_model(path, ctx, n_seq=n_seq)
         err.print(f"[dim]{m.summary()}[/]")
-        return [("this machine", m)]
+        return [("this machine", m)], lambda label: None
     auth = _auth(*auth_flags)
     nodes, links, fp = _survey(path, ctx, addresses, auth, mem, n_seq)
     plan = plan_replicas(fp, nodes, links)
@@ -1369,7 +1412,29 @@ def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
     for node, why in plan.left_out:
         err.print(f"[dim]  left out {node}: {why}[/]")
     names = [n.name for n in nodes]
-    return load_replicas(path, ctx, plan.replicas, names, links, auth, n_seq)
+    by_label = {r.label: r for r in plan.replicas if r.plan is None}
+
+    def reload(label: str):
+        from potluck.transport import potluck_pb2 as pb
+        from potluck.transport.client import NodeClient
+        from potluck.transport.codec import PROTOCOL_VERSION
+
+        r = by_label.get(label)
+        if r is None or label not in addresses:
+            return None  # this machine's replica does not fail; a pipeline is not reloaded
+        client = NodeClient(label, auth)
+        try:
+            client.hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=2.0)
+        except PotluckError:
+            return None  # not back yet
+        finally:
+            client.close()
+        try:
+            return load_replicas(path, ctx, [r], names, links, auth, n_seq)[0][1]
+        except PotluckError:
+            return None
+
+    return load_replicas(path, ctx, plan.replicas, names, links, auth, n_seq), reload
 
 
 @app.command()

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 URLS = ("/v1/chat/completions", "/v1/completions")
+REVIVE_S = 5.0  # how often a failed replica's machine is asked whether it is back (seconds)
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ class Progress:
     t0: float = 0.0
     by_replica: dict[str, int] = field(default_factory=dict)  # requests each replica finished
     lost: list[str] = field(default_factory=list)  # replicas that failed, in order
+    back: list[str] = field(default_factory=list)  # failed replicas that joined again, in order
 
 
 def _error_line(line: int, cid: str | None, code: str, message: str, response: Any = None) -> dict:
@@ -224,13 +226,16 @@ async def run_batch(
     on_progress: Callable[[Progress], None] = lambda p: None,
     stop: Callable[[], bool] = lambda: False,
     headers: dict[str, str] | None = None,
+    revive: Callable[[str], Awaitable[Any | None]] | None = None,
 ) -> Progress:
     """Run the items not yet in the journal through the replicas' apps ((label, ASGI app) each),
     `parallel` at a time on each: a replica takes the next item whenever it has room (work
     stealing: long items do not hold the others back). A replica that fails hands the item back
     and takes no more; when none is left, the rest go to the error file (as 5xx, to run again).
     stop(): no more items are started once it says so (a cancelled batch); the ones running end.
-    headers: sent with every item (the server's API key)."""
+    headers: sent with every item (the server's API key). revive(label): every REVIVE_S, for
+    each failed replica while items are left, its app again if its machine is back (else None):
+    it joins the job again."""
     todo = deque(it for it in items if not journal.is_done(it))
     progress = Progress(total=len(todo), t0=time.perf_counter())
     alive = {label for label, _ in apps}
@@ -271,7 +276,27 @@ async def run_batch(
 
             await asyncio.gather(*(lane() for _ in range(parallel)))
 
-    await asyncio.gather(*(replica(label, app) for label, app in apps))
+    tasks = [asyncio.create_task(replica(label, app)) for label, app in apps]
+
+    async def reviver() -> None:
+        assert revive is not None
+        while todo and not stop():
+            await asyncio.sleep(REVIVE_S)
+            for label in [lb for lb, _ in apps if lb not in alive]:
+                app = await revive(label)
+                if app is not None and todo:
+                    alive.add(label)
+                    progress.back.append(label)
+                    on_progress(progress)
+                    tasks.append(asyncio.create_task(replica(label, app)))
+
+    watcher = asyncio.create_task(reviver()) if revive is not None else None
+    while not all(t.done() for t in tasks):  # (the reviver may add replicas meanwhile)
+        await asyncio.wait([t for t in tasks if not t.done()])
+    if watcher is not None:
+        watcher.cancel()
+    for t in tasks:
+        t.result()  # a bug in a lane is said, not swallowed
     if todo and not stop():  # every replica failed with items left: they run again next time
         for item in todo:
             journal.write(journal.errors, _error_line(

@@ -81,3 +81,35 @@ def plan_replicas(
         plan_pool(model, list(nodes), links)  # NotEnoughMemoryError, with the numbers
         raise AssertionError("nodes that hold the model together make a pipeline replica")
     return Replicas(tuple(alone + pooled), tuple(left_out))
+
+
+REPLICA_COLUMNS = ("replica", "runs", "tok/s (one stream)", "items/hour")
+
+
+def format_replicas(reps: Replicas, item_tokens: int) -> tuple[list[tuple[str, ...]], list[str]]:
+    """`potluck plan --batch`: a row per replica, and the summary lines (the pool's items/hour
+    against the best single machine's) for items of `item_tokens` generated tokens."""
+
+    def per_hour(tps: float) -> float:
+        return tps * 3600 / item_tokens
+
+    rows = [
+        (r.label, "a pipeline" if r.plan is not None else "the whole model",
+         f"{r.tokens_per_s:.1f}", f"{per_hour(r.tokens_per_s):.0f}")
+        for r in reps.replicas
+    ]  # fmt: skip
+    total = per_hour(reps.tokens_per_s)
+    lines = [f"the pool: {total:.0f} items/hour of {item_tokens} tokens ({len(reps.replicas)} "
+             f"replica{'s' * (len(reps.replicas) > 1)}, one stream each)"]  # fmt: skip
+    singles = [r for r in reps.replicas if r.plan is None]
+    if singles:
+        best = max(singles, key=lambda r: r.tokens_per_s)
+        alone = per_hour(best.tokens_per_s)
+        lines.append(
+            f"best single machine: {best.label}, {alone:.0f} items/hour; the pool "
+            f"{total / alone:.2f}× that"
+        )
+    else:
+        lines.append("best single machine: none can hold the model")
+    lines += [f"left out: {node} ({why})" for node, why in reps.left_out]
+    return rows, lines
