@@ -43,6 +43,21 @@ def _content(line: dict) -> str:
     return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
+def _counting_job(tmp_path: Path, n: int) -> tuple[Path, dict[str, str]]:
+    """An input of n requests, and each answer as one uninterrupted single-process run gives it."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(
+        "".join(_chat(f"q{i}", f"Count from {i} to {i + 20}.", n=24) + "\n" for i in range(n))
+    )
+    whole = tmp_path / "whole.jsonl"
+    ref = _batch(inp, whole, "-np", "2")
+    _, said = ref.communicate(timeout=600)
+    assert ref.returncode == 0, said
+    want = {line["custom_id"]: _content(line) for line in _lines(whole)}
+    assert len(want) == n
+    return inp, want
+
+
 def test_bad_lines_go_to_the_error_file_and_the_rest_runs(
     smollm2_path: Path, tmp_path: Path
 ) -> None:
@@ -95,16 +110,7 @@ def test_a_killed_batch_resumes_with_every_request_exactly_once(tmp_path: Path) 
     """SIGKILL in the middle of the job (and a line cut short, as a kill in a write leaves it);
     the same command again finishes it: every custom_id once, each answer as an uninterrupted
     run gives it."""
-    inp = tmp_path / "in.jsonl"
-    inp.write_text(
-        "".join(_chat(f"q{i}", f"Count from {i} to {i + 20}.", n=24) + "\n" for i in range(16))
-    )
-    whole = tmp_path / "whole.jsonl"
-    ref = _batch(inp, whole, "-np", "2")
-    _, said = ref.communicate(timeout=600)
-    assert ref.returncode == 0, said
-    want = {line["custom_id"]: _content(line) for line in _lines(whole)}
-    assert len(want) == 16
+    inp, want = _counting_job(tmp_path, 16)
     out = tmp_path / "out.jsonl"
     proc = _batch(inp, out, "-np", "2")
     deadline = time.monotonic() + 300
@@ -156,15 +162,7 @@ def test_replicas_on_two_workers_survive_one_killed(smollm2_path: Path, tmp_path
     process gives it."""
     from test_pool import start_worker
 
-    inp = tmp_path / "in.jsonl"
-    inp.write_text(
-        "".join(_chat(f"q{i}", f"Count from {i} to {i + 20}.", n=24) + "\n" for i in range(40))
-    )
-    whole = tmp_path / "whole.jsonl"
-    ref = _batch(inp, whole, "-np", "2")
-    _, said = ref.communicate(timeout=600)
-    assert ref.returncode == 0, said
-    want = {line["custom_id"]: _content(line) for line in _lines(whole)}
+    inp, want = _counting_job(tmp_path, 40)
     a, addr_a = start_worker()
     b, addr_b = start_worker()
     try:

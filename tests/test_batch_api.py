@@ -24,10 +24,10 @@ from potluck.engine.sampling import GREEDY, Sampler
 pytestmark = pytest.mark.slow  # ≈ 1 min: 200 requests, a kill and a restart
 
 
-def _serve(model: Path, batch_dir: Path) -> tuple[subprocess.Popen, str]:
+def _serve(model: Path, batch_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "potluck.cli", "serve", "-m", str(model), "-c", "512", "--port",
-         "0", "-np", "4", "--batch-dir", str(batch_dir), "--no-mdns"],
+         "0", "-np", "4", "--batch-dir", str(batch_dir), "--no-mdns", *extra],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
         env={**os.environ, "POTLUCK_MDNS": "0"},
     )  # fmt: skip
@@ -161,3 +161,49 @@ def test_cancel_list_and_errors(smollm2_path: Path, batch_dir: Path, tmp_path: P
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_idle_workers_take_batch_requests_and_a_killed_one_hands_them_back(
+    smollm2_path: Path, batch_dir: Path, tmp_path: Path
+) -> None:
+    """serve over two workers whose plan uses one (--tensor-split 0,1,0, the head holding none):
+    the idle one runs the whole model as a batch replica. It is SIGKILLed mid-batch and the
+    server is SIGKILLed and started again: the batch completes with every custom_id once."""
+    from test_pool import start_worker
+
+    inp = tmp_path / "in.jsonl"
+    _input(inp, smollm2_path.stem, 200)
+    a, addr_a = start_worker()
+    b, addr_b = start_worker()
+    args = ("--peer", addr_a, "--peer", addr_b, "--mem", "0", "--tensor-split", "0,1,0")
+    try:
+        proc, url = _serve(smollm2_path, batch_dir, *args)
+        try:
+            c = _client(url)
+            f = c.files.create(file=inp.open("rb"), purpose="batch")
+            batch = c.batches.create(
+                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            _wait(c, batch.id, lambda x: x.request_counts and x.request_counts.completed >= 30)
+            b.kill()  # the batch replica's machine goes away
+            _wait(c, batch.id, lambda x: x.request_counts.completed >= 60)
+        finally:
+            proc.kill()
+            proc.wait()
+        # started again without the dead worker (a --peer that does not answer is an error)
+        proc, url = _serve(smollm2_path, batch_dir, "--peer", addr_a, "--mem", "0")
+        try:
+            c = _client(url)
+            done = _wait(c, batch.id, lambda x: x.status == "completed")
+            out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        for w in (a, b):
+            w.kill()
+            w.wait(timeout=10)
+    assert b.stderr is not None and "layers 0–29" in b.stderr.read()  # it held a replica
+    ids = [o["custom_id"] for o in out]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(200))
+    assert done.request_counts.completed == 200 and done.request_counts.failed == 1

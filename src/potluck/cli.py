@@ -389,8 +389,10 @@ def _load(
     wire: str = "f32",
     mem: int | None = None,
     n_seq: int = 1,
+    found: list[str] | None = None,
 ):
     """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan).
+    found: filled with the workers found (all of them, used by the plan or not).
     Over a pool, a node silent for failover_s seconds is dropped and the planner re-plans on the
     nodes left (the generation pauses, then goes on). balance: what the planner evens out between
     stages, "prompt" for one conversation (run, chat) or "decode" for many streams (serve).
@@ -421,6 +423,8 @@ def _load(
         bar.update(task, total=hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer)
         assignments, auth, plan = [], None, None
         addresses = _found(peers, lambda: _auth(*auth_flags)) if peers is not None else []
+        if found is not None:
+            found += addresses
         if mem == 0 and not addresses:
             raise PotluckError(
                 "--mem 0 keeps every layer off this machine, and no worker was found: name "
@@ -1381,6 +1385,28 @@ def batch(
     )
 
 
+def _idle_replicas(path: Path, ctx, idle: list[str], auth_flags, n_seq: int):
+    """Batch replicas for `serve` on the workers its plan leaves idle (each that can hold the
+    whole model): [(label, Model)]; none when none can."""
+    from potluck.engine.replicas import load_replicas
+    from potluck.planner import THIS_MACHINE
+    from potluck.planner.errors import NotEnoughMemoryError
+    from potluck.planner.replicas import plan_replicas
+
+    auth = _auth(*auth_flags)
+    nodes, links, fp = _survey(path, ctx, idle, auth, 0, n_seq)  # this machine: serving
+    try:
+        plan = plan_replicas(fp, nodes, links)
+    except NotEnoughMemoryError as exc:
+        err.print(f"[dim]no batch replicas on the idle workers: {exc}[/]")
+        return []
+    usable = [r for r in plan.replicas if r.plan is None and r.nodes[0] != THIS_MACHINE]
+    for r in usable:
+        err.print(f"[dim]batch replica {r.label}: the whole model, for batch jobs[/]")
+    names = [n.name for n in nodes]
+    return load_replicas(path, ctx, usable, names, links, auth, n_seq)
+
+
 def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
     """The batch job's replicas, loaded: ([(label, Model)], reload). Alone: this machine. With
     workers: each machine that holds the whole model is a replica, the others one pipeline
@@ -1507,17 +1533,29 @@ def serve(
     # many streams at once: stages even in decode time
     _setup_cache(cache_type, no_repack)
     _setup_gpu(ngl, device)
+    workers: list[str] = []
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
-        balance="decode", wire=wire_dtype, mem=_head_mem(mem), n_seq=parallel,
+        balance="decode", wire=wire_dtype, mem=_head_mem(mem), n_seq=parallel, found=workers,
     )  # fmt: skip
     sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, batch))
     scheduler = Scheduler(m, sched_config)
+    # workers the plan leaves idle run batch jobs, each with the whole model, where they can
+    used = {a.node for a in getattr(m.pipeline, "assignments", [])}
+    idle = [a for a in workers if a not in used]
+    extra = _idle_replicas(m.path, ctx, idle, (secret, tls), parallel) if idle else []
+    extra_schedulers = [
+        Scheduler(r, dataclasses.replace(sched_config, n_batch=prompt_batch(r))) for _, r in extra
+    ]
+    extra_apps = [
+        (label, create_app(r, sch, ServerConfig(model_id=model_id_of(r))))
+        for (label, r), sch in zip(extra, extra_schedulers, strict=True)
+    ]
     from potluck.modelfile.sources import cache_dir
 
     batches = batch_dir or cache_dir() / "batches"
     config = ServerConfig(model_id=model_id_of(m), api_key=key, batch_dir=batches)
-    app_ = create_app(m, scheduler, config)
+    app_ = create_app(m, scheduler, config, extra_apps)
 
     def on_listen(url: str) -> None:
         auth = "API key required" if key else "no API key"
@@ -1530,8 +1568,10 @@ def serve(
     try:
         run_server(app_, host, port, on_listen)
     finally:  # Ctrl-C or SIGTERM: uvicorn stopped gracefully and run_server returned
-        scheduler.close()
-        m.close()  # the workers free this head's stages now
+        for sch in (scheduler, *extra_schedulers):
+            sch.close()
+        for model_ in (m, *(r for _, r in extra)):
+            model_.close()  # the workers free this head's stages now
 
 
 def _loopback_only(host: str) -> bool:

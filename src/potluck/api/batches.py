@@ -136,11 +136,14 @@ class BatchStore:
 
 
 class BatchRunner:
-    """Runs the store's active batches one after the other on the server's own app, in the
-    server's event loop; `wake()` after a batch is created or cancelled."""
+    """Runs the store's active batches one after the other, in the server's event loop, on its
+    replicas: (label, app) each, the server's own app first (then workers the server leaves
+    idle, each running the whole model); `wake()` after a batch is created or cancelled."""
 
-    def __init__(self, store: BatchStore, app: Any, lanes: int, headers: dict[str, str]) -> None:
-        self.store, self.app, self.lanes, self.headers = store, app, lanes, headers
+    def __init__(
+        self, store: BatchStore, apps: list[tuple[str, Any]], lanes: int, headers: dict[str, str]
+    ) -> None:
+        self.store, self.apps, self.lanes, self.headers = store, apps, lanes, headers
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
@@ -195,7 +198,16 @@ class BatchRunner:
         def counts() -> dict[str, int]:
             return {"total": total, "completed": _lines(out), "failed": _lines(err)}
 
-        def on_progress(_: Progress) -> None:
+        said = [0, 0]  # replicas lost / back so far, as logged
+
+        def on_progress(p: Progress) -> None:
+            for label in p.lost[said[0] :]:
+                log.warning(
+                    "batch %s: replica %s failed; its requests go to the others", bid, label
+                )
+            for label in p.back[said[1] :]:
+                log.warning("batch %s: replica %s is back", bid, label)
+            said[:] = [len(p.lost), len(p.back)]
             fresh = self.store.batch(bid) or b
             self.store.put({**fresh, "request_counts": counts()})
 
@@ -206,7 +218,7 @@ class BatchRunner:
         if b["status"] == "in_progress":
             self.store.put({**b, "request_counts": counts()})
             await run_batch(
-                [("this server", self.app)], items, journal, self.lanes, on_progress, stop,
+                self.apps, items, journal, self.lanes, on_progress, stop,
                 self.headers,
             )  # fmt: skip
         self._finish(bid, journal, counts())

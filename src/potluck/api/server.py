@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -383,8 +383,14 @@ def _sse(obj: Any) -> str:
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> FastAPI:
-    """The app for one loaded model and its running scheduler (cli.py builds both)."""
+def create_app(
+    model: Model,
+    scheduler: Scheduler,
+    config: ServerConfig,
+    batch_replicas: Sequence[tuple[str, Any]] = (),
+) -> FastAPI:
+    """The app for one loaded model and its running scheduler (cli.py builds both).
+    batch_replicas: more (label, app) for batch jobs (whole-model replicas on idle workers)."""
     api = Api(model, scheduler, config)
     app = FastAPI(
         title="Potluck",
@@ -444,7 +450,7 @@ def create_app(model: Model, scheduler: Scheduler, config: ServerConfig) -> Fast
         store = BatchStore(config.batch_dir)
         lanes = max(1, scheduler.config.max_active - LANES_BEHIND_CHATS)
         key = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        runner = BatchRunner(store, app, lanes, key)
+        runner = BatchRunner(store, [("this server", app), *batch_replicas], lanes, key)
         app.state.batches = store
         app.router.on_startup.append(runner.start)
         app.router.on_shutdown.append(runner.stop)
