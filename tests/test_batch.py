@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from potluck.api.batch import Journal, read_input
 from potluck.engine.generate import generate, load_model
 from potluck.engine.sampling import GREEDY, Sampler
@@ -106,6 +108,7 @@ def test_bad_lines_go_to_the_error_file_and_the_rest_runs(
     assert len(_lines(out)) == 3 and len(_lines(tmp_path / "out.errors.jsonl")) == 6
 
 
+@pytest.mark.slow  # reference run + a killed run + a resumed run
 def test_a_killed_batch_resumes_with_every_request_exactly_once(tmp_path: Path) -> None:
     """SIGKILL in the middle of the job (and a line cut short, as a kill in a write leaves it);
     the same command again finishes it: every custom_id once, each answer as an uninterrupted
@@ -155,6 +158,7 @@ def test_the_journal_reruns_what_failed_for_the_servers_sake(tmp_path: Path) -> 
     assert [e["custom_id"] for e in _lines(errors)] == ["y"]
 
 
+@pytest.mark.slow  # reference run + a killed run + a resumed run
 def test_replicas_on_two_workers_survive_one_killed(smollm2_path: Path, tmp_path: Path) -> None:
     """Two workers, each holding the whole model, are two replicas (the head holds none:
     --mem 0); one is SIGKILLed mid-job: its requests go to the other; started again on its
