@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +48,14 @@ def _serve(model: Path, batch_dir: Path, *extra: str) -> tuple[subprocess.Popen,
 @pytest.fixture
 def batch_dir(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "batches"
+
+
+def _follow(proc: subprocess.Popen) -> list[str]:
+    """The lines a worker logs from now on, collected by a thread (never a full pipe)."""
+    lines: list[str] = []
+    assert proc.stderr is not None
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
+    return lines
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -167,8 +176,9 @@ def test_idle_workers_take_batch_requests_and_a_killed_one_hands_them_back(
     smollm2_path: Path, batch_dir: Path, tmp_path: Path
 ) -> None:
     """serve over two workers whose plan uses one (--tensor-split 0,1,0, the head holding none):
-    the idle one runs the whole model as a batch replica. It is SIGKILLed mid-batch and the
-    server is SIGKILLed and started again: the batch completes with every custom_id once."""
+    the idle one runs the whole model as a batch replica. It is SIGKILLed mid-batch (its
+    requests go back), started again on its port (it is loaded again and takes requests), and
+    the server is SIGKILLed and started again: the batch completes with every custom_id once."""
     from test_pool import start_worker
 
     inp = tmp_path / "in.jsonl"
@@ -185,13 +195,22 @@ def test_idle_workers_take_batch_requests_and_a_killed_one_hands_them_back(
                 input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
             )
             _wait(c, batch.id, lambda x: x.request_counts and x.request_counts.completed >= 30)
-            b.kill()  # the batch replica's machine goes away
+            b.kill()  # the batch replica's machine goes away ...
+            b.wait(timeout=10)
             _wait(c, batch.id, lambda x: x.request_counts.completed >= 60)
+            first_b = b
+            b, again = start_worker(args=("-p", addr_b.rsplit(":", 1)[1]))  # ... and comes back
+            assert again == addr_b
+            said = _follow(b)
+            # it is loaded again (within REVIVE_S) and takes requests
+            deadline = time.monotonic() + 120
+            while "layers 0–29" not in "".join(said):
+                assert time.monotonic() < deadline, "the worker that came back was not used"
+                time.sleep(0.5)
         finally:
             proc.kill()
             proc.wait()
-        # started again without the dead worker (a --peer that does not answer is an error)
-        proc, url = _serve(smollm2_path, batch_dir, "--peer", addr_a, "--mem", "0")
+        proc, url = _serve(smollm2_path, batch_dir, *args)  # the server, started again
         try:
             c = _client(url)
             done = _wait(c, batch.id, lambda x: x.status == "completed")
@@ -203,7 +222,7 @@ def test_idle_workers_take_batch_requests_and_a_killed_one_hands_them_back(
         for w in (a, b):
             w.kill()
             w.wait(timeout=10)
-    assert b.stderr is not None and "layers 0–29" in b.stderr.read()  # it held a replica
+    assert first_b.stderr is not None and "layers 0–29" in first_b.stderr.read()  # a replica
     ids = [o["custom_id"] for o in out]
     assert sorted(ids) == sorted(f"r{i}" for i in range(200))
     assert done.request_counts.completed == 200 and done.request_counts.failed == 1

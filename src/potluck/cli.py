@@ -1387,8 +1387,8 @@ def batch(
 
 def _idle_replicas(path: Path, ctx, idle: list[str], auth_flags, n_seq: int):
     """Batch replicas for `serve` on the workers its plan leaves idle (each that can hold the
-    whole model): [(label, Model)]; none when none can."""
-    from potluck.engine.replicas import load_replicas
+    whole model): ([(label, Model)], reload) as `_replicas`; none when none can."""
+    from potluck.engine.replicas import load_replicas, reload_replica
     from potluck.planner import THIS_MACHINE
     from potluck.planner.errors import NotEnoughMemoryError
     from potluck.planner.replicas import plan_replicas
@@ -1399,12 +1399,18 @@ def _idle_replicas(path: Path, ctx, idle: list[str], auth_flags, n_seq: int):
         plan = plan_replicas(fp, nodes, links)
     except NotEnoughMemoryError as exc:
         err.print(f"[dim]no batch replicas on the idle workers: {exc}[/]")
-        return []
+        return [], None
     usable = [r for r in plan.replicas if r.plan is None and r.nodes[0] != THIS_MACHINE]
     for r in usable:
         err.print(f"[dim]batch replica {r.label}: the whole model, for batch jobs[/]")
     names = [n.name for n in nodes]
-    return load_replicas(path, ctx, usable, names, links, auth, n_seq)
+    by_label = {r.label: r for r in usable}
+
+    def reload(label: str):
+        r = by_label.get(label)
+        return None if r is None else reload_replica(path, ctx, r, names, links, auth, n_seq)
+
+    return load_replicas(path, ctx, usable, names, links, auth, n_seq), reload
 
 
 def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
@@ -1413,7 +1419,7 @@ def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
     (planner). reload(label): a failed single-machine replica loaded again if its machine
     answers, else None (blocking)."""
     from potluck.engine.generate import load_model
-    from potluck.engine.replicas import load_replicas
+    from potluck.engine.replicas import load_replicas, reload_replica
     from potluck.modelfile.sources import resolve_model
     from potluck.planner.replicas import plan_replicas
 
@@ -1441,24 +1447,8 @@ def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
     by_label = {r.label: r for r in plan.replicas if r.plan is None}
 
     def reload(label: str):
-        from potluck.transport import potluck_pb2 as pb
-        from potluck.transport.client import NodeClient
-        from potluck.transport.codec import PROTOCOL_VERSION
-
         r = by_label.get(label)
-        if r is None or label not in addresses:
-            return None  # this machine's replica does not fail; a pipeline is not reloaded
-        client = NodeClient(label, auth)
-        try:
-            client.hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=2.0)
-        except PotluckError:
-            return None  # not back yet
-        finally:
-            client.close()
-        try:
-            return load_replicas(path, ctx, [r], names, links, auth, n_seq)[0][1]
-        except PotluckError:
-            return None
+        return None if r is None else reload_replica(path, ctx, r, names, links, auth, n_seq)
 
     return load_replicas(path, ctx, plan.replicas, names, links, auth, n_seq), reload
 
@@ -1543,19 +1533,32 @@ def serve(
     # workers the plan leaves idle run batch jobs, each with the whole model, where they can
     used = {a.node for a in getattr(m.pipeline, "assignments", [])}
     idle = [a for a in workers if a not in used]
-    extra = _idle_replicas(m.path, ctx, idle, (secret, tls), parallel) if idle else []
-    extra_schedulers = [
-        Scheduler(r, dataclasses.replace(sched_config, n_batch=prompt_batch(r))) for _, r in extra
-    ]
-    extra_apps = [
-        (label, create_app(r, sch, ServerConfig(model_id=model_id_of(r))))
-        for (label, r), sch in zip(extra, extra_schedulers, strict=True)
-    ]
+    extra, reload = (
+        _idle_replicas(m.path, ctx, idle, (secret, tls), parallel) if idle else ([], None)
+    )
+    extra_schedulers: list = []
+
+    def replica_app(r):
+        config = dataclasses.replace(sched_config, n_batch=prompt_batch(r))
+        extra_schedulers.append(Scheduler(r, config))
+        return create_app(r, extra_schedulers[-1], ServerConfig(model_id=model_id_of(r)))
+
+    extra_apps = [(label, replica_app(r)) for label, r in extra]
+
+    async def revive(label: str):  # a batch replica whose worker is back
+        import asyncio
+
+        r = await asyncio.to_thread(reload, label) if reload is not None else None
+        if r is None:
+            return None
+        extra.append((label, r))
+        return replica_app(r)
+
     from potluck.modelfile.sources import cache_dir
 
     batches = batch_dir or cache_dir() / "batches"
     config = ServerConfig(model_id=model_id_of(m), api_key=key, batch_dir=batches)
-    app_ = create_app(m, scheduler, config, extra_apps)
+    app_ = create_app(m, scheduler, config, extra_apps, revive if reload is not None else None)
 
     def on_listen(url: str) -> None:
         auth = "API key required" if key else "no API key"

@@ -23,6 +23,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,9 +142,15 @@ class BatchRunner:
     idle, each running the whole model); `wake()` after a batch is created or cancelled."""
 
     def __init__(
-        self, store: BatchStore, apps: list[tuple[str, Any]], lanes: int, headers: dict[str, str]
+        self,
+        store: BatchStore,
+        apps: list[tuple[str, Any]],
+        lanes: int,
+        headers: dict[str, str],
+        revive: Callable[[str], Awaitable[Any | None]] | None = None,
     ) -> None:
         self.store, self.apps, self.lanes, self.headers = store, apps, lanes, headers
+        self.revive = revive  # a failed replica's app again once its worker is back
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
@@ -219,9 +226,17 @@ class BatchRunner:
             self.store.put({**b, "request_counts": counts()})
             await run_batch(
                 self.apps, items, journal, self.lanes, on_progress, stop,
-                self.headers,
+                self.headers, self._revive if self.revive is not None else None,
             )  # fmt: skip
         self._finish(bid, journal, counts())
+
+    async def _revive(self, label: str) -> Any | None:
+        """A replica back: its new app, kept for the next batches too."""
+        assert self.revive is not None
+        app = await self.revive(label)
+        if app is not None:
+            self.apps = [(lb, app if lb == label else a) for lb, a in self.apps]
+        return app
 
     def _finish(self, bid: str, journal: Journal, counts: dict[str, int]) -> None:
         b = self.store.batch(bid)

@@ -388,9 +388,11 @@ def create_app(
     scheduler: Scheduler,
     config: ServerConfig,
     batch_replicas: Sequence[tuple[str, Any]] = (),
+    batch_revive: Callable[[str], Awaitable[Any | None]] | None = None,
 ) -> FastAPI:
     """The app for one loaded model and its running scheduler (cli.py builds both).
-    batch_replicas: more (label, app) for batch jobs (whole-model replicas on idle workers)."""
+    batch_replicas: more (label, app) for batch jobs (whole-model replicas on idle workers);
+    batch_revive(label): such a replica's app again once its worker is back (else None)."""
     api = Api(model, scheduler, config)
     app = FastAPI(
         title="Potluck",
@@ -450,7 +452,8 @@ def create_app(
         store = BatchStore(config.batch_dir)
         lanes = max(1, scheduler.config.max_active - LANES_BEHIND_CHATS)
         key = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        runner = BatchRunner(store, [("this server", app), *batch_replicas], lanes, key)
+        replicas = [("this server", app), *batch_replicas]
+        runner = BatchRunner(store, replicas, lanes, key, batch_revive)
         app.state.batches = store
         app.router.on_startup.append(runner.start)
         app.router.on_shutdown.append(runner.stop)

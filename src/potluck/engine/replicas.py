@@ -56,6 +56,38 @@ def load_replicas(
     return out
 
 
+def reload_replica(
+    path: Path,
+    n_ctx: int | None,
+    replica: Replica,
+    nodes: Sequence[str],
+    links: Links,
+    auth: PoolAuth | None,
+    n_seq: int,
+) -> Model | None:
+    """A failed single-machine replica loaded again, if its machine answers now; else None
+    (its machine is not back, or the load failed). Blocking."""
+    from potluck.errors import PotluckError
+    from potluck.transport import potluck_pb2 as pb
+    from potluck.transport.client import NodeClient
+    from potluck.transport.codec import PROTOCOL_VERSION
+
+    node = replica.nodes[0]
+    if replica.plan is not None or node == THIS_MACHINE:
+        return None  # this machine's replica does not fail; a pipeline is not reloaded
+    client = NodeClient(node, auth)
+    try:
+        client.hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=2.0)
+    except PotluckError:
+        return None  # not back yet
+    finally:
+        client.close()
+    try:
+        return load_replicas(path, n_ctx, [replica], nodes, links, auth, n_seq)[0][1]
+    except PotluckError:
+        return None
+
+
 def _n_layer(path: Path) -> int:
     from potluck.modelfile.gguf_file import GGUFFile
     from potluck.modelfile.hparams import hparams_from_metadata
