@@ -1388,7 +1388,7 @@ def batch(
 def _idle_replicas(path: Path, ctx, idle: list[str], auth_flags, n_seq: int):
     """Batch replicas for `serve` on the workers its plan leaves idle (each that can hold the
     whole model): ([(label, Model)], reload) as `_replicas`; none when none can."""
-    from potluck.engine.replicas import load_replicas, reload_replica
+    from potluck.engine.replicas import load_replicas, reloader
     from potluck.planner import THIS_MACHINE
     from potluck.planner.errors import NotEnoughMemoryError
     from potluck.planner.replicas import plan_replicas
@@ -1404,12 +1404,7 @@ def _idle_replicas(path: Path, ctx, idle: list[str], auth_flags, n_seq: int):
     for r in usable:
         err.print(f"[dim]batch replica {r.label}: the whole model, for batch jobs[/]")
     names = [n.name for n in nodes]
-    by_label = {r.label: r for r in usable}
-
-    def reload(label: str):
-        r = by_label.get(label)
-        return None if r is None else reload_replica(path, ctx, r, names, links, auth, n_seq)
-
+    reload = reloader(path, ctx, usable, names, links, auth, n_seq)
     return load_replicas(path, ctx, usable, names, links, auth, n_seq), reload
 
 
@@ -1419,7 +1414,7 @@ def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
     (planner). reload(label): a failed single-machine replica loaded again if its machine
     answers, else None (blocking)."""
     from potluck.engine.generate import load_model
-    from potluck.engine.replicas import load_replicas, reload_replica
+    from potluck.engine.replicas import load_replicas, reloader
     from potluck.modelfile.sources import resolve_model
     from potluck.planner.replicas import plan_replicas
 
@@ -1444,12 +1439,7 @@ def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
     for node, why in plan.left_out:
         err.print(f"[dim]  left out {node}: {why}[/]")
     names = [n.name for n in nodes]
-    by_label = {r.label: r for r in plan.replicas if r.plan is None}
-
-    def reload(label: str):
-        r = by_label.get(label)
-        return None if r is None else reload_replica(path, ctx, r, names, links, auth, n_seq)
-
+    reload = reloader(path, ctx, plan.replicas, names, links, auth, n_seq)
     return load_replicas(path, ctx, plan.replicas, names, links, auth, n_seq), reload
 
 

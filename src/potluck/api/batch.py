@@ -10,9 +10,9 @@ Nothing lost, nothing done twice: the output and error files are the journal. A 
 whole and fsynced once its item is finished; on start, the items already in either file are
 skipped (a line cut short by a kill is dropped first), so running the same command again after
 the process was killed finishes the job with every custom_id exactly once. Items that failed for
-the server's sake (HTTP 5xx: a pool that lost its nodes) leave the error file and run again. Bad lines (not JSON, no
-or a repeated custom_id, another method or URL, a body the API rejects) go to the error file with
-the reason and their line number; the rest of the job runs.
+the server's sake (HTTP 5xx: a pool that lost its nodes) leave the error file and run again.
+Bad lines (not JSON, no or a repeated custom_id, another method or URL, a body the API rejects)
+go to the error file with the reason and their line number; the rest of the job runs.
 """
 
 from __future__ import annotations

@@ -32,7 +32,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from potluck.api import errors
-from potluck.api.batch import URLS, Journal, Progress, read_input, run_batch, write_bad_lines
+from potluck.api.batch import (
+    URLS,
+    BadLine,
+    Item,
+    Journal,
+    Progress,
+    read_input,
+    run_batch,
+    write_bad_lines,
+)
 
 log = logging.getLogger(__name__)
 WINDOW_S = 24 * 3600  # "24h", the one completion window OpenAI offers
@@ -284,9 +293,7 @@ def _errors(code: str, message: str) -> dict[str, Any]:
                                         "line": None}]}  # fmt: skip
 
 
-def _wrong_url(it: Any, endpoint: str) -> Any:
-    from potluck.api.batch import BadLine
-
+def _wrong_url(it: Item, endpoint: str) -> BadLine:
     return BadLine(it.line, it.custom_id, "invalid_url",
                    f"url {it.url!r} is not the batch's endpoint {endpoint!r}")  # fmt: skip
 

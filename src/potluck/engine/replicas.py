@@ -9,7 +9,7 @@ the replicas left.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from potluck.engine.generate import Model, load_model
@@ -56,7 +56,28 @@ def load_replicas(
     return out
 
 
-def reload_replica(
+def reloader(
+    path: Path,
+    n_ctx: int | None,
+    replicas: Sequence[Replica],
+    nodes: Sequence[str],
+    links: Links,
+    auth: PoolAuth | None,
+    n_seq: int,
+) -> Callable[[str], Model | None]:
+    """reload(label): the replica of that label loaded again if it is a single machine that
+    answers now; else None (a pipeline, this machine, not back yet, or the load failed).
+    Blocking: the batch runner calls it on a thread."""
+    by_label = {r.label: r for r in replicas}
+
+    def reload(label: str) -> Model | None:
+        r = by_label.get(label)
+        return None if r is None else _reload(path, n_ctx, r, nodes, links, auth, n_seq)
+
+    return reload
+
+
+def _reload(
     path: Path,
     n_ctx: int | None,
     replica: Replica,
@@ -65,8 +86,6 @@ def reload_replica(
     auth: PoolAuth | None,
     n_seq: int,
 ) -> Model | None:
-    """A failed single-machine replica loaded again, if its machine answers now; else None
-    (its machine is not back, or the load failed). Blocking."""
     from potluck.errors import PotluckError
     from potluck.transport import potluck_pb2 as pb
     from potluck.transport.client import NodeClient
