@@ -25,12 +25,14 @@ from potluck.engine.sampling import GREEDY, Sampler
 pytestmark = pytest.mark.slow  # ≈ 1 min: 200 requests, a kill and a restart
 
 
-def _serve(model: Path, batch_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def _serve(
+    model: Path, batch_dir: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "potluck.cli", "serve", "-m", str(model), "-c", "512", "--port",
          "0", "-np", "4", "--batch-dir", str(batch_dir), "--no-mdns", *extra],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-        env={**os.environ, "POTLUCK_MDNS": "0"},
+        env={**os.environ, "POTLUCK_MDNS": "0", **(env or {})},
     )  # fmt: skip
     assert proc.stderr is not None
     deadline, seen = time.monotonic() + 90, []
@@ -226,3 +228,49 @@ def test_idle_workers_take_batch_requests_and_a_killed_one_hands_them_back(
     ids = [o["custom_id"] for o in out]
     assert sorted(ids) == sorted(f"r{i}" for i in range(200))
     assert done.request_counts.completed == 200 and done.request_counts.failed == 1
+
+
+def test_a_worker_started_after_the_server_joins_a_running_batch(
+    smollm2_path: Path, batch_dir: Path, tmp_path: Path
+) -> None:
+    """serve over worker a (the head holding none); worker b is in the peers file but not running,
+    so it is left out at start. Started while a batch runs, it is found, loaded with the whole
+    model (a replica of its own) and takes requests; the batch has every custom_id once."""
+    from test_pool import start_worker
+
+    inp = tmp_path / "in.jsonl"
+    _input(inp, smollm2_path.stem, 120)
+    a, addr_a = start_worker()
+    b, addr_b = start_worker()
+    b.kill()  # its port, free again: b is started on it later
+    b.wait(timeout=10)
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "peers").write_text(addr_b + "\n")
+    try:
+        proc, url = _serve(smollm2_path, batch_dir, "--peer", addr_a, "--mem", "0",
+                           env={"POTLUCK_CONFIG": str(config)})  # fmt: skip
+        server_said = _follow(proc)
+        try:
+            c = _client(url)
+            f = c.files.create(file=inp.open("rb"), purpose="batch")
+            batch = c.batches.create(
+                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            _wait(c, batch.id, lambda x: x.request_counts and x.request_counts.completed >= 5)
+            b, again = start_worker(args=("-p", addr_b.rsplit(":", 1)[1]))  # started now
+            assert again == addr_b
+            said = _follow(b)
+            done = _wait(c, batch.id, lambda x: x.status == "completed")
+            out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        for w in (a, b):
+            w.kill()
+            w.wait(timeout=10)
+    assert "layers 0–29" in "".join(said), "".join(said)  # b holds the whole model
+    assert f"replica {addr_b} joins" in "".join(server_said), "".join(server_said)
+    assert sorted(o["custom_id"] for o in out) == sorted(f"r{i}" for i in range(120))
+    assert done.request_counts.completed == 120 and done.request_counts.failed == 1

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -1321,8 +1322,9 @@ def batch(
         err.print(f"every request is done: {output}")
         return
     finder = _peers(peer, rpc, pool, no_mdns)
+    workers: list[str] = []
     replicas, reload = _replicas(
-        model, ctx, threads, finder, (secret, tls), _head_mem(mem), parallel
+        model, ctx, threads, finder, (secret, tls), _head_mem(mem), parallel, workers
     )  # fmt: skip
     schedulers: list = []
 
@@ -1332,13 +1334,9 @@ def batch(
         return create_app(m, schedulers[-1], ServerConfig(model_id=model_id_of(m), api_key=None))
 
     apps = [(label, app_of(m)) for label, m in replicas]
-
-    async def revive(label: str):
-        m = await asyncio.to_thread(reload, label)
-        if m is None:
-            return None
-        replicas.append((label, m))
-        return app_of(m)
+    path = replicas[0][1].path
+    recruits = _Recruits(path, ctx, finder, workers, (secret, tls), parallel, app_of, replicas)
+    recruits.add(replicas, reload)
 
     bar = Progress(
         TextColumn("[bold]batch[/]"), BarColumn(), MofNCompleteColumn(),
@@ -1346,6 +1344,7 @@ def batch(
     )  # fmt: skip
     lost: list[str] = []
     back: list[str] = []
+    joined: list[str] = []
     try:
         with bar:
             task = bar.add_task("batch", total=len(items) - already, rate="")
@@ -1369,9 +1368,12 @@ def batch(
                 for label in p.back[len(back) :]:
                     back.append(label)
                     err.print(f"[green]replica {label} is back and takes requests again[/]")
+                for label in p.joined[len(joined) :]:
+                    joined.append(label)
+                    err.print(f"[green]replica {label} joins: a worker found since the start[/]")
 
             done = asyncio.run(
-                run_batch(apps, items, journal, parallel, on_progress, revive=revive)
+                run_batch(apps, items, journal, parallel, on_progress, recruit=recruits.recruit())
             )
     finally:
         for sch in schedulers:
@@ -1408,7 +1410,67 @@ def _idle_replicas(path: Path, ctx, idle: list[str], auth_flags, n_seq: int):
     return load_replicas(path, ctx, usable, names, links, auth, n_seq), reload
 
 
-def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
+class _Recruits:
+    """Batch replicas a running job gains (api.batch.Recruit): a failed one whose worker is back,
+    loaded again; each worker found since the start (a peers-file or mDNS worker started later)
+    that can hold the whole model, loaded as a replica of its own. make_app(model) -> ASGI app;
+    `replicas` ([(label, Model)]) gets each model loaded, for closing."""
+
+    def __init__(self, path, ctx, finder, known, auth_flags, n_seq, make_app, replicas) -> None:
+        self.path, self.ctx, self.finder, self.n_seq = path, ctx, finder, n_seq
+        self.known: set[str] = set(known)  # workers used or tried already
+        self.auth_flags, self.make_app, self.replicas = auth_flags, make_app, replicas
+        self.reloads: dict[str, Callable] = {}  # label -> reload(label) (engine.replicas)
+
+    def add(self, loaded, reload) -> None:
+        for label, _ in loaded:
+            if reload is not None:
+                self.reloads[label] = reload
+
+    def recruit(self):
+        from potluck.api.batch import Recruit
+
+        return Recruit(self.revive, self.join)
+
+    async def revive(self, label: str):
+        import asyncio
+
+        reload = self.reloads.get(label)
+        m = await asyncio.to_thread(reload, label) if reload is not None else None
+        if m is None:
+            return None
+        self.replicas.append((label, m))
+        return self.make_app(m)
+
+    async def join(self) -> list:
+        import asyncio
+
+        new = await asyncio.to_thread(self._newcomers)
+        if not new:
+            return []
+        self.known.update(new)
+        try:
+            loaded, reload = await asyncio.to_thread(
+                _idle_replicas, self.path, self.ctx, new, self.auth_flags, self.n_seq
+            )
+        except PotluckError as exc:
+            err.print(f"[yellow]worker {', '.join(new)} found, but not used: {exc}[/]")
+            return []
+        self.add(loaded, reload)
+        self.replicas.extend(loaded)
+        return [(label, self.make_app(m)) for label, m in loaded]
+
+    def _newcomers(self) -> list[str]:
+        from potluck.discovery.pool import member
+        from potluck.transport.client import NodeClient
+
+        auth = _auth(*self.auth_flags)
+        admit = member(lambda a: NodeClient(a, auth))
+        found = self.finder.again(lambda p: "" if p.address in self.known else admit(p))
+        return [p.address for p in found.peers if p.address not in self.known]
+
+
+def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq, found: list[str]):
     """The batch job's replicas, loaded: ([(label, Model)], reload). Alone: this machine. With
     workers: each machine that holds the whole model is a replica, the others one pipeline
     (planner). reload(label): a failed single-machine replica loaded again if its machine
@@ -1421,6 +1483,7 @@ def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq):
     _setup_threads(threads)
     path = resolve_model(model)
     addresses = _found(finder, lambda: _auth(*auth_flags))
+    found.extend(addresses)
     if not addresses:
         if mem == 0:
             raise PotluckError(
@@ -1534,21 +1597,15 @@ def serve(
         return create_app(r, extra_schedulers[-1], ServerConfig(model_id=model_id_of(r)))
 
     extra_apps = [(label, replica_app(r)) for label, r in extra]
-
-    async def revive(label: str):  # a batch replica whose worker is back
-        import asyncio
-
-        r = await asyncio.to_thread(reload, label) if reload is not None else None
-        if r is None:
-            return None
-        extra.append((label, r))
-        return replica_app(r)
+    # ... and so do workers that come back, or are started after the server
+    recruits = _Recruits(m.path, ctx, finder, workers, (secret, tls), parallel, replica_app, extra)
+    recruits.add(extra, reload)
 
     from potluck.modelfile.sources import cache_dir
 
     batches = batch_dir or cache_dir() / "batches"
     config = ServerConfig(model_id=model_id_of(m), api_key=key, batch_dir=batches)
-    app_ = create_app(m, scheduler, config, extra_apps, revive if reload is not None else None)
+    app_ = create_app(m, scheduler, config, extra_apps, recruits.recruit())
 
     def on_listen(url: str) -> None:
         auth = "API key required" if key else "no API key"

@@ -32,7 +32,21 @@ from typing import Any
 import httpx
 
 URLS = ("/v1/chat/completions", "/v1/completions")
-REVIVE_S = 5.0  # how often a failed replica's machine is asked whether it is back (seconds)
+REVIVE_S = 5.0  # how often replicas are recruited while a job runs (seconds)
+
+
+async def _nobody() -> list[tuple[str, Any]]:
+    return []
+
+
+@dataclass(frozen=True)
+class Recruit:
+    """How a running job gains replicas, asked every REVIVE_S while items are left.
+    revive(label): a failed replica's app again once its machine is back (else None);
+    join(): replicas on machines found since the job began, (label, app) each."""
+
+    revive: Callable[[str], Awaitable[Any | None]]
+    join: Callable[[], Awaitable[list[tuple[str, Any]]]] = _nobody
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,7 @@ class Progress:
     by_replica: dict[str, int] = field(default_factory=dict)  # requests each replica finished
     lost: list[str] = field(default_factory=list)  # replicas that failed, in order
     back: list[str] = field(default_factory=list)  # failed replicas that joined again, in order
+    joined: list[str] = field(default_factory=list)  # replicas new since the job began, in order
 
 
 def _error_line(line: int, cid: str | None, code: str, message: str, response: Any = None) -> dict:
@@ -226,16 +241,16 @@ async def run_batch(
     on_progress: Callable[[Progress], None] = lambda p: None,
     stop: Callable[[], bool] = lambda: False,
     headers: dict[str, str] | None = None,
-    revive: Callable[[str], Awaitable[Any | None]] | None = None,
+    recruit: Recruit | None = None,
 ) -> Progress:
     """Run the items not yet in the journal through the replicas' apps ((label, ASGI app) each),
     `parallel` at a time on each: a replica takes the next item whenever it has room (work
     stealing: long items do not hold the others back). A replica that fails hands the item back
     and takes no more; when none is left, the rest go to the error file (as 5xx, to run again).
     stop(): no more items are started once it says so (a cancelled batch); the ones running end.
-    headers: sent with every item (the server's API key). revive(label): every REVIVE_S, for
-    each failed replica while items are left, its app again if its machine is back (else None):
-    it joins the job again."""
+    headers: sent with every item (the server's API key). recruit: every REVIVE_S while items are
+    left, each failed replica whose machine is back joins the job again, and so does each new
+    replica that recruit.join() brings."""
     todo = deque(it for it in items if not journal.is_done(it))
     progress = Progress(total=len(todo), t0=time.perf_counter())
     alive = {label for label, _ in apps}
@@ -278,20 +293,28 @@ async def run_batch(
 
     tasks = [asyncio.create_task(replica(label, app)) for label, app in apps]
 
-    async def reviver() -> None:
-        assert revive is not None
+    labels = [label for label, _ in apps]
+
+    async def recruiter() -> None:
+        assert recruit is not None
         while todo and not stop():
             await asyncio.sleep(REVIVE_S)
-            for label in [lb for lb, _ in apps if lb not in alive]:
-                app = await revive(label)
+            for label in [lb for lb in labels if lb not in alive]:
+                app = await recruit.revive(label)
                 if app is not None and todo:
                     alive.add(label)
                     progress.back.append(label)
                     on_progress(progress)
                     tasks.append(asyncio.create_task(replica(label, app)))
+            for label, app in await recruit.join():
+                labels.append(label)
+                alive.add(label)
+                progress.joined.append(label)
+                on_progress(progress)
+                tasks.append(asyncio.create_task(replica(label, app)))
 
-    watcher = asyncio.create_task(reviver()) if revive is not None else None
-    while not all(t.done() for t in tasks):  # (the reviver may add replicas meanwhile)
+    watcher = asyncio.create_task(recruiter()) if recruit is not None else None
+    while not all(t.done() for t in tasks):  # (the recruiter may add replicas meanwhile)
         await asyncio.wait([t for t in tasks if not t.done()])
     if watcher is not None:
         watcher.cancel()

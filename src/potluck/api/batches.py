@@ -23,7 +23,6 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from potluck.api.batch import (
     Item,
     Journal,
     Progress,
+    Recruit,
     read_input,
     run_batch,
     write_bad_lines,
@@ -156,10 +156,10 @@ class BatchRunner:
         apps: list[tuple[str, Any]],
         lanes: int,
         headers: dict[str, str],
-        revive: Callable[[str], Awaitable[Any | None]] | None = None,
+        recruit: Recruit | None = None,
     ) -> None:
         self.store, self.apps, self.lanes, self.headers = store, apps, lanes, headers
-        self.revive = revive  # a failed replica's app again once its worker is back
+        self.recruit = recruit  # replicas back or new while a batch runs (kept for the next ones)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
@@ -214,7 +214,7 @@ class BatchRunner:
         def counts() -> dict[str, int]:
             return {"total": total, "completed": _lines(out), "failed": _lines(err)}
 
-        said = [0, 0]  # replicas lost / back so far, as logged
+        said = [0, 0, 0]  # replicas lost / back / joined so far, as logged
 
         def on_progress(p: Progress) -> None:
             for label in p.lost[said[0] :]:
@@ -223,7 +223,9 @@ class BatchRunner:
                 )
             for label in p.back[said[1] :]:
                 log.warning("batch %s: replica %s is back", bid, label)
-            said[:] = [len(p.lost), len(p.back)]
+            for label in p.joined[said[2] :]:
+                log.warning("batch %s: replica %s joins", bid, label)
+            said[:] = [len(p.lost), len(p.back), len(p.joined)]
             fresh = self.store.batch(bid) or b
             self.store.put({**fresh, "request_counts": counts()})
 
@@ -235,17 +237,28 @@ class BatchRunner:
             self.store.put({**b, "request_counts": counts()})
             await run_batch(
                 self.apps, items, journal, self.lanes, on_progress, stop,
-                self.headers, self._revive if self.revive is not None else None,
+                self.headers, self._recruit(),
             )  # fmt: skip
         self._finish(bid, journal, counts())
 
-    async def _revive(self, label: str) -> Any | None:
-        """A replica back: its new app, kept for the next batches too."""
-        assert self.revive is not None
-        app = await self.revive(label)
-        if app is not None:
-            self.apps = [(lb, app if lb == label else a) for lb, a in self.apps]
-        return app
+    def _recruit(self) -> Recruit | None:
+        """self.recruit, keeping what it brings for the next batches too."""
+        if self.recruit is None:
+            return None
+        recruit = self.recruit
+
+        async def revive(label: str) -> Any | None:
+            app = await recruit.revive(label)
+            if app is not None:
+                self.apps = [(lb, app if lb == label else a) for lb, a in self.apps]
+            return app
+
+        async def join() -> list[tuple[str, Any]]:
+            new = await recruit.join()
+            self.apps = [*self.apps, *new]
+            return new
+
+        return Recruit(revive, join)
 
     def _finish(self, bid: str, journal: Journal, counts: dict[str, int]) -> None:
         b = self.store.batch(bid)

@@ -46,6 +46,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from potluck import __version__
 from potluck.api import errors
+from potluck.api.batch import Recruit
 from potluck.api.batches import batch_progress
 from potluck.api.errors import ApiError
 from potluck.api.metrics import CONTENT_TYPE, HttpCounters, render
@@ -388,11 +389,11 @@ def create_app(
     scheduler: Scheduler,
     config: ServerConfig,
     batch_replicas: Sequence[tuple[str, Any]] = (),
-    batch_revive: Callable[[str], Awaitable[Any | None]] | None = None,
+    batch_recruit: Recruit | None = None,
 ) -> FastAPI:
     """The app for one loaded model and its running scheduler (cli.py builds both).
     batch_replicas: more (label, app) for batch jobs (whole-model replicas on idle workers);
-    batch_revive(label): such a replica's app again once its worker is back (else None)."""
+    batch_recruit: such replicas again once their worker is back, and on workers found later."""
     api = Api(model, scheduler, config)
     app = FastAPI(
         title="Potluck",
@@ -453,7 +454,7 @@ def create_app(
         lanes = max(1, scheduler.config.max_active - LANES_BEHIND_CHATS)
         key = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         replicas = [("this server", app), *batch_replicas]
-        runner = BatchRunner(store, replicas, lanes, key, batch_revive)
+        runner = BatchRunner(store, replicas, lanes, key, batch_recruit)
         app.state.batches = store
         app.router.on_startup.append(runner.start)
         app.router.on_shutdown.append(runner.stop)

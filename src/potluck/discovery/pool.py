@@ -171,6 +171,20 @@ class PeerFinder:
         self.browser = None
         return gather(self.static, adverts, self.pool, vet)
 
+    def again(self, vet: Vet = reachable) -> Found:
+        """Look once more, after find(): the static peers and a fresh browse of `browse_s` (when
+        mDNS is on), vetted (blocking; a running server calls it on a thread to find workers
+        started after it)."""
+        from potluck.discovery.mdns import Browser, DiscoveryError
+
+        adverts = []
+        if self.browse_s and not self.error:
+            try:
+                adverts = Browser(self.pool, self.browse_s).results()
+            except DiscoveryError as exc:
+                self.error = str(exc)
+        return gather(self.static, adverts, self.pool, vet)
+
     def close(self) -> None:
         if self.browser is not None:
             self.browser.close()
