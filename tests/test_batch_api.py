@@ -74,6 +74,18 @@ def _input(path: Path, model_id: str, n: int) -> None:
         f.write('{"custom_id": "broken"\n')  # a bad line: to the error file
 
 
+def _greedy_as_alone(model: Path, out: list[dict], n: int, sample: int = 10) -> None:
+    """Greedy answers (a sample) are what one process alone gives for the same request."""
+    m = load_model(model, n_ctx=512)
+    by_id = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in out}
+    for i in random.Random(0).sample(range(n), sample):
+        msgs = [{"role": "user", "content": f"Say the number {i} in words."}]
+        ids = generate(m, m.tokenizer.encode(m.chat.render(msgs)), 10, Sampler(GREEDY))
+        want = m.tokenizer.decode([t for t in ids if t not in m.tokenizer.eot_ids])
+        assert by_id[f"r{i}"] == want, i
+    m.close()
+
+
 def _wait(c: openai.OpenAI, bid: str, until, timeout: float = 300):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -125,14 +137,7 @@ def test_a_batch_survives_a_server_killed_and_restarted(
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    # greedy answers as one process alone gives them (a sample of ten)
-    m = load_model(smollm2_path, n_ctx=512)
-    by_id = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in out}
-    for i in random.Random(0).sample(range(200), 10):
-        msgs = [{"role": "user", "content": f"Say the number {i} in words."}]
-        ids = generate(m, m.tokenizer.encode(m.chat.render(msgs)), 10, Sampler(GREEDY))
-        want = m.tokenizer.decode([t for t in ids if t not in m.tokenizer.eot_ids])
-        assert by_id[f"r{i}"] == want, i
+    _greedy_as_alone(smollm2_path, out, 200)
 
 
 def test_cancel_list_and_errors(smollm2_path: Path, batch_dir: Path, tmp_path: Path) -> None:
@@ -228,6 +233,7 @@ def test_idle_workers_take_batch_requests_and_a_killed_one_hands_them_back(
     ids = [o["custom_id"] for o in out]
     assert sorted(ids) == sorted(f"r{i}" for i in range(200))
     assert done.request_counts.completed == 200 and done.request_counts.failed == 1
+    _greedy_as_alone(smollm2_path, out, 200)
 
 
 def test_a_worker_started_after_the_server_joins_a_running_batch(
@@ -274,3 +280,4 @@ def test_a_worker_started_after_the_server_joins_a_running_batch(
     assert f"replica {addr_b} joins" in "".join(server_said), "".join(server_said)
     assert sorted(o["custom_id"] for o in out) == sorted(f"r{i}" for i in range(120))
     assert done.request_counts.completed == 120 and done.request_counts.failed == 1
+    _greedy_as_alone(smollm2_path, out, 120)
