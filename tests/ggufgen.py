@@ -117,10 +117,12 @@ def write_tiny_model(
     qtypes: dict[str, T] | None = None,
     seed: int = 0,
     extra: dict[str, Any] | None = None,
+    add: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """A random model of `arch` with the vocabulary of `tokenizer_from` (default: tiny_vocab()).
     qtypes overrides the
-    quantization per tensor-name suffix (e.g. {"ffn_down": T.Q6_K})."""
+    quantization per tensor-name suffix (e.g. {"ffn_down": T.Q6_K}). add: arrays added to F32
+    matrices by name (the same seed otherwise gives the same model: a merged LoRA, say)."""
     rng = np.random.default_rng(seed)
     hd = head_dim or n_embd // n_head
     tok_meta = tokenizer_from.metadata if tokenizer_from is not None else tiny_vocab()
@@ -156,6 +158,9 @@ def write_tiny_model(
             w.add_tensor(name, v + (0.0 if "bias" in name else 1.0))
             return
         raw = random_blocks(rng, q, shape, std=0.08)
+        if add and name in add:
+            assert q == T.F32, f"add needs an F32 {name}"
+            raw = (raw + add[name]).astype(np.float32)
         w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=q)
 
     tensor("token_embd.weight", (vocab, n_embd), qtype)

@@ -91,6 +91,14 @@ NglOpt = Annotated[
         "more than its layers puts the output head there too).",
     ),
 ]
+LoraOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        help="A LoRA adapter to apply (a GGUF in llama.cpp's format), as FILE or FILE:SCALE "
+        "(default scale 1); repeatable. This machine only, for now.",
+    ),
+]
 NoRepackOpt = Annotated[
     bool,
     typer.Option(
@@ -391,8 +399,10 @@ def _load(
     mem: int | None = None,
     n_seq: int = 1,
     found: list[str] | None = None,
+    lora: list[str] | None = None,
 ):
     """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan).
+    lora: --lora FILE[:SCALE] each (this machine only: no workers are looked for).
     found: filled with the workers found (all of them, used by the plan or not).
     Over a pool, a node silent for failover_s seconds is dropped and the planner re-plans on the
     nodes left (the generation pauses, then goes on). balance: what the planner evens out between
@@ -400,10 +410,20 @@ def _load(
     mem: the most memory this machine offers for layers (--mem; 0: none, workers only).
     n_seq: sequences at once (serve's -np): the plan and every node count KV for each."""
     from potluck.engine.generate import load_model
+    from potluck.modelfile.lora import parse_lora_arg
     from potluck.modelfile.sources import resolve_model
 
     _setup_threads(threads)
     path = resolve_model(model)
+    loras = [parse_lora_arg(x) for x in lora or []]
+    if loras and peers is not None:
+        if peers.static:
+            raise PotluckError(
+                "--lora runs on this machine only for now, and workers were named (--peer, "
+                "--rpc or the peers file): drop them, or drop --lora"
+            )
+        peers.close()
+        peers = None  # no workers looked for on the LAN
     t0 = time.perf_counter()
     with Progress(
         TextColumn("[bold]loading[/] {task.description}"),
@@ -484,9 +504,11 @@ def _load(
         m = load_model(
             path, ctx, splits or (), on_layer, assignments=assignments, auth=auth,
             failover_s=failover_s, replan=replan, on_failover=on_failover,
-            on_transfer=on_transfer, wire_dtype=WIRE_DTYPES[wire], n_seq=n_seq,
+            on_transfer=on_transfer, wire_dtype=WIRE_DTYPES[wire], n_seq=n_seq, loras=loras,
         )  # fmt: skip
     err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
+    for lp, scale in loras:
+        err.print(f"[dim]LoRA adapter {lp.name} · scale {scale:g}[/]")
     err.print(f"[dim]{_backends()}[/]")
     from potluck.planner import format_held
 
@@ -651,6 +673,7 @@ def run(
     device: DeviceOpt = None,
     cache_type: CacheTypeOpt = "f16",
     no_repack: NoRepackOpt = False,
+    lora: LoraOpt = None,
     batch: PromptBatchOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -695,7 +718,7 @@ def run(
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, splits, finder, _shares(tensor_split), (secret, tls),
-        _failover(failover_timeout), wire=wire_dtype, mem=_head_mem(mem),
+        _failover(failover_timeout), wire=wire_dtype, mem=_head_mem(mem), lora=lora,
     )  # fmt: skip
     if raw:
         ids = m.tokenizer.encode(prompt)
@@ -725,6 +748,7 @@ def chat(
     device: DeviceOpt = None,
     cache_type: CacheTypeOpt = "f16",
     no_repack: NoRepackOpt = False,
+    lora: LoraOpt = None,
     batch: PromptBatchOpt = None,
     temp: TempOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -754,7 +778,7 @@ def chat(
     _setup_gpu(ngl, device)
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
-        _failover(failover_timeout), wire=wire_dtype, mem=_head_mem(mem),
+        _failover(failover_timeout), wire=wire_dtype, mem=_head_mem(mem), lora=lora,
     )  # fmt: skip
     sampler = Sampler(params)
     msgs: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -819,6 +843,7 @@ def perplexity(
     device: DeviceOpt = None,
     cache_type: CacheTypeOpt = "f16",
     no_repack: NoRepackOpt = False,
+    lora: LoraOpt = None,
     batch: BatchOpt = 512,
 ) -> None:
     """Perplexity over a text file, computed as llama-perplexity does (second half of each chunk)."""
@@ -826,7 +851,7 @@ def perplexity(
 
     _setup_cache(cache_type, no_repack)
     _setup_gpu(ngl, device)
-    m = _load(model, ctx, threads)
+    m = _load(model, ctx, threads, lora=lora)
     text = file.read_text(encoding="utf-8", errors="replace")
 
     def on_chunk(i: int, n: int, ppl: float) -> None:
@@ -1515,6 +1540,7 @@ def serve(
     device: DeviceOpt = None,
     cache_type: CacheTypeOpt = "f16",
     no_repack: NoRepackOpt = False,
+    lora: LoraOpt = None,
     batch: PromptBatchOpt = None,
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
@@ -1580,6 +1606,7 @@ def serve(
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
         balance="decode", wire=wire_dtype, mem=_head_mem(mem), n_seq=parallel, found=workers,
+        lora=lora,
     )  # fmt: skip
     sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, batch))
     scheduler = Scheduler(m, sched_config)

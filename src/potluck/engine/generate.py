@@ -15,11 +15,12 @@ import numpy as np
 
 from potluck.engine.failover import DEFAULT_TIMEOUT_S
 from potluck.engine.pipeline import LOCAL, Assignment, submit_after
-from potluck.errors import ContextError
+from potluck.errors import ContextError, UnsupportedError
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.chat import ChatTemplate
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams, hparams_from_metadata
+from potluck.modelfile.lora import open_lora
 from potluck.modelfile.tokenizer import Tokenizer
 
 from .sampling import Sampler
@@ -223,6 +224,7 @@ def load_model(
     on_failover: Callable[[FailoverEvent], None] | None = None,
     on_transfer: Callable[[str, int, int], None] | None = None,
     n_seq: int = 1,
+    loras: Sequence[tuple[Path, float]] = (),
 ) -> Model:
     """Open `path`, check it, and build its pipeline: one local stage by default; in-process stages
     split at `splits`; or with `peers` (host:port) a pool where this machine takes the first share
@@ -235,9 +237,16 @@ def load_model(
     machine and the survivors). failover_s = 0: no failover, but a node silent for OFF_TIMEOUT_S
     ends the request with an error (the CLI's --failover-timeout 0); None: a bare pipeline, no
     heartbeat at all (measurements, tests). n_seq: sequences at once (serve's -np), for which
-    every node checks its memory (KV for each at n_ctx)."""
+    every node checks its memory (KV for each at n_ctx). loras: (adapter file, scale) each,
+    applied to every request (modelfile/lora.py; this machine's stages only, for now)."""
     gguf = GGUFFile(path)
     hp = hparams_from_metadata(gguf.metadata, str(path))
+    adapters = [open_lora(p, hp.arch, gguf.tensors, scale) for p, scale in loras]
+    if adapters and (peers or any(a.node != LOCAL for a in assignments)):
+        raise UnsupportedError(
+            "--lora runs on this machine only for now: drop --peer/--rpc (and keep workers out "
+            "with --no-mdns), or drop --lora"
+        )
     n_ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_CTX)
     if n_ctx > hp.n_ctx_train:
         raise ContextError(
@@ -249,7 +258,9 @@ def load_model(
     chat = ChatTemplate.from_metadata(gguf.metadata, hp.arch)
     if assignments:
         if len(assignments) == 1 and assignments[0].node == LOCAL:
-            pipe: Pipeline = LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx, on_layer)])
+            pipe: Pipeline = LocalPipeline(
+                [Stage(hp, gguf, 0, hp.n_layer, n_ctx, on_layer, adapters=adapters)]
+            )
         else:
             pipe = _pool(
                 gguf, hp, assignments, n_ctx, wire_dtype, auth, replan, failover_s, on_failover,
@@ -270,7 +281,10 @@ def load_model(
         )  # fmt: skip
     else:
         pipe = LocalPipeline(
-            [Stage(hp, gguf, a, b, n_ctx, on_layer) for a, b in layer_ranges(hp.n_layer, splits)]
+            [
+                Stage(hp, gguf, a, b, n_ctx, on_layer, adapters=adapters)
+                for a, b in layer_ranges(hp.n_layer, splits)
+            ]
         )
     return Model(Path(path), gguf, hp, tokenizer, chat, pipe, n_ctx, n_seq)
 

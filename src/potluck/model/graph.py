@@ -13,7 +13,7 @@ to, the attention masks and the rows whose logits are wanted.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +35,9 @@ from potluck.model.weights import Weights
 from potluck.modelfile.hparams import HParams
 
 _F32 = 4
+# A LoRA adapter as a stage holds it: its .lora_a/.lora_b tensors, and per adapted base tensor
+# the factor s of W x + s · B (A x) (modelfile/lora.py)
+Lora = tuple[Weights, Mapping[str, float]]
 
 
 def attended(cache: SeqCache, n_new: int) -> int:
@@ -73,16 +76,17 @@ class StepGraph:
         shape: StepShape,
         caches: Sequence[SeqCache],
         sched: int,
+        loras: Sequence[Lora] = (),
     ) -> None:
         self.hp, self.w, self.layers, self.shape = hp, weights, layers, shape
-        self.sched = sched
+        self.sched, self.loras = sched, loras
         self.is_first = layers.start == 0
         self.is_last = layers.stop == hp.n_layer
         self.sizes = [n for _, _, n, _ in shape.chunks]
         self.n_kv = [k for _, _, _, k in shape.chunks]
         self.total = sum(self.sizes)
         self.windows = sorted({hp.sliding_window if hp.is_sliding(i) else 0 for i in layers})
-        n_nodes = len(layers) * (40 + 16 * len(self.sizes)) + 64
+        n_nodes = len(layers) * (40 + 16 * len(self.sizes) + 28 * len(loras)) + 64
         self.ctx = new_context(2 * n_nodes + 16, n_nodes)
         self.gf = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
         self._inputs: list[int] = []
@@ -129,7 +133,7 @@ class StepGraph:
         x = lib.ggml_get_rows(ctx, x, self.inp_rows)  # [D, R]
         x = self._norm(x, "output_norm.weight")
         head = "output.weight" if "output.weight" in self.w else "token_embd.weight"
-        return lib.ggml_mul_mat(ctx, self.w.tensor(head), x)  # [V, R]
+        return self._adapted(head, x, lib.ggml_mul_mat(ctx, self.w.tensor(head), x))  # [V, R]
 
     def _norm(self, x: int, weight: str) -> int:
         return lib.ggml_mul(
@@ -137,9 +141,20 @@ class StepGraph:
         )
 
     def _linear(self, name: str, x: int) -> int:
-        y = lib.ggml_mul_mat(self.ctx, self.w.tensor(name + ".weight"), x)
+        w = name + ".weight"
+        y = self._adapted(w, x, lib.ggml_mul_mat(self.ctx, self.w.tensor(w), x))
         if name + ".bias" in self.w:
             y = lib.ggml_add(self.ctx, y, self.w.tensor(name + ".bias"))
+        return y
+
+    def _adapted(self, w: str, x: int, y: int) -> int:
+        """y = W x, plus s · B (A x) for each LoRA adapter of W (as llama.cpp, before the bias)."""
+        ctx = self.ctx
+        for weights, factors in self.loras:
+            if w in factors:
+                ax = lib.ggml_mul_mat(ctx, weights.tensor(w + ".lora_a"), x)  # [r, T]
+                bax = lib.ggml_mul_mat(ctx, weights.tensor(w + ".lora_b"), ax)  # [n_out, T]
+                y = lib.ggml_add(ctx, y, lib.ggml_scale(ctx, bax, factors[w]))
         return y
 
     def _block(self, i: int, x: int, caches: Sequence[SeqCache]) -> int:

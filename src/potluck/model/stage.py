@@ -18,11 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from potluck.errors import UnsupportedError
 from potluck.model.ggml_lib import BackendError, gpu_device, lib
-from potluck.model.graph import StepGraph, StepShape
+from potluck.model.graph import Lora, StepGraph, StepShape
 from potluck.model.kv_cache import CACHE_TYPES, SeqCache, cache_bytes
 from potluck.model.weights import SUPPORTED_TYPES, Weights, WeightSource, check
 from potluck.modelfile.hparams import HParams
+from potluck.modelfile.lora import LoraAdapter
 
 __all__ = ["SUPPORTED_TYPES", "SeqChunk", "Stage", "WeightSource", "check", "set_threads"]
 
@@ -159,13 +161,15 @@ class Stage:
         n_gpu_layers: int | None = None,
         device: str | None = None,
         repack: bool | None = None,
+        adapters: Sequence[LoraAdapter] = (),
     ) -> None:
         """exact: weights dequantized to f32 and an f32 KV cache (reference precision, tests);
         cache_type: "f16" (default) or "f32". n_gpu_layers: the last that many layers of the
         stage on the GPU `device` (a ggml device name, default the first GPU), as llama.cpp's
         -ngl: more than the stage's layers puts the output head there too; the rest on the CPU.
         None: the process default (set_gpu). repack: weights in ggml's CPU_REPACK layout where
-        it has one (model/weights.py; None: the process default, on)."""
+        it has one (model/weights.py; None: the process default, on). adapters: LoRA adapters
+        applied to this stage's matrices (their tensors for these layers, beside the weights)."""
         if not 0 <= start < stop <= hp.n_layer:
             raise ValueError(f"layer range [{start}, {stop}) is not inside [0, {hp.n_layer})")
         cache_type = cache_type or ("f32" if exact else _cache_type[0] if _cache_type else "f16")
@@ -203,6 +207,9 @@ class Stage:
         self.weights = Weights(
             src, shapes, exact, self._placement, self._repack if repack else _no, self.threads
         )
+        self.loras: list[Lora] = []
+        for adapter in adapters:
+            self.loras.append(self._lora(adapter, shapes, exact))
         if on_layer is not None:
             for i in self.layers:
                 on_layer(i)
@@ -217,6 +224,21 @@ class Stage:
             backends, None, len(order), _SCHED_GRAPH_SIZE, False, True
         )
         self._graph: StepGraph | None = None
+
+    def _lora(
+        self, adapter: LoraAdapter, shapes: list[tuple[str, tuple[int, ...]]], exact: bool
+    ) -> Lora:
+        """The adapter's tensors for the matrices this stage multiplies by, placed as those are."""
+        if "token_embd.weight" in adapter.pairs:
+            raise UnsupportedError(
+                f"{adapter.path}: adapts token_embd.weight (the embedding); Potluck applies "
+                "adapters to the layers' matrices and the output head only"
+            )
+        mine = [adapter.pairs[n] for n, shape in shapes if len(shape) == 2 and n in adapter.pairs]
+        tensors = [(t, adapter.file.tensors[t].shape) for p in mine for t in (p.a, p.b)]
+        place = lambda t: self._placement(t.rsplit(".lora_", 1)[0])  # noqa: E731 (as its matrix)
+        weights = Weights(adapter.file, tensors, exact, place, _no, self.threads)
+        return weights, {p.base: adapter.factor(p.base) for p in mine}
 
     def _placement(self, name: str) -> int | None:
         """The device buffer type a weight is uploaded to, None: this CPU, mapped in place."""
@@ -306,7 +328,7 @@ class Stage:
 
     def weight_bytes(self) -> int:
         """Bytes of weights this stage holds: its tensors' bytes in the file (mapped in place)."""
-        return self.weights.nbytes
+        return self.weights.nbytes + sum(w.nbytes for w, _ in self.loras)
 
     def device_weight_bytes(self) -> int:
         """Of weight_bytes, those uploaded to the GPU (-ngl)."""
@@ -354,7 +376,9 @@ class Stage:
         shape = StepShape.of(caches, [c.n for c in chunks], n_rows)
         if self._graph is None or self._graph.shape != shape:
             self._release_graph()
-            self._graph = StepGraph(self.hp, self.weights, self.layers, shape, caches, self.sched)
+            self._graph = StepGraph(
+                self.hp, self.weights, self.layers, shape, caches, self.sched, self.loras
+            )
         out = self._graph.run(x, [cache.length for cache in caches], rows)
         for c, cache in zip(chunks, caches, strict=True):
             cache.commit(c.n)
@@ -379,6 +403,9 @@ class Stage:
             self.sched = None
         if getattr(self, "weights", None) is not None:
             self.weights.free()
+        for weights, _ in getattr(self, "loras", ()):
+            weights.free()
+        self.loras = []
         for name in ("cpu", "gpu"):
             if getattr(self, name, None):
                 lib.ggml_backend_free(getattr(self, name))
