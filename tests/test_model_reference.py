@@ -36,7 +36,10 @@ CASES = [
         "gemma3",
         T.Q4_K,
         {"ffn_down": T.Q6_K, "attn_v": T.Q5_K},
-        {"n_embd": 256, "n_ff": 512, "n_head_kv": 1, "head_dim": 64},
+        # head_dim 256: transformers' query_pre_attn_scalar defaults to 256 (the GGUF has no
+        # key for it), llama.cpp scales by 1/sqrt(head_dim); at 64 the two scales differ and
+        # only the near-uniform random attention hid it
+        {"n_embd": 256, "n_ff": 512, "n_head_kv": 1, "head_dim": 256},
     ),
     ("llama", T.Q2_K, {"attn_": T.Q3_K, "token_embd": T.F32}, {"n_embd": 256, "n_ff": 512}),
 ]
