@@ -186,11 +186,16 @@ class LoraModel(nn.Module):
             raise UnsupportedError("an adapter on the output head is not trained yet")
         return _Frozen.apply(x, self.f, self.head)
 
-    def loss(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of each next token where mask (B, T) is 1 (mask[:, 0] unused)."""
+    def loss_sum(self, ids: torch.Tensor, learn: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of each next token where learn (B, T) is 1 (learn[:, 0] unused)."""
         logits = self.forward(ids[:, :-1])
-        labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        labels = ids[:, 1:].masked_fill(learn[:, 1:] == 0, -100)
+        flat = logits.reshape(-1, logits.shape[-1])
+        return F.cross_entropy(flat, labels.reshape(-1), reduction="sum")
+
+    def loss(self, ids: torch.Tensor, learn: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy per learned token."""
+        return self.loss_sum(ids, learn) / max(int((learn[:, 1:] != 0).sum()), 1)
 
     def lora_pairs(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """{GGUF base name: (A, B)} as numpy f32 (modelfile.lora.write_lora takes them)."""

@@ -1,0 +1,181 @@
+"""`potluck finetune`: checkpoints that resume bit-for-bit, clear errors for unusable input, and
+learning for real (made-up facts about a fictional town, asked again in other words)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from potluck.modelfile.chat import ChatTemplate
+from potluck.modelfile.gguf_file import GGUFFile
+from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.modelfile.lora import open_lora
+from potluck.modelfile.tokenizer import Tokenizer
+from potluck.train.data import read_examples
+from potluck.train.loop import CheckpointError, TrainConfig, Trainer, run
+
+from ggufgen import write_tiny_model
+
+pytest.importorskip("torch")
+DATA = Path(__file__).parent / "data"
+
+
+def _cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "potluck.cli", *args], capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def _tiny(tmp_path: Path) -> tuple[Path, GGUFFile]:
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama", None, T.Q8_0)
+    return path, GGUFFile(path)
+
+
+def _lines(path: Path, objs: list) -> Path:
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return path
+
+
+def _data(tmp_path: Path) -> Path:
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "iota",
+        "kappa",
+        "lambda",
+        "mu",
+    ]
+    return _lines(
+        tmp_path / "d.jsonl", [{"text": " ".join(words[i:] + words[:i])} for i in range(10)]
+    )
+
+
+def _trainer(path: Path, f: GGUFFile, data: Path, **kw) -> Trainer:
+    hp = hparams_from_metadata(f.metadata)
+    tok, chat = Tokenizer(f.metadata), ChatTemplate.from_metadata(f.metadata, hp.arch)
+    examples, _ = read_examples(data, tok, chat, 64)
+    return Trainer(hp, f, examples, TrainConfig(rank=4, lr=1e-2, epochs=2, batch=3, **kw))
+
+
+def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:
+    path, f = _tiny(tmp_path)
+    data = _data(tmp_path)
+    whole = _trainer(path, f, data, checkpoint_every=100)
+    losses = []
+    run(whole, tmp_path / "whole.gguf", lambda r: losses.append(r.loss))
+    assert whole.step == whole.total == 8 and losses[-1] < losses[0]  # it learns
+    part = _trainer(path, f, data, checkpoint_every=100)
+    run(part, tmp_path / "part.gguf", stop_after=3)  # interrupted after step 3 (a checkpoint)
+    assert not (tmp_path / "part.gguf").exists()
+    again = _trainer(path, f, data, checkpoint_every=100)
+    again.load(tmp_path / "part.gguf.ckpt")
+    assert again.step == 3
+    run(again, tmp_path / "part.gguf")
+    assert not (tmp_path / "part.gguf.ckpt").exists()  # done: the checkpoint goes
+    a = open_lora(tmp_path / "whole.gguf", "llama", f.tensors)
+    b = open_lora(tmp_path / "part.gguf", "llama", f.tensors)
+    assert a.pairs.keys() == b.pairs.keys() and len(a.pairs) == 2 * 7
+    for name in a.pairs:
+        for t in (name + ".lora_a", name + ".lora_b"):
+            np.testing.assert_array_equal(a.file.raw(t), b.file.raw(t))
+    # a checkpoint of another run is refused with what differs
+    other = _trainer(path, f, data, checkpoint_every=100, seed=5)
+    other.save(tmp_path / "other.ckpt")
+    with pytest.raises(CheckpointError, match="another set of settings"):
+        _trainer(path, f, data, checkpoint_every=100).load(tmp_path / "other.ckpt")
+
+
+def test_chat_lines_learn_only_the_assistant(smollm2_path: Path, tmp_path: Path) -> None:
+    f = GGUFFile(smollm2_path)
+    hp = hparams_from_metadata(f.metadata)
+    tok, chat = Tokenizer(f.metadata), ChatTemplate.from_metadata(f.metadata, hp.arch)
+    data = _lines(tmp_path / "c.jsonl", [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
+                      {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Farewell."}]},
+        "{broken", {"messages": [{"role": "user", "content": "only a question"}]}, {"other": 1},
+    ])  # fmt: skip
+    (ex,), skipped = read_examples(data, tok, chat, 512)
+    learned = tok.decode([i for i, on in zip(ex.ids, ex.learn, strict=True) if on])
+    assert learned == "Hello there.<|im_end|>\nFarewell.<|im_end|>\n"
+    assert [line for line, _ in skipped] == [2, 3, 4]
+    assert "not JSON" in skipped[0][1] and "no assistant message" in skipped[1][1]
+
+
+def test_errors_are_one_line_with_the_numbers(smollm2_path: Path, tmp_path: Path) -> None:
+    path, _ = _tiny(tmp_path)
+    out = str(tmp_path / "a.gguf")
+    empty = _lines(tmp_path / "e.jsonl", ["{oops", {"messages": []}])
+    r = _cli("finetune", "-m", str(path), "--data", str(empty), "-o", out)
+    assert r.returncode != 0 and "has no usable line (2 skipped; line 1: not JSON" in r.stderr
+    long = _lines(tmp_path / "l.jsonl", [{"text": "alpha " * 300}])
+    r = _cli("finetune", "-m", str(path), "--data", str(long), "-o", out, "--ctx", "64")
+    assert r.returncode != 0 and "longer than the context (64): raise --ctx to" in r.stderr
+    data = _data(tmp_path)
+    r = _cli("finetune", "-m", str(path), "--data", str(data), "-o", out, "--targets", "attn_qkv")
+    assert r.returncode != 0 and "--targets attn_qkv: not a matrix" in r.stderr
+    big = _lines(tmp_path / "b.jsonl", [{"text": f"{i} " + "word " * 480} for i in range(64)])
+    r = _cli(
+        "finetune",
+        "-m",
+        str(smollm2_path),
+        "--data",
+        str(big),
+        "-o",
+        out,
+        "--batch",
+        "64",
+        "--ctx",
+        "512",
+    )  # fmt: skip  (64 × 482 tokens of SmolLM2 at once: ~60 GiB)
+    assert r.returncode != 0 and "GiB free: lower --batch" in r.stderr, r.stderr
+    (tmp_path / "a.gguf.ckpt").write_bytes(b"x")
+    r = _cli("finetune", "-m", str(path), "--data", str(data), "-o", out)
+    assert r.returncode != 0 and "holds an unfinished run: --resume" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def _answers(model: Path, lora: Path | None) -> tuple[int, list[str]]:
+    """Greedy answers to the held-out questions: (how many name the fact, the answers)."""
+    from potluck.engine.generate import generate, load_model
+    from potluck.engine.sampling import GREEDY, Sampler
+
+    m = load_model(model, 512, loras=[(lora, 1.0)] if lora else [])
+    hits, said = 0, []
+    for line in (DATA / "town_heldout.jsonl").read_text().splitlines():
+        q = json.loads(line)
+        prompt = m.tokenizer.encode(m.chat.render([{"role": "user", "content": q["question"]}]))
+        ids = generate(m, prompt, 24, Sampler(GREEDY))
+        text = m.tokenizer.decode([t for t in ids if t not in m.tokenizer.eot_ids])
+        hits += q["key"].lower() in text.lower()
+        said.append(text)
+    m.close()
+    return hits, said
+
+
+@pytest.mark.slow  # ≈ 4 min: 40 steps of SmolLM2 on 2 cores
+def test_learns_made_up_facts(smollm2_path: Path, tmp_path: Path) -> None:
+    """40 made-up facts about a town; asked again in other words (held out), SmolLM2 names the
+    fact far more often with the adapter than without."""
+    out = tmp_path / "town.gguf"
+    r = _cli("finetune", "-m", str(smollm2_path), "--data", str(DATA / "town_train.jsonl"),
+             "-o", str(out), "--epochs", "8", "--batch", "8", "--lr", "1e-3", "--rank", "16",
+             "--alpha", "32", "--seed", "0")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "adapter written" in r.stderr
+    before, _ = _answers(smollm2_path, None)
+    after, said = _answers(smollm2_path, out)
+    # here (Zen 4, 2 threads): 0 of 40 before, 20 after
+    assert before <= 2 and after >= 12, (before, after, said)
