@@ -1564,9 +1564,17 @@ def finetune(
         bool, typer.Option("--resume", help="Continue from OUTPUT.ckpt (bit-for-bit).")
     ] = False,
     threads: ThreadsOpt = None,
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    mem: HeadMemOpt = None,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
 ) -> None:
-    """Train a LoRA adapter on this machine (needs PyTorch: pip install potluck[train]); the
-    adapter is a GGUF that --lora (and llama.cpp's --lora) applies."""
+    """Train a LoRA adapter (needs PyTorch: pip install potluck[train]), on this machine and,
+    data parallel, on the pool's workers (each takes a share of every batch); the adapter is a
+    GGUF that --lora (and llama.cpp's --lora) applies."""
     try:
         import torch
     except ImportError:
@@ -1619,7 +1627,29 @@ def finetune(
             f"(the longest example), this machine has {free / 2**30:.1f} GiB free: lower --batch "
             "or shorten the examples"
         )
-    trainer = Trainer(hp, f, examples, config, evals)
+    finder = _peers(peer, rpc, pool, no_mdns)
+    addresses = _found(finder, lambda: _auth(secret, tls))
+    from potluck.train.pool import PoolTrainer
+
+    if addresses:
+        from potluck.transport.client import NodeClient
+
+        auth = _auth(secret, tls)
+
+        def on_event(text: str) -> None:
+            err.print(f"[yellow]{text}[/]")
+
+        trainer: Trainer = PoolTrainer(
+            hp, f, examples, config, evals, addresses, lambda a: NodeClient(a, auth),
+            _head_mem(mem) != 0, on_event,
+        )  # fmt: skip
+    else:
+        if _head_mem(mem) == 0:
+            raise PotluckError(
+                "--mem 0 keeps the training off this machine, and no worker was found: name "
+                "them with --peer HOST:PORT (or start `potluck worker` on them)"
+            )
+        trainer = Trainer(hp, f, examples, config, evals)
     ckpt = output.with_name(output.name + CHECKPOINT_SUFFIX)
     if ckpt.exists() and not resume:
         raise PotluckError(
@@ -1630,6 +1660,10 @@ def finetune(
             raise PotluckError(f"--resume: there is no checkpoint {ckpt} to continue from")
         trainer.load(ckpt)
         err.print(f"[dim]resuming at step {trainer.step} of {trainer.total} from {ckpt}[/]")
+    if isinstance(trainer, PoolTrainer):
+        trainer.start()
+        who = ", ".join([*(["this machine"] if trainer.head_share else []), *trainer.alive])
+        err.print(f"[dim]data parallel over {who}: each takes a share of every batch[/]")
     n_learned = sum(e.n_learned for e in examples)
     params = sum(p.numel() for p in trainer.model.parameters())
     err.print(

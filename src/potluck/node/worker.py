@@ -13,11 +13,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -27,7 +28,7 @@ from potluck import __version__
 from potluck.engine.sampling import Sampler, Token
 from potluck.errors import ContextError, PotluckError
 from potluck.model.layout import stage_tensor_names
-from potluck.model.stage import SeqChunk, Stage, WeightSource
+from potluck.model.stage import SeqChunk, Stage, WeightSource, default_threads
 from potluck.modelfile.gguf_file import GGUFFile, read_header
 from potluck.modelfile.hparams import HParams, hparams_from_metadata
 from potluck.node import doctor as node_doctor
@@ -39,6 +40,7 @@ from potluck.node.probe import (
     trim_heap,
     usable_memory_bytes,
 )
+from potluck.node.training import TrainingError, TrainSessions
 from potluck.node.transfer import Received, pull, receive, send_tensors
 from potluck.node.weights import BlobSource, BlobStore, IntegrityError, find_local_model
 from potluck.transport import potluck_pb2 as pb
@@ -142,6 +144,7 @@ class NodeService(pb_grpc.NodeServicer):
             self.speed = decode_bytes_per_s(threads=threads)  # once, before any stage is loaded
             self.gpu = gpu_offer()  # its speed measured once too
             trim_heap()  # the probe's buffers go back to the OS
+        self.training = TrainSessions(model_dirs, threads or default_threads())
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
 
     def _memory_bytes(self) -> int:
@@ -841,6 +844,37 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.DropReply()
 
     # -- diagnostics (potluck nodes / doctor; node/doctor.py) ---------------------------------------
+    # -- data-parallel LoRA training (node/training.py) -------------------------------------------
+    def TrainOpen(
+        self, request: pb.TrainOpenRequest, context: grpc.ServicerContext
+    ) -> pb.TrainOpenReply:
+        return self._training(context, self.training.open, request)
+
+    def TrainGrad(
+        self, request: pb.TrainGradRequest, context: grpc.ServicerContext
+    ) -> pb.TrainGradReply:
+        with self.compute:  # never beside a forward pass
+            return self._training(context, self.training.grad, request)
+
+    def TrainApply(
+        self, request: pb.TrainApplyRequest, context: grpc.ServicerContext
+    ) -> pb.TrainApplyReply:
+        return self._training(context, self.training.apply, request)
+
+    def TrainClose(
+        self, request: pb.TrainCloseRequest, context: grpc.ServicerContext
+    ) -> pb.TrainCloseReply:
+        return self._training(context, self.training.close, request)
+
+    @staticmethod
+    def _training(context: grpc.ServicerContext, call: Callable, request: Any) -> Any:
+        try:
+            return call(request)
+        except TrainingError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except PotluckError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
     def Echo(self, request: pb.EchoRequest, context: grpc.ServicerContext) -> pb.EchoReply:
         if request.reply_bytes > ECHO_MAX_BYTES:
             context.abort(

@@ -89,20 +89,36 @@ class Trainer:
     def train_step(self) -> StepReport:
         t0 = time.perf_counter()
         batch = self.batch_of(self.step)
-        ids, learn = collate(batch)
-        n = int(learn[:, 1:].sum())
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.model.loss_sum(ids, learn) / max(n, 1)
-        loss.backward()
+        n = sum(e.n_learned for e in batch)
+        loss = self.gradients(batch, n)  # every parameter's .grad: d(summed loss / n)
         self.opt.step()
+        self.applied()
         self.step += 1
         epoch = (self.step - 1) // self.steps_per_epoch
         end_of_epoch = self.step % self.steps_per_epoch == 0
         ev = self.eval_loss() if self.evals and end_of_epoch else None
+        tokens = len(batch) * max(len(e.ids) for e in batch)
         return StepReport(
-            self.step, self.total, epoch, float(loss.detach()), ev, int(ids.numel()),
-            time.perf_counter() - t0,
+            self.step, self.total, epoch, loss, ev, tokens, time.perf_counter() - t0
         )  # fmt: skip
+
+    def gradients(self, batch: Sequence[Example], n_learned: int) -> float:
+        """Set each parameter's .grad for one step's batch; the loss (summed over the batch's
+        learned tokens / n_learned). Here: the whole batch in this process."""
+        self.opt.zero_grad(set_to_none=True)
+        ids, learn = collate(batch)
+        loss = self.model.loss_sum(ids, learn) / max(n_learned, 1)
+        loss.backward()
+        return float(loss.detach())
+
+    def applied(self) -> None:
+        """After the optimizer's step (a pool: every node takes the same one)."""
+
+    def checkpoint(self, path: Path) -> None:
+        self.save(path)
+
+    def close(self) -> None:
+        """Let go of whatever the run holds besides this process (a pool's sessions)."""
 
     def eval_loss(self, examples: Sequence[Example] | None = None) -> float:
         """Mean cross-entropy per learned token over `examples` (default: the eval set)."""
@@ -184,12 +200,15 @@ def run(
     (after a checkpoint) once that many steps are done (tests: an interrupted run)."""
     ckpt = out.with_name(out.name + CHECKPOINT_SUFFIX)
     every = trainer.config.checkpoint_every
-    while trainer.step < trainer.total:
-        on_step(trainer.train_step())
-        if trainer.step % every == 0 or trainer.step == stop_after:
-            trainer.save(ckpt)
-        if stop_after is not None and trainer.step >= stop_after:
-            return
+    try:
+        while trainer.step < trainer.total:
+            on_step(trainer.train_step())
+            if trainer.step % every == 0 or trainer.step == stop_after:
+                trainer.checkpoint(ckpt)
+            if stop_after is not None and trainer.step >= stop_after:
+                return
+    finally:
+        trainer.close()
     trainer.write_adapter(out)
     ckpt.unlink(missing_ok=True)
 

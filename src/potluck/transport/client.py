@@ -400,6 +400,11 @@ class NodeClient:
     def drop(self, request: pb.DropRequest, timeout: float = 10.0) -> pb.DropReply:
         return self._call("Drop", request, timeout)  # type: ignore[return-value]
 
+    def train(self, method: str, request: object, timeout: float = 600.0) -> object:
+        """A training call (TrainOpen, TrainGrad, TrainApply, TrainClose: node/training.py)."""
+        assert method in ("TrainOpen", "TrainGrad", "TrainApply", "TrainClose")
+        return self._call(method, request, timeout)
+
     def close(self) -> None:
         """Hang up for good: later calls and sends fail at once (a freed plan's relay, a pool
         after a failover) instead of opening a new connection that nobody would close."""

@@ -278,6 +278,90 @@ class DropReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class TrainOpenRequest(_message.Message):
+    __slots__ = ("session_id", "model_sha256", "model_bytes", "rank", "alpha", "targets", "lr", "seed", "step", "state")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model_sha256: str
+    model_bytes: int
+    rank: int
+    alpha: float
+    targets: _containers.RepeatedScalarFieldContainer[str]
+    lr: float
+    seed: int
+    step: int
+    state: bytes
+    def __init__(self, session_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., targets: _Optional[_Iterable[str]] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[bytes] = ...) -> None: ...
+
+class TrainOpenReply(_message.Message):
+    __slots__ = ("n_params",)
+    N_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    n_params: int
+    def __init__(self, n_params: _Optional[int] = ...) -> None: ...
+
+class TrainSequence(_message.Message):
+    __slots__ = ("ids", "learn")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LEARN_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    learn: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., learn: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class TrainGradRequest(_message.Message):
+    __slots__ = ("session_id", "step", "sequences", "n_learned")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    N_LEARNED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    sequences: _containers.RepeatedCompositeFieldContainer[TrainSequence]
+    n_learned: int
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., n_learned: _Optional[int] = ...) -> None: ...
+
+class TrainGradReply(_message.Message):
+    __slots__ = ("loss_sum", "grads", "compute_ms")
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    loss_sum: float
+    grads: bytes
+    compute_ms: float
+    def __init__(self, loss_sum: _Optional[float] = ..., grads: _Optional[bytes] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class TrainApplyRequest(_message.Message):
+    __slots__ = ("session_id", "step", "grads")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    grads: bytes
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., grads: _Optional[bytes] = ...) -> None: ...
+
+class TrainApplyReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TrainCloseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class TrainCloseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ChallengeRequest(_message.Message):
     __slots__ = ("protocol_version", "client_nonce")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]

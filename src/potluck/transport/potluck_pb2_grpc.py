@@ -94,6 +94,26 @@ class NodeStub:
                 request_serializer=potluck_dot_transport_dot_potluck__pb2.StressRequest.SerializeToString,
                 response_deserializer=potluck_dot_transport_dot_potluck__pb2.StressSample.FromString,
                 _registered_method=True)
+        self.TrainOpen = channel.unary_unary(
+                '/potluck.v1.Node/TrainOpen',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.TrainOpenRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.TrainOpenReply.FromString,
+                _registered_method=True)
+        self.TrainGrad = channel.unary_unary(
+                '/potluck.v1.Node/TrainGrad',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.TrainGradRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.TrainGradReply.FromString,
+                _registered_method=True)
+        self.TrainApply = channel.unary_unary(
+                '/potluck.v1.Node/TrainApply',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.TrainApplyRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.TrainApplyReply.FromString,
+                _registered_method=True)
+        self.TrainClose = channel.unary_unary(
+                '/potluck.v1.Node/TrainClose',
+                request_serializer=potluck_dot_transport_dot_potluck__pb2.TrainCloseRequest.SerializeToString,
+                response_deserializer=potluck_dot_transport_dot_potluck__pb2.TrainCloseReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -179,6 +199,33 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TrainOpen(self, request, context):
+        """LoRA training, data parallel (potluck finetune over the pool; node/training.py): the head
+        opens a session with the adapters' state, asks each node for the gradient of its share of
+        every global batch, sums them, and has every node apply the same sum (identical AdamW steps)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TrainGrad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TrainApply(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TrainClose(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -241,6 +288,26 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Stress,
                     request_deserializer=potluck_dot_transport_dot_potluck__pb2.StressRequest.FromString,
                     response_serializer=potluck_dot_transport_dot_potluck__pb2.StressSample.SerializeToString,
+            ),
+            'TrainOpen': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrainOpen,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.TrainOpenRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.TrainOpenReply.SerializeToString,
+            ),
+            'TrainGrad': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrainGrad,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.TrainGradRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.TrainGradReply.SerializeToString,
+            ),
+            'TrainApply': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrainApply,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.TrainApplyRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.TrainApplyReply.SerializeToString,
+            ),
+            'TrainClose': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrainClose,
+                    request_deserializer=potluck_dot_transport_dot_potluck__pb2.TrainCloseRequest.FromString,
+                    response_serializer=potluck_dot_transport_dot_potluck__pb2.TrainCloseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -567,6 +634,114 @@ class Node:
             '/potluck.v1.Node/Stress',
             potluck_dot_transport_dot_potluck__pb2.StressRequest.SerializeToString,
             potluck_dot_transport_dot_potluck__pb2.StressSample.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrainOpen(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/potluck.v1.Node/TrainOpen',
+            potluck_dot_transport_dot_potluck__pb2.TrainOpenRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.TrainOpenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrainGrad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/potluck.v1.Node/TrainGrad',
+            potluck_dot_transport_dot_potluck__pb2.TrainGradRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.TrainGradReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrainApply(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/potluck.v1.Node/TrainApply',
+            potluck_dot_transport_dot_potluck__pb2.TrainApplyRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.TrainApplyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrainClose(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/potluck.v1.Node/TrainClose',
+            potluck_dot_transport_dot_potluck__pb2.TrainCloseRequest.SerializeToString,
+            potluck_dot_transport_dot_potluck__pb2.TrainCloseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,155 @@
+"""A worker's side of data-parallel LoRA training (potluck finetune over the pool).
+
+The head opens a session with the adapters' and the optimizer's state; for every step it sends
+this node its share of the global batch (token ids and which to learn) and gets back the gradient
+of the share's summed loss divided by the global batch's learned-token count; then it sends the
+sum over every share and the node takes the same AdamW step as the head. So every node holds the
+same adapters after every step, and a node that goes away costs nothing but its share's time.
+
+PyTorch is imported only here, when a session opens: a worker without it says so.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from potluck.errors import PotluckError
+from potluck.transport import potluck_pb2 as pb
+
+
+class TrainingError(PotluckError):
+    """A training request this node cannot serve (no PyTorch, no model file, an unknown session,
+    a step out of order)."""
+
+
+def flat_grads(params: Sequence[Any]) -> bytes:
+    """Every parameter's gradient, flattened in order, as f32 bytes."""
+    import torch
+
+    return torch.cat([p.grad.reshape(-1) for p in params]).numpy().astype(np.float32).tobytes()
+
+
+def set_grads(params: Sequence[Any], data: bytes) -> None:
+    """The inverse of flat_grads: each parameter's .grad from the flat f32 bytes."""
+    import torch
+
+    flat = torch.from_numpy(np.frombuffer(data, np.float32).copy())
+    n = sum(p.numel() for p in params)
+    if flat.numel() != n:
+        raise TrainingError(f"gradient has {flat.numel()} values, the adapters {n}")
+    at = 0
+    for p in params:
+        p.grad = flat[at : at + p.numel()].view_as(p).clone()
+        at += p.numel()
+
+
+def state_bytes(model: Any, opt: Any) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"adapters": model.state_dict(), "optimizer": opt.state_dict()}, buf)
+    return buf.getvalue()
+
+
+def load_state(model: Any, opt: Any, data: bytes) -> None:
+    import torch
+
+    state = torch.load(io.BytesIO(data), weights_only=True)
+    model.load_state_dict(state["adapters"])
+    opt.load_state_dict(state["optimizer"])
+
+
+class _Session:
+    def __init__(self, model: Any, opt: Any, step: int) -> None:
+        self.model, self.opt, self.step = model, opt, step
+        self.params = list(model.parameters())
+
+
+class TrainSessions:
+    """The training sessions of one worker, by session id (one compute at a time)."""
+
+    def __init__(self, model_dirs: Sequence[Path], threads: int) -> None:
+        self.model_dirs, self.threads = list(model_dirs), threads
+        self.sessions: dict[str, _Session] = {}
+        self.lock = threading.Lock()
+
+    def open(self, request: pb.TrainOpenRequest) -> pb.TrainOpenReply:
+        try:
+            import torch
+        except ImportError:
+            raise TrainingError(
+                "this worker has no PyTorch, which training needs: pip install 'potluck[train]' "
+                "on it (CPU build: torch==2.13.0)"
+            ) from None
+        from potluck.modelfile.gguf_file import GGUFFile
+        from potluck.modelfile.hparams import hparams_from_metadata
+        from potluck.node.weights import find_local_model
+        from potluck.train.model import LoraModel
+
+        path = find_local_model(request.model_sha256, request.model_bytes, self.model_dirs)
+        if path is None:
+            raise TrainingError(
+                f"this worker does not have the model file (sha256 {request.model_sha256[:12]}…):"
+                " copy it into its cache or --model-dir"
+            )
+        torch.set_num_threads(self.threads)
+        f = GGUFFile(path)
+        hp = hparams_from_metadata(f.metadata, str(path))
+        model = LoraModel(hp, f, tuple(request.targets), request.rank, request.alpha, request.seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=request.lr, weight_decay=0.0)
+        load_state(model, opt, request.state)
+        with self.lock:
+            self.sessions[request.session_id] = _Session(model, opt, request.step)
+        return pb.TrainOpenReply(n_params=sum(p.numel() for p in model.parameters()))
+
+    def _session(self, sid: str, step: int) -> _Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise TrainingError(f"no training session {sid[:12]} on this worker (restarted?)")
+        if s.step != step:
+            raise TrainingError(
+                f"step {step} asked, this worker's adapters are after step {s.step}"
+            )
+        return s
+
+    def grad(self, request: pb.TrainGradRequest) -> pb.TrainGradReply:
+        import torch
+
+        with self.lock:
+            s = self._session(request.session_id, request.step)
+            t0 = time.perf_counter()
+            width = max(len(q.ids) for q in request.sequences)
+            ids = torch.zeros(len(request.sequences), width, dtype=torch.long)
+            learn = torch.zeros_like(ids)
+            for r, q in enumerate(request.sequences):
+                ids[r, : len(q.ids)] = torch.tensor(list(q.ids))
+                learn[r, : len(q.learn)] = torch.tensor(list(q.learn), dtype=torch.long)
+            s.opt.zero_grad(set_to_none=False)
+            for p in s.params:
+                p.grad = torch.zeros_like(p)
+            loss = s.model.loss_sum(ids, learn) / max(request.n_learned, 1)
+            loss.backward()
+            return pb.TrainGradReply(
+                loss_sum=float(loss.detach()), grads=flat_grads(s.params),
+                compute_ms=(time.perf_counter() - t0) * 1e3,
+            )  # fmt: skip
+
+    def apply(self, request: pb.TrainApplyRequest) -> pb.TrainApplyReply:
+        with self.lock:
+            s = self._session(request.session_id, request.step)
+            set_grads(s.params, request.grads)
+            s.opt.step()
+            s.step += 1
+        return pb.TrainApplyReply()
+
+    def close(self, request: pb.TrainCloseRequest) -> pb.TrainCloseReply:
+        with self.lock:
+            self.sessions.pop(request.session_id, None)
+        return pb.TrainCloseReply()

@@ -1,0 +1,189 @@
+"""Data-parallel LoRA training over the pool: the head and its workers each compute the gradient
+of a share of every global batch; the head sums them (in a fixed order) and every node takes the
+same AdamW step, so all hold the same adapters after each step.
+
+Gradients of the adapters only (megabytes) cross the pool's own authenticated gRPC links (the
+pool secret admits a node; TLS where the pool uses it), reduced at the head: a star, which a home
+pool of two or three machines does not outgrow, and which loses nothing when a node goes away.
+A node that fails mid-step has its share computed here (the step is the same), is dropped, and is
+asked to join again at the next checkpoint (the state travels with TrainOpen).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from potluck.errors import PotluckError
+from potluck.modelfile.gguf_file import GGUFFile
+from potluck.modelfile.hparams import HParams
+from potluck.node.training import flat_grads, set_grads, state_bytes
+from potluck.node.weights import sha256_file
+from potluck.train.data import Example
+from potluck.train.loop import TrainConfig, Trainer, collate
+from potluck.transport import potluck_pb2 as pb
+from potluck.transport.client import NodeClient
+from potluck.transport.codec import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+HEAD = "this machine"
+
+
+class PoolTrainer(Trainer):
+    """A Trainer whose steps are shared with `nodes` (addresses; dial(address) connects, again
+    after a node went away: a fresh connection, not one in backoff). head_share: whether
+    this machine computes a share too (--mem 0: it only sums). on_event(text): what happened to
+    a node (gone, back)."""
+
+    def __init__(
+        self,
+        hp: HParams,
+        f: GGUFFile,
+        examples: Sequence[Example],
+        config: TrainConfig,
+        evals: Sequence[Example],
+        nodes: Sequence[str],
+        dial: Callable[[str], NodeClient],
+        head_share: bool = True,
+        on_event: Callable[[str], None] = lambda text: None,
+    ) -> None:
+        super().__init__(hp, f, examples, config, evals)
+        self.dial, self.head_share, self.on_event = dial, head_share, on_event
+        self.nodes = {a: dial(a) for a in nodes}
+        self.session = uuid.uuid4().hex
+        self.sha = sha256_file(f.path)
+        self.alive: list[str] = []
+        self.dropped: list[str] = []
+        self._total = b""  # the last step's summed gradient (for TrainApply)
+        self.pool = ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="potluck-train")
+
+    # -- membership ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open a session on every node (its state: this process's, at self.step)."""
+        for address in self.nodes:
+            self._open(address)
+        if not self.alive and not self.head_share:
+            raise PotluckError(
+                "no worker could take part in the training, and --mem 0 keeps it off this machine"
+            )
+
+    def _open(self, address: str) -> bool:
+        request = pb.TrainOpenRequest(
+            session_id=self.session, model_sha256=self.sha, model_bytes=self.f.size_bytes,
+            rank=self.config.rank, alpha=self.config.alpha, targets=list(self.config.targets),
+            lr=self.config.lr, seed=self.config.seed, step=self.step,
+            state=state_bytes(self.model, self.opt),
+        )  # fmt: skip
+        try:
+            self.nodes[address].train("TrainOpen", request, timeout=120.0)
+        except PotluckError as exc:
+            self._drop(address, f"could not open a training session: {exc}")
+            return False
+        if address in self.dropped:
+            self.dropped.remove(address)
+            self.on_event(f"{address} joins again at step {self.step}")
+        self.alive = sorted({*self.alive, address})
+        return True
+
+    def _drop(self, address: str, why: str) -> None:
+        if address in self.alive:
+            self.alive.remove(address)
+        if address not in self.dropped:
+            self.dropped.append(address)
+            self.on_event(f"{address} left the training at step {self.step}: {why}")
+
+    def checkpoint(self, path: Path) -> None:
+        super().checkpoint(path)
+        for address in list(self.dropped):  # a node that came back joins here
+            self.nodes[address].close()
+            self.nodes[address] = self.dial(address)
+            try:
+                self.nodes[address].hello(
+                    pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=2.0
+                )
+            except PotluckError:
+                continue
+            self._open(address)
+
+    def close(self) -> None:
+        for address in self.alive:
+            with contextlib.suppress(PotluckError):  # it frees the session when it restarts
+                end = pb.TrainCloseRequest(session_id=self.session)
+                self.nodes[address].train("TrainClose", end, 10.0)
+        self.pool.shutdown(wait=False)
+        for client in self.nodes.values():
+            client.close()
+
+    # -- one step --------------------------------------------------------------------------------
+    def shares(self, batch: Sequence[Example]) -> list[tuple[str, list[Example]]]:
+        """The batch cut into consecutive parts, one per member (this machine first), in order."""
+        owners = ([HEAD] if self.head_share or not self.alive else []) + list(self.alive)
+        cuts = np.array_split(np.arange(len(batch)), len(owners))
+        return [
+            (o, [batch[i] for i in idx]) for o, idx in zip(owners, cuts, strict=True) if len(idx)
+        ]
+
+    def _here(self, part: list[Example], n_learned: int) -> tuple[float, torch.Tensor]:
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
+        ids, learn = collate(part)
+        loss = self.model.loss_sum(ids, learn) / max(n_learned, 1)
+        loss.backward()
+        return float(loss.detach()), torch.cat(
+            [p.grad.reshape(-1) for p in self.model.parameters()]
+        )
+
+    def gradients(self, batch: Sequence[Example], n_learned: int) -> float:
+        parts = self.shares(batch)
+        asked = {
+            owner: self.pool.submit(self._remote, owner, part, n_learned)
+            for owner, part in parts
+            if owner != HEAD
+        }
+        results: list[tuple[float, torch.Tensor]] = []
+        for owner, part in parts:
+            if owner == HEAD:
+                results.append(self._here(part, n_learned))
+                continue
+            try:
+                results.append(asked[owner].result())
+            except PotluckError as exc:
+                self._drop(owner, str(exc))
+                results.append(self._here(part, n_learned))  # its share, done here: same step
+        total = results[0][1].clone()
+        for _, g in results[1:]:
+            total += g
+        params = list(self.model.parameters())
+        self._total = total.numpy().astype(np.float32).tobytes()
+        set_grads(params, self._total)
+        return sum(loss for loss, _ in results)
+
+    def _remote(
+        self, owner: str, part: list[Example], n_learned: int
+    ) -> tuple[float, torch.Tensor]:
+        request = pb.TrainGradRequest(
+            session_id=self.session, step=self.step, n_learned=n_learned,
+            sequences=[pb.TrainSequence(ids=list(e.ids), learn=list(e.learn)) for e in part],
+        )  # fmt: skip
+        reply = self.nodes[owner].train("TrainGrad", request)
+        assert isinstance(reply, pb.TrainGradReply)
+        return reply.loss_sum, torch.from_numpy(np.frombuffer(reply.grads, np.float32).copy())
+
+    def applied(self) -> None:
+        request = pb.TrainApplyRequest(session_id=self.session, step=self.step, grads=self._total)
+        sent = {a: self.pool.submit(self.nodes[a].train, "TrainApply", request) for a in self.alive}
+        for address, fut in sent.items():
+            try:
+                fut.result()
+            except PotluckError as exc:
+                self._drop(address, str(exc))
+
+
+__all__ = ["HEAD", "PoolTrainer", "flat_grads"]

@@ -1,0 +1,144 @@
+"""Data-parallel LoRA training over real worker processes (loopback): two workers sharing every
+batch give the adapter of one process; a worker SIGKILLed mid-run costs nothing but time (its
+share is computed by the head) and, started again, joins at the next checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from potluck.modelfile.chat import ChatTemplate
+from potluck.modelfile.gguf_file import GGUFFile
+from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.modelfile.lora import open_lora
+from potluck.modelfile.tokenizer import Tokenizer
+from potluck.train.data import read_examples
+from potluck.train.loop import TrainConfig, Trainer, run
+
+from ggufgen import write_tiny_model
+
+pytest.importorskip("torch")
+
+CONFIG = TrainConfig(rank=4, lr=1e-2, epochs=3, batch=4, checkpoint_every=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("models")
+    model = write_tiny_model(d / "tiny.gguf", "llama", None, T.Q8_0)
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "iota",
+        "kappa",
+        "lambda",
+        "mu",
+    ]
+    data = d / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(words[i:] + words[:i])}) + "\n"
+                            for i in range(10)))  # fmt: skip
+    return model, data
+
+
+def _examples(model: Path, data: Path):
+    f = GGUFFile(model)
+    hp = hparams_from_metadata(f.metadata)
+    tok, chat = Tokenizer(f.metadata), ChatTemplate.from_metadata(f.metadata, hp.arch)
+    return f, hp, read_examples(data, tok, chat, 64)[0]
+
+
+def _pairs(path: Path, f: GGUFFile) -> dict[str, np.ndarray]:
+    a = open_lora(path, "llama", f.tensors)
+    return {
+        t: np.array(a.file.raw(t)).view(np.float32)
+        for name in a.pairs
+        for t in (name + ".lora_a", name + ".lora_b")
+    }
+
+
+def _close(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max(float(np.abs(got[k] - want[k]).max() / np.abs(want[k]).max()) for k in want)
+
+
+def test_two_workers_train_as_one_process(tiny, tmp_path: Path) -> None:
+    from test_pool import start_worker
+
+    model, data = tiny
+    f, hp, examples = _examples(model, data)
+    alone = Trainer(hp, f, examples, CONFIG)
+    run(alone, tmp_path / "alone.gguf")
+    want = _pairs(tmp_path / "alone.gguf", f)
+    workers = [start_worker(args=("--model-dir", str(model.parent))) for _ in range(2)]
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "potluck.cli", "finetune", "-m", str(model), "--data",
+             str(data), "-o", str(tmp_path / "pool.gguf"), "--rank", "4", "--lr", "1e-2",
+             "--epochs", "3", "--batch", "4", "--checkpoint-every", "2", "--mem", "0",
+             "--no-mdns", *[x for _, a in workers for x in ("--peer", a)]],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        for w, _ in workers:
+            w.kill()
+            w.wait(timeout=10)
+    assert r.returncode == 0, r.stderr
+    assert "data parallel over 127.0.0.1:" in r.stderr and "this machine" not in r.stderr
+    # the same sums in another order: float round-off, amplified a little by 9 AdamW steps
+    err = _close(_pairs(tmp_path / "pool.gguf", f), want)
+    assert err < 1e-4, f"the pool's adapter differs from one process's by {err:.2e}"
+
+
+def test_a_worker_killed_and_back_costs_nothing(tiny, tmp_path: Path) -> None:
+    from potluck.train.pool import PoolTrainer
+    from potluck.transport.client import NodeClient
+    from test_pool import start_worker
+
+    model, data = tiny
+    f, hp, examples = _examples(model, data)
+    alone = Trainer(hp, f, examples, CONFIG)
+    run(alone, tmp_path / "alone.gguf")
+    want = _pairs(tmp_path / "alone.gguf", f)
+    a, addr_a = start_worker(args=("--model-dir", str(model.parent)))
+    b, addr_b = start_worker(args=("--model-dir", str(model.parent)))
+    events: list[str] = []
+    pool = PoolTrainer(
+        hp, f, examples, CONFIG, (), [addr_a, addr_b], NodeClient, True, events.append
+    )
+    procs = {"b": b}
+
+    def on_step(r) -> None:
+        if r.step == 2:  # b dies (SIGKILL) ...
+            procs["b"].kill()
+            procs["b"].wait(timeout=10)
+        if r.step == 4:  # ... and comes back on its port: it joins at the checkpoint after step 4
+            procs["b"], again = start_worker(
+                args=("--model-dir", str(model.parent), "-p", addr_b.rsplit(":", 1)[1])
+            )
+            assert again == addr_b
+
+    try:
+        pool.start()
+        assert pool.alive == sorted([addr_a, addr_b])
+        run(pool, tmp_path / "pool.gguf", on_step)
+    finally:
+        for w in (a, procs["b"]):
+            w.kill()
+            w.wait(timeout=10)
+    assert any(e.startswith(f"{addr_b} left the training at step 2") for e in events), events
+    assert f"{addr_b} joins again at step 4" in events, events
+    assert pool.alive == sorted([addr_a, addr_b])  # both took part in the last steps
+    err = _close(_pairs(tmp_path / "pool.gguf", f), want)
+    assert err < 1e-4, f"the adapter differs from the fault-free one by {err:.2e}"
