@@ -4,6 +4,7 @@ learning for real (made-up facts about a fictional town, asked again in other wo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,10 @@ def test_errors_are_one_line_with_the_numbers(smollm2_path: Path, tmp_path: Path
     assert "Traceback" not in r.stderr
 
 
+def _questions() -> list[dict]:
+    return [json.loads(x) for x in (DATA / "town_heldout.jsonl").read_text().splitlines()]
+
+
 def _answers(model: Path, lora: Path | None) -> tuple[int, list[str]]:
     """Greedy answers to the held-out questions: (how many name the fact, the answers)."""
     from potluck.engine.generate import generate, load_model
@@ -154,8 +159,7 @@ def _answers(model: Path, lora: Path | None) -> tuple[int, list[str]]:
 
     m = load_model(model, 512, loras=[(lora, 1.0)] if lora else [])
     hits, said = 0, []
-    for line in (DATA / "town_heldout.jsonl").read_text().splitlines():
-        q = json.loads(line)
+    for q in _questions():
         prompt = m.tokenizer.encode(m.chat.render([{"role": "user", "content": q["question"]}]))
         ids = generate(m, prompt, 24, Sampler(GREEDY))
         text = m.tokenizer.decode([t for t in ids if t not in m.tokenizer.eot_ids])
@@ -165,17 +169,76 @@ def _answers(model: Path, lora: Path | None) -> tuple[int, list[str]]:
     return hits, said
 
 
-@pytest.mark.slow  # ≈ 4 min: 40 steps of SmolLM2 on 2 cores
-def test_learns_made_up_facts(smollm2_path: Path, tmp_path: Path) -> None:
-    """40 made-up facts about a town; asked again in other words (held out), SmolLM2 names the
-    fact far more often with the adapter than without."""
-    out = tmp_path / "town.gguf"
+@pytest.fixture(scope="module")
+def town(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An adapter trained on 40 made-up facts about a town (≈ 3 min: 40 steps of SmolLM2)."""
+    out = tmp_path_factory.mktemp("town") / "town.gguf"
     r = _cli("finetune", "-m", str(smollm2_path), "--data", str(DATA / "town_train.jsonl"),
              "-o", str(out), "--epochs", "8", "--batch", "8", "--lr", "1e-3", "--rank", "16",
              "--alpha", "32", "--seed", "0")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "adapter written" in r.stderr
+    return out
+
+
+@pytest.mark.slow
+def test_learns_made_up_facts(smollm2_path: Path, town: Path) -> None:
+    """Asked again in other words (held out), SmolLM2 names the fact far more often with the
+    adapter than without."""
     before, _ = _answers(smollm2_path, None)
-    after, said = _answers(smollm2_path, out)
+    after, said = _answers(smollm2_path, town)
     # here (Zen 4, 2 threads): 0 of 40 before, 20 after
     assert before <= 2 and after >= 12, (before, after, said)
+
+
+LLAMA_BIN = Path(
+    os.environ.get(
+        "LLAMA_CPP_BIN", "/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+    )
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_llama_cpp_applies_our_adapter(smollm2_path: Path, town: Path) -> None:
+    """llama.cpp's own `llama-completion --lora` reads the adapter we write and answers as
+    `potluck run --lora` does: greedy text equal until a near-tie (llama.cpp rounds activations
+    to 8 bits for its quantized products; DESIGN.md), and as often right."""
+    tool = LLAMA_BIN / "llama-completion"
+    if not tool.exists():
+        pytest.skip(
+            f"no llama-completion in {LLAMA_BIN} (LLAMA_CPP_BIN; bench/README.md builds it)"
+        )
+    from potluck.engine.generate import load_model
+    from potluck.model.stage import SeqChunk
+
+    _, ours = _answers(smollm2_path, town)
+    m = load_model(smollm2_path, 512, loras=[(town, 1.0)])
+    stage = m.pipeline.stages[0]
+    equal, ties, theirs_hits, ours_hits = 0, 0, 0, 0
+    for q, mine in zip(_questions(), ours, strict=True):
+        prompt = m.chat.render([{"role": "user", "content": q["question"]}])
+        r = subprocess.run(
+            [str(tool), "-m", str(smollm2_path), "--lora", str(town), "-p", prompt, "-n", "24",
+             "--temp", "0", "-no-cnv", "--no-display-prompt", "-t", "2"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        theirs = r.stdout.removeprefix("\n").split(" [end of text]")[0].rstrip("\n")
+        theirs_hits += q["key"].lower() in theirs.lower()
+        ours_hits += q["key"].lower() in mine.lower()
+        if theirs == mine or theirs.startswith(mine) or mine.startswith(theirs):
+            equal += 1
+            continue
+        # where they part: our top two next tokens there must be nearly tied
+        cut = next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b)
+        ids = m.tokenizer.encode(prompt + mine[:cut])
+        seq = m.new_seq_id()
+        logits = stage.forward(np.array(ids), [SeqChunk(seq, len(ids))])[0].astype(np.float64)
+        stage.drop(seq)
+        logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+        top2 = np.sort(logp)[-2:]
+        assert top2[1] - top2[0] < 1.0, (q["question"], mine, theirs, top2)
+        ties += 1
+    m.close()
+    assert equal >= 30, (equal, ties)  # here (Zen 4): 40 of 40 equal, 20 right on both
+    assert theirs_hits >= ours_hits - 3, (theirs_hits, ours_hits)
