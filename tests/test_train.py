@@ -52,6 +52,15 @@ CASES = [("llama", T.Q8_0, {}), ("qwen2", T.Q4_0, {}), ("qwen3", T.Q4_1, {"head_
 @pytest.mark.parametrize("arch,qtype,shape", CASES, ids=[c[0] for c in CASES])
 def test_one_step_equals_transformers_peft(tmp_path: Path, arch: str, qtype: T, shape) -> None:
     path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, None, qtype, n_layer=2, **shape)
+    _one_step(path, arch)
+
+
+@pytest.mark.slow  # ≈ 1 min: transformers loads SmolLM2's GGUF
+def test_one_step_on_smollm2_equals_transformers_peft(smollm2_path: Path) -> None:
+    _one_step(smollm2_path, "llama")
+
+
+def _one_step(path: Path, arch: str) -> None:
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata)
     ours = LoraModel(hp, f, DEFAULT_TARGETS, RANK, ALPHA, seed=0)
