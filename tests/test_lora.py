@@ -144,3 +144,58 @@ def test_run_with_lora_on_smollm2(smollm2_path: Path, tmp_path: Path) -> None:
     bad = _run(smollm2_path, "--lora", str(smollm2_path))
     assert bad.returncode != 0 and "is not a LoRA adapter" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_serve_picks_the_adapter_per_request(smollm2_path: Path, tmp_path: Path) -> None:
+    """`potluck serve --lora A.gguf`: /v1/models lists the base and BASE+A; requests for either,
+    at once (in the same decode batches), each answer as `potluck run` with and without it."""
+    import re
+    import threading
+
+    import openai
+
+    f = GGUFFile(smollm2_path)
+    targets = [f"blk.{i}.ffn_down.weight" for i in range(0, 30, 3)]
+    write_lora(tmp_path / "a.gguf", f.arch, 16.0, _adapter(f, targets))
+    plain = _run(smollm2_path)
+    adapted = _run(smollm2_path, "--lora", str(tmp_path / "a.gguf"))
+    assert plain.returncode == 0 and adapted.returncode == 0 and plain.stdout != adapted.stdout
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "potluck.cli", "serve", "-m", str(smollm2_path), "--port", "0",
+         "--no-mdns", "-np", "4", "--lora", str(tmp_path / "a.gguf")],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        url = None
+        for line in proc.stderr:
+            if found := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line):
+                url = found.group(1)
+                break
+        assert url, "the server did not start"
+        threading.Thread(target=lambda: proc.stderr and proc.stderr.read(), daemon=True).start()
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        base = smollm2_path.stem
+        assert [m.id for m in c.models.list().data] == [base, f"{base}+a"]
+        got: dict[str, str] = {}
+
+        def ask(model: str, key: str) -> None:
+            r = c.chat.completions.create(
+                model=model, max_tokens=12, temperature=0,
+                messages=[{"role": "user", "content": "The capital of France is"}],
+            )  # fmt: skip
+            got[key] = r.choices[0].message.content or ""
+
+        asks = [("plain", base), ("a", f"{base}+a"), ("plain2", base), ("a2", f"{base}+a")]
+        threads = [threading.Thread(target=ask, args=(m, k)) for k, m in asks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model=f"{base}+b", messages=[{"role": "user", "content": "x"}])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert got["plain"] == got["plain2"] == plain.stdout.strip()
+    assert got["a"] == got["a2"] == adapted.stdout.strip()

@@ -1678,8 +1678,10 @@ def finetune(
     with bar:
         task = bar.add_task("train", total=trainer.total, completed=trainer.step, info="")
         last_eval: list[float] = []
+        done = [0, 0, 0.0]  # steps, tokens, seconds (this run's)
 
         def on_step(r) -> None:
+            done[:] = [done[0] + 1, done[1] + r.tokens, done[2] + r.seconds]
             if r.eval_loss is not None:
                 last_eval.append(r.eval_loss)
             ev = f" · eval {last_eval[-1]:.3f}" if last_eval else ""
@@ -1690,7 +1692,10 @@ def finetune(
 
         run(trainer, output, on_step)
     final = f", eval loss {last_eval[-1]:.3f}" if last_eval else ""
-    err.print(f"adapter written: {output} (rank {rank}, alpha {alpha:g}{final})")
+    err.print(
+        f"adapter written: {output} (rank {rank}, alpha {alpha:g}{final}) · {done[0]} steps, "
+        f"{done[1]} tokens in {done[2]:.1f} s ({done[1] / max(done[2], 1e-9):.0f} tok/s)"
+    )
 
 
 @app.command()

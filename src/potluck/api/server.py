@@ -226,9 +226,18 @@ class Api:
         if await request.body():  # (FastAPI has parsed it; an empty one is "body: Field required")
             _check_unicode(await request.json())
 
-    def check_model(self, name: str) -> None:
-        if name not in self.aliases:
-            raise errors.model_not_found(name, self.config.model_id)
+    def check_model(self, name: str) -> int | None:
+        """The adapter a model id asks for (Request.lora): the base model's ids take none of the
+        server's adapters, `BASE+ADAPTER` that one; a server without adapters: None."""
+        if name in self.aliases:
+            return -1 if self.model.adapters else None
+        if name in self.adapter_ids:
+            return self.adapter_ids[name]
+        raise errors.model_not_found(name, self.config.model_id)
+
+    @property
+    def adapter_ids(self) -> dict[str, int]:
+        return {f"{self.config.model_id}+{a}": k for k, a in enumerate(self.model.adapters)}
 
     def budget(self, n_prompt: int, asked: int | None, default: int | None, what: str) -> int:
         """max_tokens for one prompt: as asked if prompt + asked fits the context, else 400."""
@@ -247,6 +256,7 @@ class Api:
         body: ChatCompletionRequest | CompletionRequest,
         default_tokens: int | None,
         priority: int = INTERACTIVE,
+        lora: int | None = None,
     ) -> _Job:
         """Submit every choice (prompts × n); all or none (429 cancels the ones already in)."""
         if len(prompts) * body.n > MAX_CHOICES:
@@ -276,7 +286,9 @@ class Api:
                     def sink(ev: Event, index: int = index) -> None:
                         loop.call_soon_threadsafe(job.queue.put_nowait, (index, ev))
 
-                    req = Request(tuple(ids), params, budget, self.tokenizer.eot_ids, priority)
+                    req = Request(
+                        tuple(ids), params, budget, self.tokenizer.eot_ids, priority, lora
+                    )
                     stream = self.scheduler.submit(req, sink)
                     job.choices.append(
                         _Choice(index, stream, StopText(self.tokenizer, body.stops()), len(ids))
@@ -471,12 +483,13 @@ def create_app(
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(api)]}
+        ids = [config.model_id, *api.adapter_ids]
+        return {"object": "list", "data": [_model_card(api, i) for i in ids]}
 
     @app.get("/v1/models/{name}", dependencies=guarded)
     async def model_card(name: str) -> dict[str, Any]:
         api.check_model(name)
-        return _model_card(api)
+        return _model_card(api, name if name in api.adapter_ids else config.model_id)
 
     @app.get("/api/pool", dependencies=guarded)
     async def pool() -> dict[str, Any]:
@@ -493,14 +506,14 @@ def create_app(
 
     @app.post("/v1/chat/completions", dependencies=posted)
     async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) -> Response:
-        api.check_model(body.model)
+        lora = api.check_model(body.model)
         msgs = [_message(m, i) for i, m in enumerate(body.messages)]
         try:
             text = await run_in_threadpool(model.chat.render, msgs)
         except ChatTemplateError as exc:
             raise errors.bad_request(str(exc), "messages") from exc
         ids = await run_in_threadpool(model.tokenizer.encode, text)
-        job = api.start([ids], body, None, _priority(request))
+        job = api.start([ids], body, None, _priority(request), lora)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         want_lp = body.logprobs
         if body.stream:
@@ -544,11 +557,11 @@ def create_app(
 
     @app.post("/v1/completions", dependencies=posted)
     async def completions(body: CompletionRequest, request: HttpRequest) -> Response:
-        api.check_model(body.model)
+        lora = api.check_model(body.model)
         prompts, texts0 = await run_in_threadpool(_completion_prompts, api, body.prompt)
         if body.echo and body.logprobs is not None:
             raise errors.bad_request("echo with logprobs is not supported", "echo")
-        job = api.start(prompts, body, config.default_completion_tokens, _priority(request))
+        job = api.start(prompts, body, config.default_completion_tokens, _priority(request), lora)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         echo = {c.index: (texts0[c.index // body.n] if body.echo else "") for c in job.choices}
         if body.stream:
@@ -605,9 +618,9 @@ def _priority(request: HttpRequest) -> int:
     return BATCH if request.headers.get(PRIORITY_HEADER, "").lower() == "batch" else INTERACTIVE
 
 
-def _model_card(api: Api) -> dict[str, Any]:
+def _model_card(api: Api, model_id: str) -> dict[str, Any]:
     return {
-        "id": api.config.model_id,
+        "id": model_id,
         "object": "model",
         "created": api.created,
         "owned_by": "potluck",

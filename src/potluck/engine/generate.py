@@ -188,6 +188,7 @@ class Model:
     pipeline: Pipeline
     n_ctx: int
     n_seq: int = 1  # sequences at once the pool's memory was planned for (serve's -np)
+    adapters: tuple[str, ...] = ()  # LoRA adapters' names (file stems), in SeqChunk.lora's order
     _next_seq: int = field(default=0, repr=False)
 
     def close(self) -> None:
@@ -286,7 +287,8 @@ def load_model(
                 for a, b in layer_ranges(hp.n_layer, splits)
             ]
         )
-    return Model(Path(path), gguf, hp, tokenizer, chat, pipe, n_ctx, n_seq)
+    names = tuple(a.name for a in adapters)
+    return Model(Path(path), gguf, hp, tokenizer, chat, pipe, n_ctx, n_seq, names)
 
 
 def _pool(

@@ -78,6 +78,7 @@ class Request:
     max_tokens: int
     stop_ids: frozenset[int]
     priority: int = INTERACTIVE  # lower runs first: a chat before a batch job's request
+    lora: int | None = None  # the model's adapters it uses (SeqChunk.lora: None all, -1 none)
 
 
 @dataclass(frozen=True)
@@ -394,7 +395,9 @@ class Scheduler:
                 or len(s.history) + 1 >= self.n_ctx  # ... or fills the context
             ):
                 continue
-            batch = _Batch("decode", (s,), (SeqChunk(s.seq_id, 1),), True, 0.0, follow=True)
+            batch = _Batch(
+                "decode", (s,), (SeqChunk(s.seq_id, 1, s.req.lora),), True, 0.0, follow=True
+            )
             self._submit(batch)
             self.stats.follow_ups += 1
 
@@ -406,7 +409,7 @@ class Scheduler:
         return _Batch(
             "prompt",
             (seq,),
-            (SeqChunk(seq.seq_id, b - a),),
+            (SeqChunk(seq.seq_id, b - a, seq.req.lora),),
             b == len(seq.req.prompt),
             time.perf_counter(),
         )
@@ -418,7 +421,7 @@ class Scheduler:
         return _Batch(
             "decode",
             tuple(seqs),
-            tuple(SeqChunk(s.seq_id, 1) for s in seqs),
+            tuple(SeqChunk(s.seq_id, 1, s.req.lora) for s in seqs),
             True,
             time.perf_counter(),
         )

@@ -125,6 +125,11 @@ class StepGraph:
             w: [self._input(TYPE_F16, k, n) for n, k in zip(self.sizes, self.n_kv, strict=True)]
             for w in self.windows
         }
+        # per adapter, 1 for the tokens whose sequence uses it, else 0: [1, T] (and [1, R] at the
+        # head), made where an adapted matrix first needs it (an input no op reads gets no buffer)
+        self.inp_lora: dict[int, int] = {}
+        self.inp_lora_rows: dict[int, int] = {}
+        self._lora_on, self._lora_width = self.inp_lora, T
         for i in self.layers:
             x = self._block(i, x, caches)
         if not self.is_last or self.shape.n_rows == 0:
@@ -133,6 +138,7 @@ class StepGraph:
         x = lib.ggml_get_rows(ctx, x, self.inp_rows)  # [D, R]
         x = self._norm(x, "output_norm.weight")
         head = "output.weight" if "output.weight" in self.w else "token_embd.weight"
+        self._lora_on, self._lora_width = self.inp_lora_rows, self.shape.n_rows
         return self._adapted(head, x, lib.ggml_mul_mat(ctx, self.w.tensor(head), x))  # [V, R]
 
     def _norm(self, x: int, weight: str) -> int:
@@ -150,11 +156,15 @@ class StepGraph:
     def _adapted(self, w: str, x: int, y: int) -> int:
         """y = W x, plus s · B (A x) for each LoRA adapter of W (as llama.cpp, before the bias)."""
         ctx = self.ctx
-        for weights, factors in self.loras:
+        for k, (weights, factors) in enumerate(self.loras):
             if w in factors:
+                if k not in self._lora_on:
+                    self._lora_on[k] = self._input(TYPE_F32, 1, self._lora_width)
+                on = self._lora_on[k]
                 ax = lib.ggml_mul_mat(ctx, weights.tensor(w + ".lora_a"), x)  # [r, T]
                 bax = lib.ggml_mul_mat(ctx, weights.tensor(w + ".lora_b"), ax)  # [n_out, T]
-                y = lib.ggml_add(ctx, y, lib.ggml_scale(ctx, bax, factors[w]))
+                bax = lib.ggml_mul(ctx, lib.ggml_scale(ctx, bax, factors[w]), on)  # its tokens only
+                y = lib.ggml_add(ctx, y, bax)
         return y
 
     def _block(self, i: int, x: int, caches: Sequence[SeqCache]) -> int:
@@ -220,9 +230,16 @@ class StepGraph:
         )  # fmt: skip
 
     # -- running -----------------------------------------------------------------------------
-    def run(self, x: np.ndarray, starts: Sequence[int], rows: np.ndarray | None) -> np.ndarray:
+    def run(
+        self,
+        x: np.ndarray,
+        starts: Sequence[int],
+        rows: np.ndarray | None,
+        lora_on: Sequence[np.ndarray] = (),
+    ) -> np.ndarray:
         """x: int ids [T] (first stage) or f32 hidden states [T, D]; starts: each chunk's first
-        position. Returns f32 [T, D] hidden states, or [R, V] logits on the last stage."""
+        position; lora_on: per adapter, f32 [T] 1/0 (which tokens it applies to). Returns f32
+        [T, D] hidden states, or [R, V] logits on the last stage."""
         if self.is_first:
             _set(self.inp_ids, np.ascontiguousarray(x, np.int32))
         else:
@@ -237,9 +254,13 @@ class StepGraph:
             for w, masks in self.inp_masks.items():
                 _set(masks[c], causal_mask(s, n, n_kv, w))
             t0 += n
+        for k, t in self.inp_lora.items():
+            _set(t, np.ascontiguousarray(lora_on[k], np.float32))
         if self.is_last and self.shape.n_rows > 0:
             assert rows is not None
             _set(self.inp_rows, np.ascontiguousarray(rows, np.int32))
+            for k, t in self.inp_lora_rows.items():
+                _set(t, np.ascontiguousarray(lora_on[k][rows], np.float32))
         status = lib.ggml_backend_sched_graph_compute(self.sched, self.gf)
         if status != 0:
             raise BackendError(f"ggml compute failed (status {status})")

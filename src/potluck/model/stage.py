@@ -93,10 +93,12 @@ def default_threads() -> int:
 
 @dataclass(frozen=True)
 class SeqChunk:
-    """`n` consecutive new tokens of sequence `seq_id` in one forward call."""
+    """`n` consecutive new tokens of sequence `seq_id` in one forward call. lora: which of the
+    stage's adapters apply to them (None: every one; -1: none; k: the k-th only)."""
 
     seq_id: int
     n: int
+    lora: int | None = None
 
 
 def stage_shapes(
@@ -379,7 +381,13 @@ class Stage:
             self._graph = StepGraph(
                 self.hp, self.weights, self.layers, shape, caches, self.sched, self.loras
             )
-        out = self._graph.run(x, [cache.length for cache in caches], rows)
+        lora_on = [
+            np.concatenate(
+                [np.full(c.n, c.lora is None or c.lora == k, np.float32) for c in chunks]
+            )
+            for k in range(len(self.loras))
+        ]
+        out = self._graph.run(x, [cache.length for cache in caches], rows, lora_on)
         for c, cache in zip(chunks, caches, strict=True):
             cache.commit(c.n)
         return out
