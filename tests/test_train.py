@@ -119,3 +119,18 @@ def _one_step(path: Path, arch: str) -> None:
     # fp32 round-off (our fp32 gradients are within 3e-6 of fp64 ones); a wrong rope, scale, mask
     # or norm moves the q/k gradients by O(1) of their range
     assert worst < 5e-4, f"adapter gradients differ by {worst:.2e} of their range"
+
+
+def test_recompute_gives_the_same_gradients(tmp_path: Path) -> None:
+    """Activation checkpointing: each layer computed again in backward, the same gradients."""
+    path = write_tiny_model(tmp_path / "m.gguf", "qwen2", None, T.Q8_0, n_layer=3)
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    ids = torch.tensor([[5, 70, 71, 72, 100, 3, 200, 150, 9, 33]])
+    grads = []
+    for recompute in (False, True):
+        m = LoraModel(hp, f, DEFAULT_TARGETS, RANK, ALPHA, seed=0, recompute=recompute)
+        m.load_pairs({n: (a, np.full_like(b, 0.05)) for n, (a, b) in m.lora_pairs().items()})
+        m.loss(ids, torch.ones_like(ids)).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)

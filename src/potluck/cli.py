@@ -1563,6 +1563,15 @@ def finetune(
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from OUTPUT.ckpt (bit-for-bit).")
     ] = False,
+    recompute: Annotated[
+        bool | None,
+        typer.Option(
+            "--recompute/--no-recompute",
+            help="Compute each layer again in the backward pass instead of keeping its "
+            "activations (less memory, ≈ 1/3 more compute); default: when the step would "
+            "take over half the free memory.",
+        ),
+    ] = None,
     threads: ThreadsOpt = None,
     peer: PeerOpt = None,
     rpc: RpcOpt = None,
@@ -1575,6 +1584,8 @@ def finetune(
     """Train a LoRA adapter (needs PyTorch: pip install potluck[train]), on this machine and,
     data parallel, on the pool's workers (each takes a share of every batch); the adapter is a
     GGUF that --lora (and llama.cpp's --lora) applies."""
+    import dataclasses
+
     try:
         import torch
     except ImportError:
@@ -1619,13 +1630,17 @@ def finetune(
         seed=seed if seed is not None else 0, checkpoint_every=checkpoint_every,
     )  # fmt: skip
     longest = max(len(e.ids) for e in [*examples, *evals])
+    free = usable_memory_bytes()
+    if recompute is None:  # keep every activation only where that takes under half the memory
+        recompute = memory_needed(hp, f, config, longest, len(examples)) > free // 2
+    config = dataclasses.replace(config, recompute=recompute)
     need = memory_needed(hp, f, config, longest, len(examples))
-    if need > (free := usable_memory_bytes()):
+    if need > free:
         raise PotluckError(
             f"training needs about {need / 2**30:.1f} GiB for --batch {min(batch, len(examples))} "
             f"× {longest} tokens "
-            f"(the longest example), this machine has {free / 2**30:.1f} GiB free: lower --batch "
-            "or shorten the examples"
+            f"(the longest example{', with --recompute' if recompute else ''}), this machine has "
+            f"{free / 2**30:.1f} GiB free: lower --batch or shorten the examples"
         )
     finder = _peers(peer, rpc, pool, no_mdns)
     addresses = _found(finder, lambda: _auth(secret, tls))
@@ -1669,7 +1684,7 @@ def finetune(
     err.print(
         f"[dim]{path.name}: {len(examples)} examples ({n_learned} tokens to learn), "
         f"{trainer.total} steps of {batch}; LoRA rank {rank} on {','.join(wanted)}: "
-        f"{params / 1e6:.2f} M parameters[/]"
+        f"{params / 1e6:.2f} M parameters{'; layers recomputed in backward' if recompute else ''}[/]"
     )
     bar = Progress(
         TextColumn("[bold]finetune[/]"), BarColumn(), MofNCompleteColumn(),

@@ -126,11 +126,55 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ggml_backend_dev_backend_reg": ([P], P),
     "ggml_backend_reg_name": ([P], c_char_p),
     "ggml_backend_reg_get_proc_address": ([P, c_char_p], P),
+    # types
+    "ggml_get_type_traits": ([c_int], P),
 }
 
 
 class _InitParams(ctypes.Structure):
     _fields_ = [("mem_size", c_size_t), ("mem_buffer", c_void_p), ("no_alloc", c_bool)]
+
+
+class _TypeTraits(ctypes.Structure):  # struct ggml_type_traits (the same in 0.15.3 and 0.25.3)
+    _fields_ = [
+        ("type_name", c_char_p),
+        ("blck_size", c_int64),
+        ("blck_size_interleave", c_int64),
+        ("type_size", c_size_t),
+        ("is_quantized", c_bool),
+        ("to_float", c_void_p),
+        ("from_float_ref", c_void_p),
+    ]
+
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, c_void_p, c_void_p, c_int64)
+
+
+def dequantize_rows(qtype: int, raw: Any, out: Any, threads: int = 1) -> None:
+    """ggml's own dequantization of rows of `qtype` (raw: uint8 [rows, bytes per row], C order)
+    into f32 `out` [rows, n] (C order), cut by rows over `threads` threads (the GIL is let go
+    during each call)."""
+    traits = ctypes.cast(lib.ggml_get_type_traits(qtype), ctypes.POINTER(_TypeTraits)).contents
+    if not traits.to_float:
+        raise BackendError(f"ggml cannot dequantize type {qtype}")
+    fn = _TO_FLOAT(traits.to_float)
+    rows, n = out.shape
+    if raw.shape[0] != rows or not (raw.flags.c_contiguous and out.flags.c_contiguous):
+        raise ValueError("dequantize_rows: raw [rows, bytes] and out [rows, n], C-contiguous")
+    row_bytes = raw.shape[1]
+
+    def part(a: int, b: int) -> None:
+        if b > a:
+            fn(raw.ctypes.data + a * row_bytes, out.ctypes.data + a * n * 4, (b - a) * n)
+
+    cuts = [rows * i // threads for i in range(threads + 1)]
+    if threads <= 1 or rows < 2 * threads:
+        part(0, rows)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(part, cuts[:-1], cuts[1:]))
 
 
 class _Feature(ctypes.Structure):  # struct ggml_backend_feature

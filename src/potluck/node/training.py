@@ -91,6 +91,7 @@ class TrainSessions:
         from potluck.modelfile.gguf_file import GGUFFile
         from potluck.modelfile.hparams import hparams_from_metadata
         from potluck.node.weights import find_local_model
+        from potluck.train.loop import big_blocks_to_the_os
         from potluck.train.model import LoraModel
 
         path = find_local_model(request.model_sha256, request.model_bytes, self.model_dirs)
@@ -100,9 +101,13 @@ class TrainSessions:
                 " copy it into its cache or --model-dir"
             )
         torch.set_num_threads(self.threads)
+        big_blocks_to_the_os()
         f = GGUFFile(path)
         hp = hparams_from_metadata(f.metadata, str(path))
-        model = LoraModel(hp, f, tuple(request.targets), request.rank, request.alpha, request.seed)
+        model = LoraModel(
+            hp, f, tuple(request.targets), request.rank, request.alpha, request.seed,
+            request.recompute,
+        )  # fmt: skip
         opt = torch.optim.AdamW(model.parameters(), lr=request.lr, weight_decay=0.0)
         load_state(model, opt, request.state)
         with self.lock:

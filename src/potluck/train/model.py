@@ -18,10 +18,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from potluck.errors import UnsupportedError
+from potluck.model.ggml_lib import dequantize_rows
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams
 
@@ -32,17 +33,20 @@ DEFAULT_TARGETS = ATTENTION + FFN
 
 
 def dequantized(f: GGUFFile, name: str, rows: np.ndarray | None = None) -> torch.Tensor:
-    """The tensor (or some of its rows) as f32, made now from the file's bytes."""
+    """The tensor (or some of its rows) as f32, made now from the file's bytes by ggml's own
+    dequantization (every type ggml reads), on torch's threads."""
     info = f.tensors[name]
     raw = np.asarray(f.raw(name))
     if rows is not None:
         raw = raw[rows]
-    if info.qtype == GGMLQuantizationType.F32:
-        w = np.array(raw.view(np.float32))
-    else:
-        w = dequantize(raw, info.qtype)
     n_in = info.shape[-1]
-    return torch.from_numpy(np.ascontiguousarray(w, np.float32).reshape(-1, n_in))
+    out = torch.empty(raw.shape[0], n_in, dtype=torch.float32)
+    if info.qtype == GGMLQuantizationType.F32:
+        out.numpy()[:] = raw.view(np.float32).reshape(-1, n_in)
+    else:
+        dequantize_rows(int(info.qtype), np.ascontiguousarray(raw), out.numpy(),
+                        torch.get_num_threads())  # fmt: skip
+    return out
 
 
 class _Frozen(torch.autograd.Function):
@@ -82,8 +86,13 @@ class LoraModel(nn.Module):
         rank: int = 8,
         alpha: float = 16.0,
         seed: int = 0,
+        recompute: bool = False,
     ) -> None:
+        """recompute: keep only each layer's input for the backward pass and compute the layer
+        again there (activation checkpointing): a layer's activations instead of all of them, for
+        about a third more compute."""
         super().__init__()
+        self.recompute = recompute
         if "rope_freqs.weight" in f.tensors:
             raise UnsupportedError(
                 f"{f.path}: per-frequency RoPE factors (rope_freqs, Llama 3.1+) are not "
@@ -180,7 +189,10 @@ class LoraModel(nn.Module):
         if hp.rules.embed_scale_sqrt:
             x = x * math.sqrt(hp.n_embd)
         for i in range(hp.n_layer):
-            x = self.block(i, x)
+            if self.recompute and torch.is_grad_enabled():
+                x = checkpoint(self.block, i, x, use_reentrant=False)
+            else:
+                x = self.block(i, x)
         x = self.norm(x, "output_norm.weight")
         if _key(self.head) in self.adapters:
             raise UnsupportedError("an adapter on the output head is not trained yet")

@@ -79,7 +79,7 @@ class PoolTrainer(Trainer):
             session_id=self.session, model_sha256=self.sha, model_bytes=self.f.size_bytes,
             rank=self.config.rank, alpha=self.config.alpha, targets=list(self.config.targets),
             lr=self.config.lr, seed=self.config.seed, step=self.step,
-            state=state_bytes(self.model, self.opt),
+            state=state_bytes(self.model, self.opt), recompute=self.config.recompute,
         )  # fmt: skip
         try:
             self.nodes[address].train("TrainOpen", request, timeout=120.0)

@@ -279,7 +279,7 @@ class DropReply(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainOpenRequest(_message.Message):
-    __slots__ = ("session_id", "model_sha256", "model_bytes", "rank", "alpha", "targets", "lr", "seed", "step", "state")
+    __slots__ = ("session_id", "model_sha256", "model_bytes", "rank", "alpha", "targets", "lr", "seed", "step", "state", "recompute")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +290,7 @@ class TrainOpenRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model_sha256: str
     model_bytes: int
@@ -300,7 +301,8 @@ class TrainOpenRequest(_message.Message):
     seed: int
     step: int
     state: bytes
-    def __init__(self, session_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., targets: _Optional[_Iterable[str]] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[bytes] = ...) -> None: ...
+    recompute: bool
+    def __init__(self, session_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., targets: _Optional[_Iterable[str]] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[bytes] = ..., recompute: _Optional[bool] = ...) -> None: ...
 
 class TrainOpenReply(_message.Message):
     __slots__ = ("n_params",)
