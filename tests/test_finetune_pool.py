@@ -142,3 +142,26 @@ def test_a_worker_killed_and_back_costs_nothing(tiny, tmp_path: Path) -> None:
     assert pool.alive == sorted([addr_a, addr_b])  # both took part in the last steps
     err = _close(_pairs(tmp_path / "pool.gguf", f), want)
     assert err < 1e-4, f"the adapter differs from the fault-free one by {err:.2e}"
+
+
+def test_a_worker_without_room_is_left_out_with_the_numbers(tiny, tmp_path: Path) -> None:
+    """A worker whose --mem cannot hold a step of its share says so, and the training goes on
+    without it (here: on this machine alone)."""
+    from potluck.train.pool import PoolTrainer
+    from potluck.transport.client import NodeClient
+    from test_pool import start_worker
+
+    model, data = tiny
+    f, hp, examples = _examples(model, data)
+    small, addr = start_worker(args=("--model-dir", str(model.parent), "--mem", "1K"))
+    events: list[str] = []
+    try:
+        pool = PoolTrainer(hp, f, examples, CONFIG, (), [addr], NodeClient, True, events.append)
+        pool.start()
+        run(pool, tmp_path / "a.gguf")
+    finally:
+        small.kill()
+        small.wait(timeout=10)
+    assert pool.alive == [] and (tmp_path / "a.gguf").exists()
+    assert len(events) == 1 and "training step of this node's share needs about" in events[0]
+    assert "GiB, it offers 0.0 GiB" in events[0], events

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +75,9 @@ class _Session:
 class TrainSessions:
     """The training sessions of one worker, by session id (one compute at a time)."""
 
-    def __init__(self, model_dirs: Sequence[Path], threads: int) -> None:
-        self.model_dirs, self.threads = list(model_dirs), threads
+    def __init__(self, model_dirs: Sequence[Path], threads: int, memory: Callable[[], int]) -> None:
+        """memory(): what this node offers now (usable RAM, or less with --mem)."""
+        self.model_dirs, self.threads, self.memory = list(model_dirs), threads, memory
         self.sessions: dict[str, _Session] = {}
         self.lock = threading.Lock()
 
@@ -94,6 +95,11 @@ class TrainSessions:
         from potluck.train.loop import big_blocks_to_the_os
         from potluck.train.model import LoraModel
 
+        if request.need_bytes > (free := self.memory()):
+            raise TrainingError(
+                f"a training step of this node's share needs about "
+                f"{request.need_bytes / 2**30:.1f} GiB, it offers {free / 2**30:.1f} GiB"
+            )
         path = find_local_model(request.model_sha256, request.model_bytes, self.model_dirs)
         if path is None:
             raise TrainingError(

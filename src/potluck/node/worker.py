@@ -144,7 +144,7 @@ class NodeService(pb_grpc.NodeServicer):
             self.speed = decode_bytes_per_s(threads=threads)  # once, before any stage is loaded
             self.gpu = gpu_offer()  # its speed measured once too
             trim_heap()  # the probe's buffers go back to the OS
-        self.training = TrainSessions(model_dirs, threads or default_threads())
+        self.training = TrainSessions(model_dirs, threads or default_threads(), self._memory_bytes)
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
 
     def _memory_bytes(self) -> int:

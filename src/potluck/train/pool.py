@@ -12,6 +12,7 @@ asked to join again at the next checkpoint (the state travels with TrainOpen).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from potluck.modelfile.hparams import HParams
 from potluck.node.training import flat_grads, set_grads, state_bytes
 from potluck.node.weights import sha256_file
 from potluck.train.data import Example
-from potluck.train.loop import TrainConfig, Trainer, collate
+from potluck.train.loop import TrainConfig, Trainer, collate, memory_needed
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.client import NodeClient
 from potluck.transport.codec import PROTOCOL_VERSION
@@ -80,6 +81,7 @@ class PoolTrainer(Trainer):
             rank=self.config.rank, alpha=self.config.alpha, targets=list(self.config.targets),
             lr=self.config.lr, seed=self.config.seed, step=self.step,
             state=state_bytes(self.model, self.opt), recompute=self.config.recompute,
+            need_bytes=self.share_bytes(),
         )  # fmt: skip
         try:
             self.nodes[address].train("TrainOpen", request, timeout=120.0)
@@ -91,6 +93,14 @@ class PoolTrainer(Trainer):
             self.on_event(f"{address} joins again at step {self.step}")
         self.alive = sorted({*self.alive, address})
         return True
+
+    def share_bytes(self) -> int:
+        """What a step of one node's share needs at most: a batch cut over this machine and
+        one node (the fewest members a node can share with)."""
+        members = 2 if self.head_share else 1
+        share = dataclasses.replace(self.config, batch=-(-self.config.batch // members))
+        longest = max(len(e.ids) for e in self.examples)
+        return memory_needed(self.hp, self.f, share, longest, len(self.examples))
 
     def _drop(self, address: str, why: str) -> None:
         if address in self.alive:

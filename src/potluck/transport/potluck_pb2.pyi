@@ -279,7 +279,7 @@ class DropReply(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainOpenRequest(_message.Message):
-    __slots__ = ("session_id", "model_sha256", "model_bytes", "rank", "alpha", "targets", "lr", "seed", "step", "state", "recompute")
+    __slots__ = ("session_id", "model_sha256", "model_bytes", "rank", "alpha", "targets", "lr", "seed", "step", "state", "recompute", "need_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class TrainOpenRequest(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    NEED_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model_sha256: str
     model_bytes: int
@@ -302,7 +303,8 @@ class TrainOpenRequest(_message.Message):
     step: int
     state: bytes
     recompute: bool
-    def __init__(self, session_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., targets: _Optional[_Iterable[str]] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[bytes] = ..., recompute: _Optional[bool] = ...) -> None: ...
+    need_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., targets: _Optional[_Iterable[str]] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[bytes] = ..., recompute: _Optional[bool] = ..., need_bytes: _Optional[int] = ...) -> None: ...
 
 class TrainOpenReply(_message.Message):
     __slots__ = ("n_params",)
