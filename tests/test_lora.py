@@ -193,9 +193,35 @@ def test_serve_picks_the_adapter_per_request(smollm2_path: Path, tmp_path: Path)
         for t in threads:
             t.join()
         with pytest.raises(openai.NotFoundError):
-            c.chat.completions.create(model=f"{base}+b", messages=[{"role": "user", "content": "x"}])
+            c.chat.completions.create(
+                model=f"{base}+b", messages=[{"role": "user", "content": "x"}]
+            )
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     assert got["plain"] == got["plain2"] == plain.stdout.strip()
     assert got["a"] == got["a2"] == adapted.stdout.strip()
+
+
+def test_adapter_over_a_pool_equals_one_machine(smollm2_path: Path, tmp_path: Path) -> None:
+    """`potluck run --lora` over two workers (this machine holding no layers): each node gets
+    its layers' part of the adapter (LoadRequest.adapters) and the text is one machine's."""
+    from test_pool import start_worker
+
+    f = GGUFFile(smollm2_path)
+    targets = [f"blk.{i}.ffn_down.weight" for i in range(0, 30, 3)] + ["blk.29.attn_q.weight"]
+    write_lora(tmp_path / "a.gguf", f.arch, 16.0, _adapter(f, targets))
+    alone = _run(smollm2_path, "--lora", str(tmp_path / "a.gguf"))
+    plain = _run(smollm2_path)
+    assert alone.returncode == 0 and alone.stdout != plain.stdout
+    workers = [start_worker(), start_worker()]
+    try:
+        peers = [x for _, a in workers for x in ("--peer", a)]
+        pooled = _run(smollm2_path, "--lora", str(tmp_path / "a.gguf"), "--mem", "0", *peers)
+    finally:
+        for w, _ in workers:
+            w.kill()
+            w.wait(timeout=10)
+    assert pooled.returncode == 0, pooled.stderr
+    assert "→ 127.0.0.1:" in pooled.stderr  # it ran on the workers
+    assert pooled.stdout == alone.stdout

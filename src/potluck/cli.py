@@ -96,7 +96,7 @@ LoraOpt = Annotated[
     typer.Option(
         "--lora",
         help="A LoRA adapter to apply (a GGUF in llama.cpp's format), as FILE or FILE:SCALE "
-        "(default scale 1); repeatable. This machine only, for now.",
+        "(default scale 1); repeatable.",
     ),
 ]
 NoRepackOpt = Annotated[
@@ -402,7 +402,7 @@ def _load(
     lora: list[str] | None = None,
 ):
     """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan).
-    lora: --lora FILE[:SCALE] each (this machine only: no workers are looked for).
+    lora: --lora FILE[:SCALE] each (over a pool, each node gets its layers' part).
     found: filled with the workers found (all of them, used by the plan or not).
     Over a pool, a node silent for failover_s seconds is dropped and the planner re-plans on the
     nodes left (the generation pauses, then goes on). balance: what the planner evens out between
@@ -416,14 +416,6 @@ def _load(
     _setup_threads(threads)
     path = resolve_model(model)
     loras = [parse_lora_arg(x) for x in lora or []]
-    if loras and peers is not None:
-        if peers.static:
-            raise PotluckError(
-                "--lora runs on this machine only for now, and workers were named (--peer, "
-                "--rpc or the peers file): drop them, or drop --lora"
-            )
-        peers.close()
-        peers = None  # no workers looked for on the LAN
     t0 = time.perf_counter()
     with Progress(
         TextColumn("[bold]loading[/] {task.description}"),

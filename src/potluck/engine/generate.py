@@ -15,12 +15,12 @@ import numpy as np
 
 from potluck.engine.failover import DEFAULT_TIMEOUT_S
 from potluck.engine.pipeline import LOCAL, Assignment, submit_after
-from potluck.errors import ContextError, UnsupportedError
+from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.chat import ChatTemplate
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams, hparams_from_metadata
-from potluck.modelfile.lora import open_lora
+from potluck.modelfile.lora import LoraAdapter, open_lora
 from potluck.modelfile.tokenizer import Tokenizer
 
 from .sampling import Sampler
@@ -239,15 +239,10 @@ def load_model(
     ends the request with an error (the CLI's --failover-timeout 0); None: a bare pipeline, no
     heartbeat at all (measurements, tests). n_seq: sequences at once (serve's -np), for which
     every node checks its memory (KV for each at n_ctx). loras: (adapter file, scale) each,
-    applied to every request (modelfile/lora.py; this machine's stages only, for now)."""
+    applied where a SeqChunk asks (modelfile/lora.py; over a pool each node gets its layers' part)."""
     gguf = GGUFFile(path)
     hp = hparams_from_metadata(gguf.metadata, str(path))
     adapters = [open_lora(p, hp.arch, gguf.tensors, scale) for p, scale in loras]
-    if adapters and (peers or any(a.node != LOCAL for a in assignments)):
-        raise UnsupportedError(
-            "--lora runs on this machine only for now: drop --peer/--rpc (and keep workers out "
-            "with --no-mdns), or drop --lora"
-        )
     n_ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_CTX)
     if n_ctx > hp.n_ctx_train:
         raise ContextError(
@@ -265,7 +260,7 @@ def load_model(
         else:
             pipe = _pool(
                 gguf, hp, assignments, n_ctx, wire_dtype, auth, replan, failover_s, on_failover,
-                on_transfer, n_seq,
+                on_transfer, n_seq, adapters,
             )  # fmt: skip
     elif peers:
         nodes = [LOCAL, *peers]
@@ -278,7 +273,7 @@ def load_model(
         plan = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True) if b > a]
         pipe = _pool(
             gguf, hp, plan, n_ctx, wire_dtype, auth, replan, failover_s, on_failover, on_transfer,
-            n_seq,
+            n_seq, adapters,
         )  # fmt: skip
     else:
         pipe = LocalPipeline(
@@ -303,14 +298,16 @@ def _pool(
     on_failover: Callable[[FailoverEvent], None] | None = None,
     on_transfer: Callable[[str, int, int], None] | None = None,
     n_seq: int = 1,
+    adapters: Sequence[LoraAdapter] = (),
 ) -> Pipeline:
     """The pool's pipeline for `plan`, wrapped to fail over to the nodes left when one goes away."""
     from potluck.engine.failover import OFF_TIMEOUT_S, FailoverPipeline
     from potluck.engine.pipeline import RemotePipeline
 
     first = RemotePipeline(
-        gguf, hp, plan, n_ctx, wire_dtype, auth, on_transfer=on_transfer, n_seq=n_seq
-    )
+        gguf, hp, plan, n_ctx, wire_dtype, auth, on_transfer=on_transfer, n_seq=n_seq,
+        adapters=adapters,
+    )  # fmt: skip
     if failover_s is None:
         return first
     if failover_s == 0:  # watched, not re-planned: a hung node ends the request, not the head
@@ -326,10 +323,11 @@ def _pool(
             ranges = layer_ranges(hp.n_layer, split_points(hp.n_layer, [1.0] * len(nodes)))
             new = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True)]
         if all(a.node == LOCAL for a in new):
-            return LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx)])
+            return LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx, adapters=adapters)])
         return RemotePipeline(
-            gguf, hp, new, n_ctx, wire_dtype, auth, epoch, on_transfer, n_seq=n_seq
-        )
+            gguf, hp, new, n_ctx, wire_dtype, auth, epoch, on_transfer, n_seq=n_seq,
+            adapters=adapters,
+        )  # fmt: skip
 
     return FailoverPipeline(first, connect, failover_s, on_failover)
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import secrets
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -25,6 +27,7 @@ from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams
+from potluck.modelfile.lora import LoraAdapter, adapter_part
 from potluck.node.transfer import PULL_TIMEOUT_S
 from potluck.node.weights import sha256_file, tensor_digests
 from potluck.transport import potluck_pb2 as pb
@@ -34,6 +37,7 @@ from potluck.transport.codec import (
     PROTOCOL_VERSION,
     TENSOR_CHUNK_BYTES,
     WIRE_DTYPES,
+    lora_to_wire,
     sampling_to_proto,
     tensor_from_proto,
     tensor_to_proto,
@@ -203,8 +207,10 @@ class RemotePipeline:
         on_transfer: Callable[[str, int, int], None] | None = None,
         head_id: str = "",
         n_seq: int = 1,
+        adapters: Sequence[LoraAdapter] = (),
     ) -> None:
-        """on_transfer(node, bytes sent, bytes to send) reports weights shipped to a node that
+        """adapters: LoRA adapters, each node getting the part for its own layers (LoadRequest).
+        on_transfer(node, bytes sent, bytes to send) reports weights shipped to a node that
         lacks the model file. head_id: who loads the plan (this process by default): a node lets
         that head's older plans go first when it needs room. n_seq: sequences at once (serve's
         -np), each up to n_ctx: what each node counts KV memory for."""
@@ -219,12 +225,16 @@ class RemotePipeline:
             raise ValueError(f"wire dtype {wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
         self.wire = wire_dtype
         self.model_sha = sha256_file(file.path)
+        self.adapters = list(adapters)
         self.head_id = head_id or HEAD_ID
-        self.plan_id = plan_id_of(self.model_sha, self.assignments, n_ctx, epoch, self.head_id)
+        with_adapters = self.model_sha + "".join(sha256_file(a.path) for a in self.adapters)
+        self.plan_id = plan_id_of(with_adapters, self.assignments, n_ctx, epoch, self.head_id)
         self.local: Stage | None = None
         if assignments[0].node == LOCAL:
             a = assignments[0]
-            self.local = Stage(hp, file, a.start, a.stop, n_ctx, n_gpu_layers=a.n_gpu_layers)
+            self.local = Stage(
+                hp, file, a.start, a.stop, n_ctx, n_gpu_layers=a.n_gpu_layers, adapters=adapters
+            )
         remotes = [a for a in self.assignments if a.node != LOCAL]
         self.auth = auth  # the pool secret and TLS: how this head proves membership to nodes
         self.clients = [NodeClient(a.node, auth) for a in remotes]
@@ -244,6 +254,16 @@ class RemotePipeline:
         self._pos: dict[int, int] = {}  # tokens of each sequence sent down the chain so far
         # the local first stage computes on one thread, in submission order
         self._local_thread = ThreadPoolExecutor(1, thread_name_prefix="potluck-local-stage")
+
+    def _adapter_parts(self, names: set[str]) -> list[pb.AdapterPart]:
+        """Each adapter cut to a stage's tensors (`names`), as bytes of a small adapter GGUF."""
+        parts = []
+        for a in self.adapters:
+            with tempfile.TemporaryDirectory(prefix="potluck-lora-") as tmp:
+                path = Path(tmp) / "part.gguf"
+                adapter_part(a, names, path)
+                parts.append(pb.AdapterPart(gguf=path.read_bytes(), scale=a.scale, name=a.name))
+        return parts
 
     def _load_nodes(
         self,
@@ -277,6 +297,7 @@ class RemotePipeline:
                 next_hop=nxt, metadata_gguf=header, tensor_sha256=digests, wire_dtype=wire_dtype,
                 model_bytes=file.size_bytes, head_id=self.head_id, n_gpu_layers=a.n_gpu_layers,
                 tensor_sources=[p for p in a.sources if p != a.node], n_seq=self.n_seq,
+                adapters=self._adapter_parts(set(names)),
             )  # fmt: skip
             # a node that pulls its layers from a peer does it within Load: as long as a push
             reply = client.load(req, LOAD_TIMEOUT_S if not a.sources else PULL_TIMEOUT_S)
@@ -410,7 +431,15 @@ class RemotePipeline:
         for c in chunks:
             s = samplers.get(c.seq_id)
             if s is None:  # a prompt micro-batch that is not the last: nothing to sample
-                wire.append(pb.SeqChunk(seq_id=c.seq_id, n=c.n, sample=False, follow=follow))
+                wire.append(
+                    pb.SeqChunk(
+                        seq_id=c.seq_id,
+                        n=c.n,
+                        sample=False,
+                        follow=follow,
+                        lora=lora_to_wire(c.lora),
+                    )
+                )
                 continue
             recent: list[int] = []
             if s.params.penalizes:
@@ -426,6 +455,7 @@ class RemotePipeline:
                     recent=recent,
                     sample=True,
                     follow=follow,
+                    lora=lora_to_wire(c.lora),
                 )
             )
         return wire
@@ -527,7 +557,7 @@ class RemotePipeline:
         logits_rows: np.ndarray | None = None,
     ) -> np.ndarray:
         """Logits of every row (perplexity), selected by logits_rows (default: last of each chunk)."""
-        wire = [pb.SeqChunk(seq_id=c.seq_id, n=c.n) for c in chunks]
+        wire = [pb.SeqChunk(seq_id=c.seq_id, n=c.n, lora=lora_to_wire(c.lora)) for c in chunks]
         reply = self._start(tokens, chunks, wire, True).result()
         logits = tensor_from_proto(reply.logits, max_elements=1 << 31)
         if logits_rows is None:

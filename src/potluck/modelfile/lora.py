@@ -130,6 +130,27 @@ def _check_pair(f: GGUFFile, where: str, name: str, base: Mapping[str, TensorInf
     return LoraPair(name, rank)
 
 
+def adapter_part(adapter: LoraAdapter, names: set[str], path: str | Path) -> int:
+    """Write to `path` the adapter cut to the base tensors in `names` (a stage's): the same
+    metadata, the pairs of those tensors as they are in the file. How many pairs it holds."""
+    f = adapter.file
+    w = GGUFWriter(str(path), f.arch)
+    w.add_type(GGUFType.ADAPTER)
+    w.add_string(Keys.Adapter.TYPE, "lora")
+    w.add_float32(Keys.Adapter.LORA_ALPHA, adapter.alpha)
+    pairs = [p for base, p in adapter.pairs.items() if base in names]
+    for p in pairs:
+        for t in (p.a, p.b):
+            info = f.tensors[t]
+            raw = np.asarray(f.raw(t))
+            w.add_tensor(t, raw, raw_shape=raw.shape, raw_dtype=info.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return len(pairs)
+
+
 def write_lora(
     path: str | Path,
     arch: str,

@@ -8,6 +8,7 @@ stage's node and passes the reply (token ids) back up the chain.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import queue
@@ -31,6 +32,7 @@ from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage, WeightSource, default_threads
 from potluck.modelfile.gguf_file import GGUFFile, read_header
 from potluck.modelfile.hparams import HParams, hparams_from_metadata
+from potluck.modelfile.lora import LoraAdapter, open_lora
 from potluck.node import doctor as node_doctor
 from potluck.node.probe import (
     decode_bytes_per_s,
@@ -42,7 +44,13 @@ from potluck.node.probe import (
 )
 from potluck.node.training import TrainingError, TrainSessions
 from potluck.node.transfer import Received, pull, receive, send_tensors
-from potluck.node.weights import BlobSource, BlobStore, IntegrityError, find_local_model
+from potluck.node.weights import (
+    BlobSource,
+    BlobStore,
+    IntegrityError,
+    find_local_model,
+    sha256_bytes,
+)
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.auth import AuthService, Handshakes, PoolAuth, SessionTable
@@ -50,6 +58,7 @@ from potluck.transport.client import NODE_SERVER_OPTIONS, NodeClient
 from potluck.transport.codec import (
     PROTOCOL_VERSION,
     WireError,
+    lora_from_wire,
     matrix_from_proto,
     penalizes,
     sampling_from_proto,
@@ -251,10 +260,11 @@ class NodeService(pb_grpc.NodeServicer):
                         )  # fmt: skip
                     return pb.LoadReply(need_tensors=True, missing=missing, partial=partial)
                 src = BlobSource(tensors, digests, self.store)
+            adapters = [self._adapter(part, hp, tensors) for part in request.adapters]
             with self.compute:
                 stage = Stage(
                     hp, src, request.start, request.stop, request.n_ctx, threads=self.threads,
-                    n_gpu_layers=self._gpu_layers(request),
+                    n_gpu_layers=self._gpu_layers(request), adapters=adapters,
                 )  # fmt: skip
         except (NodeMemoryError, NodeBusyError) as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -305,6 +315,19 @@ class NodeService(pb_grpc.NodeServicer):
             reply.load_seconds,
         )  # fmt: skip
         return reply
+
+    def _adapter(self, part: pb.AdapterPart, hp: HParams, tensors: dict) -> LoraAdapter:
+        """A LoRA adapter the head sent (its tensors for this stage), kept by content hash beside
+        the received weights and checked against the model as a local file is."""
+        data = bytes(part.gguf)  # (bounded by the message size limit)
+        path = self.store.root / f"lora-{sha256_bytes(data)}.gguf"
+        if not path.exists():
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)
+        adapter = open_lora(path, hp.arch, tensors, part.scale)
+        name = Path(part.name).name or "adapter"  # a label only: never a path opened
+        return dataclasses.replace(adapter, path=Path(name + ".gguf"))
 
     def _gpu_layers(self, request: pb.LoadRequest) -> int:
         """The layers the plan puts on this node's GPU, at most its -ngl (0 without a GPU)."""
@@ -469,7 +492,7 @@ class NodeService(pb_grpc.NodeServicer):
         loaded = self._loaded(request.plan_id)
         stage = loaded.stage
         try:
-            chunks = [SeqChunk(c.seq_id, c.n) for c in request.chunks]
+            chunks = [SeqChunk(c.seq_id, c.n, lora_from_wire(c.lora)) for c in request.chunks]
             total = sum(c.n for c in chunks)
             if not chunks or any(c.n < 1 for c in chunks) or total > stage.n_ctx * len(chunks):
                 raise WireError(

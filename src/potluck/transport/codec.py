@@ -144,3 +144,12 @@ def matrix_from_proto(msg: pb.ProbeMatrix) -> Matrix:
     if msg.n_in % block or not (msg.n_out and msg.n_in):
         raise WireError(f"probe matrix {msg.n_out}x{msg.n_in}: rows must be whole {block}-blocks")
     return Matrix(qtype, msg.n_out, msg.n_in)
+
+
+def lora_to_wire(lora: int | None) -> int:
+    """SeqChunk.lora on the wire: None (every adapter) 0, -1 (none) -1, k as k + 1."""
+    return 0 if lora is None else -1 if lora < 0 else lora + 1
+
+
+def lora_from_wire(value: int) -> int | None:
+    return None if value == 0 else -1 if value < 0 else value - 1

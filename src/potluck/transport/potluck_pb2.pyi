@@ -61,7 +61,7 @@ class HelloReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., node_name: _Optional[str] = ..., potluck_version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., physical_cores: _Optional[int] = ..., decode_bytes_per_s: _Optional[float] = ..., model_sha256: _Optional[_Iterable[str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes", "head_id", "n_gpu_layers", "tensor_sources", "n_seq")
+    __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes", "head_id", "n_gpu_layers", "tensor_sources", "n_seq", "adapters")
     class TensorSha256Entry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class LoadRequest(_message.Message):
     N_GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_SOURCES_FIELD_NUMBER: _ClassVar[int]
     N_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     model_sha256: str
     start: int
@@ -99,7 +100,18 @@ class LoadRequest(_message.Message):
     n_gpu_layers: int
     tensor_sources: _containers.RepeatedScalarFieldContainer[str]
     n_seq: int
-    def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ..., head_id: _Optional[str] = ..., n_gpu_layers: _Optional[int] = ..., tensor_sources: _Optional[_Iterable[str]] = ..., n_seq: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterPart]
+    def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ..., head_id: _Optional[str] = ..., n_gpu_layers: _Optional[int] = ..., tensor_sources: _Optional[_Iterable[str]] = ..., n_seq: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterPart, _Mapping]]] = ...) -> None: ...
+
+class AdapterPart(_message.Message):
+    __slots__ = ("gguf", "scale", "name")
+    GGUF_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    gguf: bytes
+    scale: float
+    name: str
+    def __init__(self, gguf: _Optional[bytes] = ..., scale: _Optional[float] = ..., name: _Optional[str] = ...) -> None: ...
 
 class LoadReply(_message.Message):
     __slots__ = ("need_tensors", "missing", "weight_bytes", "load_seconds", "kv_bytes", "rss_bytes", "partial", "pulled_from", "pulled_bytes", "pull_seconds")
@@ -207,13 +219,14 @@ class TopLogprobs(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "n", "sampling", "recent", "sample", "pos", "follow")
+    __slots__ = ("seq_id", "n", "sampling", "recent", "sample", "pos", "lora", "follow")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     POS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     n: int
@@ -221,8 +234,9 @@ class SeqChunk(_message.Message):
     recent: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
     pos: int
+    lora: int
     follow: bool
-    def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., pos: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., pos: _Optional[int] = ..., lora: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("plan_id", "chunks", "input", "want_logits", "request_id", "stop_ids")
