@@ -211,3 +211,26 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def pinned_worker(core: int, *extra: str) -> tuple[subprocess.Popen, str]:
+    """A `potluck worker -t 1` pinned to one core (taskset), on a port it picks; (process,
+    address) once it listens. extra: more worker flags (--model-dir DIR, ...)."""
+    import re
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        ["taskset", "-c", str(core), sys.executable, "-m", "potluck.cli", "worker", "-p", "0",
+         "-t", "1", "--no-mdns", *extra],
+        env={**os.environ, "POTLUCK_MDNS": "0"}, stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 120
+    for line in proc.stderr:
+        if found := re.search(r"listening on [^ ]*:(\d+) ", line):
+            return proc, f"127.0.0.1:{found[1]}"
+        if time.monotonic() > deadline:
+            break
+    raise SystemExit("worker did not start")

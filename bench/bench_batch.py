@@ -19,11 +19,18 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import MODEL_NAMES, median, model_path, print_table, run_info, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    MODEL_NAMES,
+    median,
+    model_path,
+    pinned_worker,
+    print_table,
+    run_info,
+    write_json,
+)
 
 ENV = {**os.environ, "POTLUCK_MDNS": "0"}
 
@@ -48,22 +55,6 @@ def _job(cmd: list[str]) -> tuple[float, int]:
     return float(found[4]), int(found[3])
 
 
-def _worker(core: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        ["taskset", "-c", str(core), sys.executable, "-m", "potluck.cli", "worker", "-p", "0",
-         "-t", "1", "--no-mdns"],
-        env=ENV, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 120
-    for line in proc.stderr:
-        if found := re.search(r"listening on [^ ]*:(\d+) ", line):
-            return proc, f"127.0.0.1:{found[1]}"
-        if time.monotonic() > deadline:
-            break
-    raise SystemExit("worker did not start")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2", choices=MODEL_NAMES)
@@ -76,7 +67,7 @@ def main() -> None:
     path = model_path(args.model)
     info = run_info()
     model_id = path.name.removesuffix(".gguf")
-    workers = [_worker(0), _worker(1)]
+    workers = [pinned_worker(0), pinned_worker(1)]
     one_s: list[float] = []
     two_s: list[float] = []
     try:

@@ -20,11 +20,18 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import MODEL_NAMES, median, model_path, print_table, run_info, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    MODEL_NAMES,
+    median,
+    model_path,
+    pinned_worker,
+    print_table,
+    run_info,
+    write_json,
+)
 
 ENV = {**os.environ, "POTLUCK_MDNS": "0"}
 LINE = re.compile(r"(\d+) steps, (\d+) tokens in ([\d.]+) s")
@@ -40,22 +47,6 @@ def _job(cmd: list[str]) -> tuple[float, int, int]:
     if status != 0 or found is None:
         raise SystemExit(f"potluck finetune failed: {err[-2000:]}")
     return float(found[3]), int(found[2]), usage.ru_maxrss * 1024
-
-
-def _worker(core: int, model_dir: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        ["taskset", "-c", str(core), sys.executable, "-m", "potluck.cli", "worker", "-p", "0",
-         "-t", "1", "--no-mdns", "--model-dir", str(model_dir)],
-        env=ENV, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 120
-    for line in proc.stderr:
-        if found := re.search(r"listening on [^ ]*:(\d+) ", line):
-            return proc, f"127.0.0.1:{found[1]}"
-        if time.monotonic() > deadline:
-            break
-    raise SystemExit("worker did not start")
 
 
 def _peak_rss(pid: int) -> int:
@@ -77,7 +68,10 @@ def main() -> None:
     args = ap.parse_args()
     path = model_path(args.model)
     info = run_info()
-    workers = [_worker(0, path.parent), _worker(1, path.parent)]
+    workers = [
+        pinned_worker(0, "--model-dir", str(path.parent)),
+        pinned_worker(1, "--model-dir", str(path.parent)),
+    ]
     one: list[tuple[float, int, int]] = []
     two: list[tuple[float, int, int]] = []
     try:

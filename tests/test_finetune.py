@@ -22,6 +22,7 @@ from potluck.train.data import read_examples
 from potluck.train.loop import CheckpointError, TrainConfig, Trainer, run
 
 from ggufgen import write_tiny_model
+from traindata import write_lines, write_rotations
 
 pytest.importorskip("torch")
 DATA = Path(__file__).parent / "data"
@@ -39,31 +40,6 @@ def _tiny(tmp_path: Path) -> tuple[Path, GGUFFile]:
     return path, GGUFFile(path)
 
 
-def _lines(path: Path, objs: list) -> Path:
-    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
-    return path
-
-
-def _data(tmp_path: Path) -> Path:
-    words = [
-        "alpha",
-        "beta",
-        "gamma",
-        "delta",
-        "epsilon",
-        "zeta",
-        "eta",
-        "theta",
-        "iota",
-        "kappa",
-        "lambda",
-        "mu",
-    ]
-    return _lines(
-        tmp_path / "d.jsonl", [{"text": " ".join(words[i:] + words[:i])} for i in range(10)]
-    )
-
-
 def _trainer(path: Path, f: GGUFFile, data: Path, **kw) -> Trainer:
     hp = hparams_from_metadata(f.metadata)
     tok, chat = Tokenizer(f.metadata), ChatTemplate.from_metadata(f.metadata, hp.arch)
@@ -73,7 +49,7 @@ def _trainer(path: Path, f: GGUFFile, data: Path, **kw) -> Trainer:
 
 def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:
     path, f = _tiny(tmp_path)
-    data = _data(tmp_path)
+    data = write_rotations(tmp_path / "d.jsonl")
     whole = _trainer(path, f, data, checkpoint_every=100)
     losses = []
     run(whole, tmp_path / "whole.gguf", lambda r: losses.append(r.loss))
@@ -103,7 +79,7 @@ def test_chat_lines_learn_only_the_assistant(smollm2_path: Path, tmp_path: Path)
     f = GGUFFile(smollm2_path)
     hp = hparams_from_metadata(f.metadata)
     tok, chat = Tokenizer(f.metadata), ChatTemplate.from_metadata(f.metadata, hp.arch)
-    data = _lines(tmp_path / "c.jsonl", [
+    data = write_lines(tmp_path / "c.jsonl", [
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
                       {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Farewell."}]},
         "{broken", {"messages": [{"role": "user", "content": "only a question"}]}, {"other": 1},
@@ -118,16 +94,16 @@ def test_chat_lines_learn_only_the_assistant(smollm2_path: Path, tmp_path: Path)
 def test_errors_are_one_line_with_the_numbers(smollm2_path: Path, tmp_path: Path) -> None:
     path, _ = _tiny(tmp_path)
     out = str(tmp_path / "a.gguf")
-    empty = _lines(tmp_path / "e.jsonl", ["{oops", {"messages": []}])
+    empty = write_lines(tmp_path / "e.jsonl", ["{oops", {"messages": []}])
     r = _cli("finetune", "-m", str(path), "--data", str(empty), "-o", out)
     assert r.returncode != 0 and "has no usable line (2 skipped; line 1: not JSON" in r.stderr
-    long = _lines(tmp_path / "l.jsonl", [{"text": "alpha " * 300}])
+    long = write_lines(tmp_path / "l.jsonl", [{"text": "alpha " * 300}])
     r = _cli("finetune", "-m", str(path), "--data", str(long), "-o", out, "--ctx", "64")
     assert r.returncode != 0 and "longer than the context (64): raise --ctx to" in r.stderr
-    data = _data(tmp_path)
+    data = write_rotations(tmp_path / "d.jsonl")
     r = _cli("finetune", "-m", str(path), "--data", str(data), "-o", out, "--targets", "attn_qkv")
     assert r.returncode != 0 and "--targets attn_qkv: not a matrix" in r.stderr
-    big = _lines(tmp_path / "b.jsonl", [{"text": f"{i} " + "word " * 480} for i in range(64)])
+    big = write_lines(tmp_path / "b.jsonl", [{"text": f"{i} " + "word " * 480} for i in range(64)])
     r = _cli(
         "finetune",
         "-m",

@@ -4,7 +4,6 @@ share is computed by the head) and, started again, joins at the next checkpoint.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from potluck.train.data import read_examples
 from potluck.train.loop import TrainConfig, Trainer, run
 
 from ggufgen import write_tiny_model
+from traindata import write_rotations
 
 pytest.importorskip("torch")
 
@@ -32,23 +32,7 @@ CONFIG = TrainConfig(rank=4, lr=1e-2, epochs=3, batch=4, checkpoint_every=2)
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("models")
     model = write_tiny_model(d / "tiny.gguf", "llama", None, T.Q8_0)
-    words = [
-        "alpha",
-        "beta",
-        "gamma",
-        "delta",
-        "epsilon",
-        "zeta",
-        "eta",
-        "theta",
-        "iota",
-        "kappa",
-        "lambda",
-        "mu",
-    ]
-    data = d / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": " ".join(words[i:] + words[:i])}) + "\n"
-                            for i in range(10)))  # fmt: skip
+    data = write_rotations(d / "data.jsonl")
     return model, data
 
 

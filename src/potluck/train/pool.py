@@ -25,12 +25,12 @@ import torch
 from potluck.errors import PotluckError
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams
-from potluck.node.training import flat_grads, set_grads, state_bytes
+from potluck.node.training import set_grads, state_bytes
 from potluck.node.weights import sha256_file
 from potluck.train.data import Example
 from potluck.train.loop import TrainConfig, Trainer, collate, memory_needed
 from potluck.transport import potluck_pb2 as pb
-from potluck.transport.client import NodeClient
+from potluck.transport.client import NodeClient, NodeError
 from potluck.transport.codec import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,12 @@ class PoolTrainer(Trainer):
         )  # fmt: skip
         reply = self.nodes[owner].train("TrainGrad", request)
         assert isinstance(reply, pb.TrainGradReply)
+        n = sum(p.numel() for p in self.model.parameters())
+        if len(reply.grads) != 4 * n:
+            raise NodeError(
+                f"node {owner} sent a gradient of {len(reply.grads)} bytes, the adapters have "
+                f"{n} values ({4 * n} bytes): another Potluck version?"
+            )
         return reply.loss_sum, torch.from_numpy(np.frombuffer(reply.grads, np.float32).copy())
 
     def applied(self) -> None:
@@ -196,4 +202,4 @@ class PoolTrainer(Trainer):
                 self._drop(address, str(exc))
 
 
-__all__ = ["HEAD", "PoolTrainer", "flat_grads"]
+__all__ = ["HEAD", "PoolTrainer"]
