@@ -149,3 +149,34 @@ def test_a_worker_without_room_is_left_out_with_the_numbers(tiny, tmp_path: Path
     assert pool.alive == [] and (tmp_path / "a.gguf").exists()
     assert len(events) == 1 and "training step of this node's share needs about" in events[0]
     assert "GiB, it offers 0.0 GiB" in events[0], events
+
+
+def test_a_worker_without_the_model_file_receives_it_once(tiny, tmp_path: Path) -> None:
+    """A worker with an empty cache (no model file): the head sends it the model's tensors
+    (kept by hash), and it trains its share as one with the file would."""
+    from potluck.train.pool import PoolTrainer
+    from potluck.transport.client import NodeClient
+    from test_pool import start_worker
+
+    model, data = tiny
+    f, hp, examples = _examples(model, data)
+    alone = Trainer(hp, f, examples, CONFIG)
+    run(alone, tmp_path / "alone.gguf")
+    empty = tmp_path / "empty-cache"
+    empty.mkdir()
+    w, addr = start_worker({"POTLUCK_CACHE": str(empty), "HOME": str(empty)})
+    events: list[str] = []
+    try:
+        pool = PoolTrainer(hp, f, examples, CONFIG, (), [addr], NodeClient, False, events.append)
+        pool.start()
+        assert pool.alive == [addr], events
+        run(pool, tmp_path / "pool.gguf")
+    finally:
+        w.kill()
+        w.wait(timeout=10)
+    assert len(events) == 1 and events[0].startswith(f"{addr} has no copy of the model: sending"), (
+        events
+    )
+    assert any((empty / "blobs").iterdir())  # kept by hash, for the next time
+    err = _close(_pairs(tmp_path / "pool.gguf", f), _pairs(tmp_path / "alone.gguf", f))
+    assert err < 1e-4, f"the adapter differs from one process's by {err:.2e}"

@@ -85,6 +85,9 @@ def test_two_adapters_add_up_and_scale_zero_is_the_base(tmp_path: Path) -> None:
     assert both[1].factor("blk.0.attn_q.weight") == 0.5
     assert both[0].factor("blk.0.attn_q.weight") == 0.5 * ALPHA / RANK
     assert np.abs(_logits(base, both) - _logits(base)).max() > 0.01
+    # split: the second stage holds none of adapter 2's matrices (it adapts blk.0 only)
+    split = _logits(base, both, splits=((0, 1), (1, None)), exact=False)
+    np.testing.assert_allclose(split, _logits(base, both, exact=False), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_adapters_are_refused_with_the_reason(tmp_path: Path) -> None:

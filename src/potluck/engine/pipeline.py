@@ -28,14 +28,13 @@ from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams
 from potluck.modelfile.lora import LoraAdapter, adapter_part
-from potluck.node.transfer import PULL_TIMEOUT_S
+from potluck.node.transfer import PULL_TIMEOUT_S, push_chunks
 from potluck.node.weights import sha256_file, tensor_digests
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
 from potluck.transport.codec import (
     PROTOCOL_VERSION,
-    TENSOR_CHUNK_BYTES,
     WIRE_DTYPES,
     lora_to_wire,
     sampling_to_proto,
@@ -327,30 +326,14 @@ class RemotePipeline:
         digests: Mapping[str, str],
         partial: Mapping[str, int] | None = None,
     ) -> Iterator[pb.TensorChunk]:
-        """The tensors' bytes in chunks; a tensor the node kept part of (`partial`, from a
-        transfer that broke off) starts where that part ends."""
-        partial = partial or {}
-        starts = {n: partial.get(n, 0) for n in names}
-        for name, start in starts.items():
-            if not 0 <= start < self.file.tensors[name].nbytes:
-                raise NodeError(f"node {node} says it kept {start:,} bytes of tensor {name}")
-        total = sum(self.file.tensors[n].nbytes - starts[n] for n in names)
-        sent = 0
-        for name in names:
-            data = memoryview(self.file.raw(name).reshape(-1))
-            start = starts[name]
-            for off in range(start, len(data), TENSOR_CHUNK_BYTES):
-                piece = bytes(data[off : off + TENSOR_CHUNK_BYTES])
-                sent += len(piece)
-                if self.on_transfer is not None:
-                    self.on_transfer(node, sent, total)
-                if off == start:
-                    yield pb.TensorChunk(
-                        name=name, sha256=digests[name], total_bytes=len(data), data=piece,
-                        offset=start,
-                    )  # fmt: skip
-                else:
-                    yield pb.TensorChunk(name=name, data=piece)
+        on_sent = None
+        if self.on_transfer is not None:
+            report = self.on_transfer
+
+            def on_sent(sent: int, total: int) -> None:
+                report(node, sent, total)
+
+        return push_chunks(self.file, node, names, digests, partial, on_sent)
 
     def _start(
         self,

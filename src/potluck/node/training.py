@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from potluck.errors import PotluckError
+from potluck.node.weights import BlobStore
 from potluck.transport import potluck_pb2 as pb
 
 
@@ -75,9 +76,17 @@ class _Session:
 class TrainSessions:
     """The training sessions of one worker, by session id (one compute at a time)."""
 
-    def __init__(self, model_dirs: Sequence[Path], threads: int, memory: Callable[[], int]) -> None:
-        """memory(): what this node offers now (usable RAM, or less with --mem)."""
+    def __init__(
+        self,
+        model_dirs: Sequence[Path],
+        threads: int,
+        memory: Callable[[], int],
+        store: BlobStore,
+    ) -> None:
+        """memory(): what this node offers now (usable RAM, or less with --mem). store: where
+        a model's tensors are kept when the node has no file of it (received from the head)."""
         self.model_dirs, self.threads, self.memory = list(model_dirs), threads, memory
+        self.store = store
         self.sessions: dict[str, _Session] = {}
         self.lock = threading.Lock()
 
@@ -89,9 +98,10 @@ class TrainSessions:
                 "this worker has no PyTorch, which training needs: pip install 'potluck[train]' "
                 "on it (CPU build: torch==2.13.0)"
             ) from None
-        from potluck.modelfile.gguf_file import GGUFFile
+        from potluck.model.stage import WeightSource
+        from potluck.modelfile.gguf_file import GGUFFile, read_header
         from potluck.modelfile.hparams import hparams_from_metadata
-        from potluck.node.weights import find_local_model
+        from potluck.node.weights import BlobSource, find_local_model, lacking
         from potluck.train.loop import big_blocks_to_the_os
         from potluck.train.model import LoraModel
 
@@ -101,17 +111,25 @@ class TrainSessions:
                 f"{request.need_bytes / 2**30:.1f} GiB, it offers {free / 2**30:.1f} GiB"
             )
         path = find_local_model(request.model_sha256, request.model_bytes, self.model_dirs)
-        if path is None:
-            raise TrainingError(
-                f"this worker does not have the model file (sha256 {request.model_sha256[:12]}…):"
-                " copy it into its cache or --model-dir"
-            )
+        src: WeightSource
+        if path is not None:
+            f = GGUFFile(path)
+            src, metadata = f, f.metadata
+        elif not request.metadata_gguf:
+            return pb.TrainOpenReply(need_model=True)  # the head sends the header and digests
+        else:
+            header = bytes(request.metadata_gguf)
+            meta, tensors, _ = read_header(io.BytesIO(header), len(header), "the head's header")
+            digests = dict(request.tensor_sha256)
+            missing, partial, _ = lacking(self.store, list(tensors), digests, tensors)
+            if missing:
+                return pb.TrainOpenReply(need_tensors=True, missing=missing, partial=partial)
+            src, metadata = BlobSource(tensors, digests, self.store), meta
         torch.set_num_threads(self.threads)
         big_blocks_to_the_os()
-        f = GGUFFile(path)
-        hp = hparams_from_metadata(f.metadata, str(path))
+        hp = hparams_from_metadata(metadata, "the model")
         model = LoraModel(
-            hp, f, tuple(request.targets), request.rank, request.alpha, request.seed,
+            hp, src, tuple(request.targets), request.rank, request.alpha, request.seed,
             request.recompute,
         )  # fmt: skip
         opt = torch.optim.AdamW(model.parameters(), lr=request.lr, weight_decay=0.0)

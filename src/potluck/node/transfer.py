@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.node.weights import BlobStore
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
-from potluck.transport.client import NodeClient
+from potluck.transport.client import NodeClient, NodeError
 from potluck.transport.codec import PROTOCOL_VERSION, TENSOR_CHUNK_BYTES, WireError
 
 log = logging.getLogger("potluck.worker")
@@ -86,6 +86,41 @@ def receive(
         whence, tensors, got / 2**20, dt, got / max(dt, 1e-9) / 1e6,
     )  # fmt: skip
     return Received(tensors, got, dt)
+
+
+def push_chunks(
+    file: GGUFFile,
+    node: str,
+    names: list[str],
+    digests: Mapping[str, str],
+    partial: Mapping[str, int] | None = None,
+    on_sent: Callable[[int, int], None] | None = None,
+) -> Iterator[pb.TensorChunk]:
+    """PutTensors' stream from a head: the tensors' bytes in chunks, each tensor's first chunk
+    with its sha256; a tensor the node kept part of (`partial`, from a transfer that broke off)
+    starts where that part ends. on_sent(bytes sent, bytes to send) as it goes."""
+    partial = partial or {}
+    starts = {n: partial.get(n, 0) for n in names}
+    for name, start in starts.items():
+        if not 0 <= start < file.tensors[name].nbytes:
+            raise NodeError(f"node {node} says it kept {start:,} bytes of tensor {name}")
+    total = sum(file.tensors[n].nbytes - starts[n] for n in names)
+    sent = 0
+    for name in names:
+        data = memoryview(file.raw(name).reshape(-1))
+        start = starts[name]
+        for off in range(start, len(data), TENSOR_CHUNK_BYTES):
+            piece = bytes(data[off : off + TENSOR_CHUNK_BYTES])
+            sent += len(piece)
+            if on_sent is not None:
+                on_sent(sent, total)
+            if off == start:
+                yield pb.TensorChunk(
+                    name=name, sha256=digests[name], total_bytes=len(data), data=piece,
+                    offset=start,
+                )  # fmt: skip
+            else:
+                yield pb.TensorChunk(name=name, data=piece)
 
 
 def send_tensors(file: GGUFFile, ranges: list[pb.TensorRange], to: str) -> Iterator[pb.TensorChunk]:

@@ -199,3 +199,19 @@ class BlobSource:
             )
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         return flat.reshape(rows, info.nbytes // rows)
+
+
+def lacking(
+    store: BlobStore, names: list[str], digests: dict[str, str], tensors: dict[str, TensorInfo]
+) -> tuple[list[str], dict[str, int], int]:
+    """Of some tensors of a model, those not in the store: (names, bytes kept of each from a
+    broken transfer, bytes still to receive)."""
+    for n in names:
+        if n in digests and n in tensors:
+            store.settle(digests[n], tensors[n].nbytes)
+    missing = [n for n in names if n not in digests or not store.has(digests[n])]
+    partial = {
+        n: kept for n in missing if n in digests and (kept := store.partial_bytes(digests[n]))
+    }
+    total = sum(tensors[n].nbytes for n in missing if n in tensors) - sum(partial.values())
+    return missing, partial, total

@@ -49,6 +49,7 @@ from potluck.node.weights import (
     BlobStore,
     IntegrityError,
     find_local_model,
+    lacking,
     sha256_bytes,
 )
 from potluck.transport import potluck_pb2 as pb
@@ -153,7 +154,9 @@ class NodeService(pb_grpc.NodeServicer):
             self.speed = decode_bytes_per_s(threads=threads)  # once, before any stage is loaded
             self.gpu = gpu_offer()  # its speed measured once too
             trim_heap()  # the probe's buffers go back to the OS
-        self.training = TrainSessions(model_dirs, threads or default_threads(), self._memory_bytes)
+        self.training = TrainSessions(
+            model_dirs, threads or default_threads(), self._memory_bytes, self.store
+        )
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
 
     def _memory_bytes(self) -> int:
@@ -409,19 +412,7 @@ class NodeService(pb_grpc.NodeServicer):
     def _lacking(
         self, names: list[str], digests: dict[str, str], tensors: dict
     ) -> tuple[list[str], dict[str, int], int]:
-        """Of a stage's tensors, those not in the store: (names, bytes kept of each from a broken
-        transfer, bytes still to receive)."""
-        for n in names:
-            if n in digests and n in tensors:
-                self.store.settle(digests[n], tensors[n].nbytes)
-        missing = [n for n in names if n not in digests or not self.store.has(digests[n])]
-        partial = {
-            n: kept
-            for n in missing
-            if n in digests and (kept := self.store.partial_bytes(digests[n]))
-        }
-        total = sum(tensors[n].nbytes for n in missing if n in tensors) - sum(partial.values())
-        return missing, partial, total
+        return lacking(self.store, names, digests, tensors)
 
     def _pull_from_peers(
         self, request: pb.LoadRequest, names: list[str], digests: dict[str, str], tensors: dict

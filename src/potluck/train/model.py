@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from potluck.errors import UnsupportedError
 from potluck.model.ggml_lib import dequantize_rows
-from potluck.modelfile.gguf_file import GGUFFile
+from potluck.model.weights import WeightSource
 from potluck.modelfile.hparams import HParams
 
 # targets by short name, as --targets takes them (GGUF names: blk.N.<name>.weight)
@@ -32,7 +32,7 @@ FFN = ("ffn_gate", "ffn_up", "ffn_down")
 DEFAULT_TARGETS = ATTENTION + FFN
 
 
-def dequantized(f: GGUFFile, name: str, rows: np.ndarray | None = None) -> torch.Tensor:
+def dequantized(f: WeightSource, name: str, rows: np.ndarray | None = None) -> torch.Tensor:
     """The tensor (or some of its rows) as f32, made now from the file's bytes by ggml's own
     dequantization (every type ggml reads), on torch's threads."""
     info = f.tensors[name]
@@ -54,7 +54,7 @@ class _Frozen(torch.autograd.Function):
     input's gradient); W itself is never saved."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, f: GGUFFile, name: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, f: WeightSource, name: str) -> torch.Tensor:  # type: ignore[override]
         ctx.f, ctx.name = f, name
         return x @ dequantized(f, name).T
 
@@ -76,12 +76,13 @@ class Adapter(nn.Module):
 
 
 class LoraModel(nn.Module):
-    """The base model (frozen, quantized, from `f`) with trainable adapters on `targets`."""
+    """The base model (frozen, quantized, from `f`: a GGUF file, or the tensors a worker was
+    sent) with trainable adapters on `targets`."""
 
     def __init__(
         self,
         hp: HParams,
-        f: GGUFFile,
+        f: WeightSource,
         targets: Sequence[str] = DEFAULT_TARGETS,
         rank: int = 8,
         alpha: float = 16.0,
@@ -95,8 +96,8 @@ class LoraModel(nn.Module):
         self.recompute = recompute
         if "rope_freqs.weight" in f.tensors:
             raise UnsupportedError(
-                f"{f.path}: per-frequency RoPE factors (rope_freqs, Llama 3.1+) are not "
-                "supported for training yet"
+                "the model has per-frequency RoPE factors (rope_freqs, Llama 3.1+), which "
+                "training does not support yet"
             )
         self.hp, self.f, self.rank, self.alpha = hp, f, rank, alpha
         self.scaling = alpha / rank

@@ -26,7 +26,8 @@ from potluck.errors import PotluckError
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams
 from potluck.node.training import set_grads, state_bytes
-from potluck.node.weights import sha256_file
+from potluck.node.transfer import push_chunks
+from potluck.node.weights import sha256_file, tensor_digests
 from potluck.train.data import Example
 from potluck.train.loop import TrainConfig, Trainer, collate, memory_needed
 from potluck.transport import potluck_pb2 as pb
@@ -63,6 +64,7 @@ class PoolTrainer(Trainer):
         self.alive: list[str] = []
         self.dropped: list[str] = []
         self._total = b""  # the last step's summed gradient (for TrainApply)
+        self._tensor_sha: dict[str, str] = {}  # for a node without the file (_open_session)
         self.pool = ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="potluck-train")
 
     # -- membership ------------------------------------------------------------------------------
@@ -84,7 +86,7 @@ class PoolTrainer(Trainer):
             need_bytes=self.share_bytes(),
         )  # fmt: skip
         try:
-            self.nodes[address].train("TrainOpen", request, timeout=120.0)
+            self._open_session(address, request)
         except PotluckError as exc:
             self._drop(address, f"could not open a training session: {exc}")
             return False
@@ -101,6 +103,36 @@ class PoolTrainer(Trainer):
         share = dataclasses.replace(self.config, batch=-(-self.config.batch // members))
         longest = max(len(e.ids) for e in self.examples)
         return memory_needed(self.hp, self.f, share, longest, len(self.examples))
+
+    def _open_session(self, address: str, request: pb.TrainOpenRequest) -> None:
+        """TrainOpen; a node without the model file gets the header and the tensor digests,
+        then the tensors it lacks (PutTensors: kept by hash, resumable), then opens again."""
+        client = self.nodes[address]
+        reply = client.train("TrainOpen", request, timeout=120.0)
+        assert isinstance(reply, pb.TrainOpenReply)
+        if reply.need_model:
+            request.metadata_gguf = self.f.header_bytes()
+            request.tensor_sha256.update(self._digests())
+            reply = client.train("TrainOpen", request, timeout=120.0)
+        if reply.need_tensors:
+            missing = list(reply.missing)
+            if unknown := [n for n in missing if n not in self.f.tensors]:
+                raise NodeError(f"node {address} asks for tensors the model lacks: {unknown[:3]}")
+            size = sum(self.f.tensors[n].nbytes for n in missing) - sum(reply.partial.values())
+            self.on_event(
+                f"{address} has no copy of the model: sending it {len(missing)} tensors, "
+                f"{size / 2**20:.0f} MiB"
+            )
+            digests = self._digests()
+            client.put_tensors(push_chunks(self.f, address, missing, digests, dict(reply.partial)))
+            reply = client.train("TrainOpen", request, timeout=120.0)
+            if reply.need_tensors:
+                raise NodeError(f"node {address} still lacks {len(reply.missing)} tensors")
+
+    def _digests(self) -> dict[str, str]:
+        if not self._tensor_sha:
+            self._tensor_sha = tensor_digests(self.sha, self.f.raw, list(self.f.tensors))
+        return self._tensor_sha
 
     def _drop(self, address: str, why: str) -> None:
         if address in self.alive:

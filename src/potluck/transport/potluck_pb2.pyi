@@ -293,7 +293,14 @@ class DropReply(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainOpenRequest(_message.Message):
-    __slots__ = ("session_id", "model_sha256", "model_bytes", "rank", "alpha", "targets", "lr", "seed", "step", "state", "recompute", "need_bytes")
+    __slots__ = ("session_id", "model_sha256", "model_bytes", "rank", "alpha", "targets", "lr", "seed", "step", "state", "recompute", "need_bytes", "metadata_gguf", "tensor_sha256")
+    class TensorSha256Entry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +313,8 @@ class TrainOpenRequest(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     NEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METADATA_GGUF_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_SHA256_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model_sha256: str
     model_bytes: int
@@ -318,13 +327,30 @@ class TrainOpenRequest(_message.Message):
     state: bytes
     recompute: bool
     need_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., targets: _Optional[_Iterable[str]] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[bytes] = ..., recompute: _Optional[bool] = ..., need_bytes: _Optional[int] = ...) -> None: ...
+    metadata_gguf: bytes
+    tensor_sha256: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., model_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., targets: _Optional[_Iterable[str]] = ..., lr: _Optional[float] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., state: _Optional[bytes] = ..., recompute: _Optional[bool] = ..., need_bytes: _Optional[int] = ..., metadata_gguf: _Optional[bytes] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TrainOpenReply(_message.Message):
-    __slots__ = ("n_params",)
+    __slots__ = ("n_params", "need_model", "need_tensors", "missing", "partial")
+    class PartialEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     N_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    NEED_MODEL_FIELD_NUMBER: _ClassVar[int]
+    NEED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     n_params: int
-    def __init__(self, n_params: _Optional[int] = ...) -> None: ...
+    need_model: bool
+    need_tensors: bool
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    partial: _containers.ScalarMap[str, int]
+    def __init__(self, n_params: _Optional[int] = ..., need_model: _Optional[bool] = ..., need_tensors: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ..., partial: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TrainSequence(_message.Message):
     __slots__ = ("ids", "learn")
