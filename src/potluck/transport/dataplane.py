@@ -435,15 +435,20 @@ class DataLink:
         except (OSError, FrameError, DecodeError) as exc:
             failure = NodeError(f"node {self.address}: the data connection broke ({exc})")
         self._end(conn, failure)
+        # Only this thread closes the socket, once it reads no more: an SSL socket closed while
+        # another thread is in its read keeps reading its old descriptor number, which the next
+        # connection may already have been given (that read stole the next TLS handshake's bytes:
+        # "wrong version number")
+        conn.sock.close()
 
     def _end(self, conn: _Conn, failure: BaseException) -> None:
+        """Fail what the connection still awaits and shut it down (its reader then ends)."""
         with self._lock:
             if self._conn is conn:
                 self._conn = None
             waiting, conn.pending = conn.pending, {}
         with contextlib.suppress(OSError):  # already shut down
             conn.sock.shutdown(socket.SHUT_RDWR)
-        conn.sock.close()
         for fut in waiting.values():
             fut.set_exception(failure)
 
