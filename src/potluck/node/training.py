@@ -149,20 +149,17 @@ class TrainSessions:
         return s
 
     def grad(self, request: pb.TrainGradRequest) -> pb.TrainGradReply:
-        import torch
+        from potluck.train.data import Example
+        from potluck.train.loop import collate
 
         with self.lock:
             s = self._session(request.session_id, request.step)
             t0 = time.perf_counter()
-            width = max(len(q.ids) for q in request.sequences)
-            ids = torch.zeros(len(request.sequences), width, dtype=torch.long)
-            learn = torch.zeros_like(ids)
-            for r, q in enumerate(request.sequences):
-                ids[r, : len(q.ids)] = torch.tensor(list(q.ids))
-                learn[r, : len(q.learn)] = torch.tensor(list(q.learn), dtype=torch.long)
-            s.opt.zero_grad(set_to_none=False)
-            for p in s.params:
-                p.grad = torch.zeros_like(p)
+            if not request.sequences or any(len(q.ids) != len(q.learn) for q in request.sequences):
+                raise TrainingError("a share needs sequences with one learn flag per token")
+            part = [Example(0, tuple(q.ids), tuple(q.learn)) for q in request.sequences]
+            ids, learn = collate(part)
+            s.opt.zero_grad(set_to_none=True)
             loss = s.model.loss_sum(ids, learn) / max(request.n_learned, 1)
             loss.backward()
             return pb.TrainGradReply(

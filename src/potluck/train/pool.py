@@ -29,7 +29,7 @@ from potluck.node.training import set_grads, state_bytes
 from potluck.node.transfer import push_chunks
 from potluck.node.weights import sha256_file, tensor_digests
 from potluck.train.data import Example
-from potluck.train.loop import TrainConfig, Trainer, collate, memory_needed
+from potluck.train.loop import TrainConfig, Trainer, memory_needed
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.client import NodeClient, NodeError
 from potluck.transport.codec import PROTOCOL_VERSION
@@ -173,14 +173,9 @@ class PoolTrainer(Trainer):
         ]
 
     def _here(self, part: list[Example], n_learned: int) -> tuple[float, torch.Tensor]:
-        for p in self.model.parameters():
-            p.grad = torch.zeros_like(p)
-        ids, learn = collate(part)
-        loss = self.model.loss_sum(ids, learn) / max(n_learned, 1)
-        loss.backward()
-        return float(loss.detach()), torch.cat(
-            [p.grad.reshape(-1) for p in self.model.parameters()]
-        )
+        """A share's loss and flat gradient, computed in this process."""
+        loss = super().gradients(part, n_learned)
+        return loss, torch.cat([p.grad.reshape(-1) for p in self.model.parameters()])
 
     def gradients(self, batch: Sequence[Example], n_learned: int) -> float:
         parts = self.shares(batch)
