@@ -63,6 +63,7 @@ class PoolTrainer(Trainer):
         self.sha = sha256_file(f.path)
         self.alive: list[str] = []
         self.dropped: list[str] = []
+        self._refused: dict[str, str] = {}  # why a node could not open a session, last time
         self._total = b""  # the last step's summed gradient (for TrainApply)
         self._tensor_sha: dict[str, str] = {}  # for a node without the file (_open_session)
         self.pool = ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="potluck-train")
@@ -88,6 +89,9 @@ class PoolTrainer(Trainer):
         try:
             self._open_session(address, request)
         except PotluckError as exc:
+            if address in self.dropped and self._refused.get(address) != str(exc):
+                self.on_event(f"{address} answers but cannot join at step {self.step}: {exc}")
+            self._refused[address] = str(exc)  # said once per reason
             self._drop(address, f"could not open a training session: {exc}")
             return False
         if address in self.dropped:
@@ -146,9 +150,9 @@ class PoolTrainer(Trainer):
         for address in list(self.dropped):  # a node that came back joins here
             self.nodes[address].close()
             self.nodes[address] = self.dial(address)
-            try:
-                self.nodes[address].hello(
-                    pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=2.0
+            try:  # a fresh channel to a busy machine: generous, but a node that is down
+                self.nodes[address].hello(  # answers at once (connection refused)
+                    pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=10.0
                 )
             except PotluckError:
                 continue
