@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from potluck.api.server import ServerConfig, bind, create_app, model_id_of, uvicorn_server
 from potluck.engine.generate import Model, generate, load_model
@@ -632,18 +633,23 @@ def test_pool_and_metrics(server: Server) -> None:
     assert 0 < node["memory_used_bytes"] < node["memory_total_bytes"]
     assert node["compute_ms"] > 0 and node["hop_ms"] is None and node["tokens_per_s"] > 0
     assert p["requests_total"] >= 1 and isinstance(p["tokens_per_s"], float)
-    text = httpx.get(server.url + "/metrics", headers=auth).text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    assert values["potluck_generated_tokens_total"] > 0
-    assert values["potluck_queue_depth"] == 0
-    assert values["potluck_time_to_first_token_seconds_count"] >= 1
-    assert values['potluck_node_compute_ms_per_token{node="local",name="' + node["name"] + '"}'] > 0
-    assert any(k.startswith("potluck_http_requests_total{") for k in values)
-    assert "potluck_kv_cache_sequences" in values
+    samples = _metrics(httpx.get(server.url + "/metrics", headers=auth).text)
+    assert samples[("potluck_generated_tokens_total", ())] > 0
+    assert samples[("potluck_queue_depth", ())] == 0
+    assert samples[("potluck_time_to_first_token_seconds_count", ())] >= 1
+    compute = ("potluck_node_compute_ms_per_token", (("name", node["name"]), ("node", "local")))
+    assert samples[compute] > 0
+    assert any(name == "potluck_http_requests_total" for name, _ in samples)
+    assert ("potluck_kv_cache_sequences", ()) in samples
+
+
+def _metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics' samples by (name, sorted labels), read with prometheus-client's parser."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 @pytest.fixture
@@ -757,8 +763,11 @@ def test_pool_server_dashboard_and_logprobs(pool_server: Server, ref: Model) -> 
     )
     assert worker["compute_ms"] > 0 and worker["hop_ms"] >= 0 and worker["tokens_per_s"] > 0
     assert head["compute_ms"] > 0
-    text = httpx.get(pool_server.url + "/metrics").text
-    assert f'potluck_node_network_ms_per_token{{node="{worker["address"]}"' in text
+    samples = _metrics(httpx.get(pool_server.url + "/metrics").text)
+    hops = {
+        dict(labels)["node"] for name, labels in samples if name.endswith("network_ms_per_token")
+    }
+    assert hops == {worker["address"]}
     assert pool_server.idle()
 
 

@@ -1,160 +1,175 @@
-"""GET /metrics in Prometheus' text exposition format (version 0.0.4), written by hand: a handful
-of counters, gauges and one histogram need no client library."""
+"""GET /metrics through `prometheus-client`, in one `CollectorRegistry` per server (several servers
+in one process stay apart).
+
+Counters only grow and histograms are observed once per request (Prometheus' `rate()` needs
+both): HTTP answers are counted by the app's middleware, and each choice's times are observed from
+its events (`RequestTiming`, on the scheduler's thread). The scheduler's totals (its own monotonic
+counters) and the current figures (queue, KV cache, each node's ms per token) are read at scrape
+time by `_Live`.
+"""
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
-from collections.abc import Iterable
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from potluck.api.pool import PoolInfo
-from potluck.engine.scheduler import Scheduler
+from potluck.engine.scheduler import Event, Finished, Scheduler, TokenEvent
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-def _label(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+# seconds; a prompt over a pool of home machines can take tens of seconds
+TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# seconds per token: ~5 ms for a small model on one machine, ~1 s for a large one over Wi-Fi
+TPOT_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
-def _labels(pairs: dict[str, str]) -> str:
-    return "{" + ",".join(f'{k}="{_label(v)}"' for k, v in pairs.items()) + "}" if pairs else ""
+class RequestTiming:
+    """One choice's times, fed its events on the scheduler's thread: the time to its first token
+    once at that token, the mean time per later token once at its end (two tokens or more)."""
+
+    def __init__(self, ttft: Histogram, tpot: Histogram) -> None:
+        self.ttft, self.tpot = ttft, tpot
+        self.t_submit = time.monotonic()
+        self.t_first = self.t_last = 0.0
+        self.n = 0
+
+    def see(self, ev: Event) -> None:
+        if isinstance(ev, TokenEvent):
+            now = time.monotonic()
+            if self.n == 0:
+                self.t_first = now
+                self.ttft.observe(now - self.t_submit)
+            self.t_last, self.n = now, self.n + 1
+        elif isinstance(ev, Finished) and self.n >= 2:
+            self.tpot.observe((self.t_last - self.t_first) / (self.n - 1))
 
 
-class HttpCounters:
-    """Requests answered, by endpoint and status (updated on the event loop, read on scrape)."""
+class _Live(Collector):
+    """The scheduler's totals and the pool's current figures, read at each scrape."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.by: Counter[tuple[str, int]] = Counter()
+    def __init__(self, scheduler: Scheduler, pool: PoolInfo) -> None:
+        self.scheduler, self.pool = scheduler, pool
+
+    def collect(self) -> Iterator[Metric]:
+        sched, st = self.scheduler, self.scheduler.stats
+        # (a CounterMetricFamily's name drops "_total"; its sample keeps it)
+        yield _counter(
+            "potluck_requests_total",
+            "Generation requests (one per choice) accepted by the scheduler.",
+            st.requests_total,
+        )
+        yield _counter(
+            "potluck_requests_rejected_total",
+            "Generation requests refused because the queue was full (HTTP 429).",
+            st.requests_rejected,
+        )
+        finished = CounterMetricFamily(
+            "potluck_requests_finished_total",
+            "Generation requests finished, by reason (stop, length, cancelled).",
+            labels=["reason"],
+        )
+        for reason, n in sorted(dict(st.requests_finished).items()):
+            finished.add_metric([reason], n)
+        yield finished
+        yield _counter(
+            "potluck_prompt_tokens_total", "Prompt tokens of finished requests.", st.prompt_tokens
+        )
+        yield _counter("potluck_generated_tokens_total", "Tokens generated.", st.generated_tokens)
+        yield _gauge(
+            "potluck_tokens_per_second",
+            "Tokens generated per second over the last 5 s, all requests together.",
+            st.tokens_per_s(),
+        )
+        yield _gauge("potluck_requests_active", "Requests generating now.", sched.active)
+        yield _gauge("potluck_queue_depth", "Requests waiting for a slot.", sched.queued)
+        stages = self.pool.model.pipeline.stages
+        yield _gauge(
+            "potluck_kv_cache_sequences",
+            "Sequences holding a KV cache on this machine's stages (0 when idle: nothing leaked).",
+            max((len(s.caches) for s in stages), default=0),
+        )
+        yield _gauge(
+            "potluck_kv_cache_bytes",
+            "Bytes of KV cache held on this machine's stages.",
+            sum(c.nbytes() for s in stages for c in list(s.caches.values())),
+        )
+        yield from self._nodes()
+
+    def _nodes(self) -> Iterator[Metric]:
+        nodes = self.pool.snapshot()["nodes"]
+        per_node = ["node", "name"]
+        compute = GaugeMetricFamily(
+            "potluck_node_compute_ms_per_token",
+            "Recent compute milliseconds per decode step, per node (one token for every sequence "
+            "in the step).",
+            labels=per_node,
+        )
+        network = GaugeMetricFamily(
+            "potluck_node_network_ms_per_token",
+            "Recent network milliseconds per decode step on the hop into each remote node.",
+            labels=per_node,
+        )
+        memory = GaugeMetricFamily(
+            "potluck_node_memory_used_bytes",
+            "Bytes each node holds for the model (weights + KV cache).",
+            labels=per_node,
+        )
+        for n in nodes:
+            key = [n["address"], n["name"]]
+            if n["compute_ms"] is not None:
+                compute.add_metric(key, n["compute_ms"])
+            if n["hop_ms"] is not None:
+                network.add_metric(key, n["hop_ms"])
+            memory.add_metric(key, n["memory_used_bytes"])
+        yield from (compute, network, memory)
+
+
+def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, help_, value=value)
+
+
+def _gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_, value=value)
+
+
+class Metrics:
+    """One server's metrics: its own registry, the instruments the app updates, and `_Live`."""
+
+    def __init__(self, scheduler: Scheduler, pool: PoolInfo) -> None:
+        self.registry = CollectorRegistry()
+        self.http = Counter(
+            "potluck_http_requests",
+            "HTTP requests answered, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "potluck_time_to_first_token_seconds",
+            "Time from accepting a request (one choice) to its first token.",
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "potluck_time_per_output_token_seconds",
+            "Mean time between a request's tokens after its first (requests of two tokens or more).",
+            buckets=TPOT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.registry.register(_Live(scheduler, pool))
 
     def count(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            self.by[(endpoint, status)] += 1
+        self.http.labels(endpoint, str(status)).inc()
 
+    def timing(self) -> RequestTiming:
+        """A fresh timer for one choice: make it just before submitting the choice."""
+        return RequestTiming(self.ttft, self.tpot)
 
-class _Writer:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def metric(
-        self, name: str, kind: str, help_: str, samples: Iterable[tuple[dict[str, str], float]]
-    ) -> None:
-        self.lines.append(f"# HELP {name} {help_}")
-        self.lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            self.lines.append(f"{name}{_labels(labels)} {value:g}")
-
-
-def render(scheduler: Scheduler, pool: PoolInfo, http: HttpCounters) -> str:
-    st = scheduler.stats
-    w = _Writer()
-    with http._lock:
-        by = dict(http.by)
-    w.metric(
-        "potluck_http_requests_total",
-        "counter",
-        "HTTP requests answered, by endpoint and status code.",
-        [({"endpoint": e, "status": str(s)}, n) for (e, s), n in sorted(by.items())],
-    )
-    w.metric(
-        "potluck_requests_total",
-        "counter",
-        "Generation requests (one per choice) accepted by the scheduler.",
-        [({}, st.requests_total)],
-    )
-    w.metric(
-        "potluck_requests_rejected_total",
-        "counter",
-        "Generation requests refused because the queue was full (HTTP 429).",
-        [({}, st.requests_rejected)],
-    )
-    w.metric(
-        "potluck_requests_finished_total",
-        "counter",
-        "Generation requests finished, by reason (stop, length, cancelled).",
-        [({"reason": r}, n) for r, n in sorted(dict(st.requests_finished).items())],
-    )
-    w.metric(
-        "potluck_prompt_tokens_total",
-        "counter",
-        "Prompt tokens of finished requests.",
-        [({}, st.prompt_tokens)],
-    )
-    w.metric(
-        "potluck_generated_tokens_total",
-        "counter",
-        "Tokens generated.",
-        [({}, st.generated_tokens)],
-    )
-    w.metric(
-        "potluck_tokens_per_second",
-        "gauge",
-        "Tokens generated per second over the last 5 s, all requests together.",
-        [({}, round(st.tokens_per_s(), 3))],
-    )
-    w.metric(
-        "potluck_requests_active", "gauge", "Requests generating now.", [({}, scheduler.active)]
-    )
-    w.metric(
-        "potluck_queue_depth",
-        "gauge",
-        "Requests waiting for a slot.",
-        [({}, scheduler.queued)],
-    )
-    stages = pool.model.pipeline.stages
-    caches = [c for s in stages for c in list(s.caches.values())]
-    w.metric(
-        "potluck_kv_cache_sequences",
-        "gauge",
-        "Sequences holding a KV cache on this machine's stages (0 when idle: nothing leaked).",
-        [({}, max((len(s.caches) for s in stages), default=0))],
-    )
-    w.metric(
-        "potluck_kv_cache_bytes",
-        "gauge",
-        "Bytes of KV cache held on this machine's stages.",
-        [({}, sum(c.nbytes() for c in caches))],
-    )
-    ttft = list(st.ttft_s)
-    w.lines.append(
-        "# HELP potluck_time_to_first_token_seconds Time from accepting a request to its first "
-        "token (the last 1024 requests)."
-    )
-    w.lines.append("# TYPE potluck_time_to_first_token_seconds histogram")
-    for le in TTFT_BUCKETS_S:
-        n = sum(1 for t in ttft if t <= le)
-        w.lines.append(f'potluck_time_to_first_token_seconds_bucket{{le="{le:g}"}} {n}')
-    w.lines.append(f'potluck_time_to_first_token_seconds_bucket{{le="+Inf"}} {len(ttft)}')
-    w.lines.append(f"potluck_time_to_first_token_seconds_sum {sum(ttft):g}")
-    w.lines.append(f"potluck_time_to_first_token_seconds_count {len(ttft)}")
-    nodes = pool.snapshot()["nodes"]
-    w.metric(
-        "potluck_node_compute_ms_per_token",
-        "gauge",
-        "Recent compute milliseconds per decode step, per node (one token for every sequence "
-        "in the step).",
-        [
-            ({"node": n["address"], "name": n["name"]}, n["compute_ms"])
-            for n in nodes
-            if n["compute_ms"] is not None
-        ],
-    )
-    w.metric(
-        "potluck_node_network_ms_per_token",
-        "gauge",
-        "Recent network milliseconds per decode step on the hop into each remote node.",
-        [
-            ({"node": n["address"], "name": n["name"]}, n["hop_ms"])
-            for n in nodes
-            if n["hop_ms"] is not None
-        ],
-    )
-    w.metric(
-        "potluck_node_memory_used_bytes",
-        "gauge",
-        "Bytes each node holds for the model (weights + KV cache).",
-        [({"node": n["address"], "name": n["name"]}, n["memory_used_bytes"]) for n in nodes],
-    )
-    return "\n".join(w.lines) + "\n"
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition (body, Content-Type) that the scrape's Accept header asks for: Prometheus'
+        text format, or OpenMetrics."""
+        encode, content_type = choose_encoder(accept or "")
+        return encode(self.registry), content_type

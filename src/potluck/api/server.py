@@ -40,7 +40,7 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -49,7 +49,7 @@ from potluck.api import errors
 from potluck.api.batch import Recruit
 from potluck.api.batches import batch_progress
 from potluck.api.errors import ApiError
-from potluck.api.metrics import CONTENT_TYPE, HttpCounters, render
+from potluck.api.metrics import Metrics, RequestTiming
 from potluck.api.pool import PoolInfo
 from potluck.api.schemas import TOP_K_ALL, ChatCompletionRequest, ChatMessage, CompletionRequest
 from potluck.api.text import StopText
@@ -157,8 +157,8 @@ def _api_error(exc: BaseException) -> ApiError:
 class _StatusCounter:
     """Pure ASGI middleware counting answers by endpoint and status (streaming stays untouched)."""
 
-    def __init__(self, app: ASGIApp, counters: HttpCounters) -> None:
-        self.app, self.counters = app, counters
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -169,7 +169,7 @@ class _StatusCounter:
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                self.counters.count(endpoint, int(message["status"]))
+                self.metrics.count(endpoint, int(message["status"]))
             await send(message)
 
         await self.app(scope, receive, counting_send)
@@ -182,7 +182,7 @@ class Api:
         self.model, self.scheduler, self.config = model, scheduler, config
         self.tokenizer = model.tokenizer
         self.pool = PoolInfo(model, scheduler, config.model_id)
-        self.http = HttpCounters()
+        self.metrics = Metrics(scheduler, self.pool)
         self.created = int(time.time())
         name = model.file.metadata.get("general.name")
         self.aliases = {config.model_id, model.path.name, model.path.stem} | (
@@ -282,8 +282,10 @@ class Api:
                         logprobs=body.logprob_k(),
                     )
                     index = p_i * body.n + j
+                    timing = self.metrics.timing()
 
-                    def sink(ev: Event, index: int = index) -> None:
+                    def sink(ev: Event, index: int = index, timing: RequestTiming = timing) -> None:
+                        timing.see(ev)  # (on the scheduler's thread)
                         loop.call_soon_threadsafe(job.queue.put_nowait, (index, ev))
 
                     req = Request(
@@ -415,7 +417,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.api = api
-    app.add_middleware(_StatusCounter, counters=api.http)
+    app.add_middleware(_StatusCounter, metrics=api.metrics)
     guarded = [Depends(api.auth)]
     posted = [Depends(api.auth), Depends(api.json_body)]
 
@@ -500,9 +502,10 @@ def create_app(
         return snap
 
     @app.get("/metrics", dependencies=guarded)
-    async def metrics() -> Response:
+    async def metrics(request: HttpRequest) -> Response:
         await run_in_threadpool(api.pool.refresh_hellos)
-        return PlainTextResponse(render(scheduler, api.pool, api.http), media_type=CONTENT_TYPE)
+        body, content_type = api.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.post("/v1/chat/completions", dependencies=posted)
     async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) -> Response:
