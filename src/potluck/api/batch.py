@@ -87,6 +87,7 @@ def read_input(path: Path) -> tuple[list[Item], list[BadLine]]:
             if problem is not None:
                 bad.append(BadLine(n, cid if isinstance(cid, str) else None, *problem))
                 continue
+            assert isinstance(cid, str)  # _problem refuses any other
             seen.add(cid)
             items.append(Item(n, cid, obj["url"], obj["body"]))
     return items, bad

@@ -431,15 +431,15 @@ def _session_checks(
     else:
         out.append(Check("threads", peer.address, SKIP, "the worker does not say (older version)"))
     try:
-        link = measure_link(client, pings=20, timeout=cfg.call_timeout_s * 4)
+        measured = measure_link(client, pings=20, timeout=cfg.call_timeout_s * 4)
     except grpc.RpcError as exc:
         code, detail = rpc_code(exc)
         out.append(Check("link", peer.address, SKIP, f"cannot measure: {detail} ({code})"))
-        link = None
-    else:
-        iface = local_interface(peer.host, peer.port)
-        out.append(link_check(peer.address, link, iface if iface and is_wireless(iface) else None))
-    alive.append(_Node(peer, r, link))
+        alive.append(_Node(peer, r, None))
+        return out
+    iface = local_interface(peer.host, peer.port)
+    out.append(link_check(peer.address, measured, iface if iface and is_wireless(iface) else None))
+    alive.append(_Node(peer, r, measured))
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -57,8 +58,8 @@ def inspect(peer: Peer, pool: str, dial: Dial, timeout: float = 5.0) -> NodeRepo
     """Reach the node, say hello, measure the link. Never raises for a node that misbehaves."""
     a = peer.advert
 
-    def report(usable: bool = False, why: str = "", **kw) -> NodeReport:
-        base = dict(
+    def report(usable: bool = False, why: str = "", **kw: Any) -> NodeReport:
+        base: dict[str, Any] = dict(
             name=peer.address, found=peer.source, pool=a.pool if a else "",
             version=a.potluck_version if a else "", devices=(), memory_bytes=a.memory_bytes if a else 0,
             cores=a.cores if a else 0, threads=0, link=None,
@@ -76,7 +77,7 @@ def inspect(peer: Peer, pool: str, dial: Dial, timeout: float = 5.0) -> NodeRepo
         r = h.reply
         devices = tuple(f"{d.kind} {fmt_bytes(d.memory_bytes)}" for d in r.devices)
         memory = sum(d.memory_bytes for d in r.devices)
-        known = dict(
+        known: dict[str, Any] = dict(
             version=r.potluck_version, devices=devices, memory_bytes=memory, cores=r.physical_cores
         )
         refused, _ = session_error(client)  # every call but Hello needs the pool secret

@@ -36,7 +36,7 @@ def _ips(host: str) -> set[str]:
     except ValueError:
         pass
     try:
-        return {a[4][0] for a in socket.getaddrinfo(host, None, socket.AF_INET)}
+        return {str(a[4][0]) for a in socket.getaddrinfo(host, None, socket.AF_INET)}
     except (OSError, UnicodeError):
         return set()
 

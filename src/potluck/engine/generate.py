@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -339,7 +339,7 @@ def split_points(n_layer: int, shares: Sequence[float]) -> list[int]:
         raise ValueError(
             f"shares {list(shares)} must be positive and at most {n_layer} (one layer each)"
         )
-    total, acc, bounds = sum(shares), 0.0, []
+    total, acc, bounds = sum(shares), 0.0, list[int]()
     for s in shares[:-1]:
         acc += s
         b = round(n_layer * acc / total)
@@ -393,7 +393,7 @@ def generate(
     sampler: Sampler,
     stop_ids: frozenset[int] | None = None,
     n_batch: int = DEFAULT_N_BATCH,
-) -> Iterator[int]:
+) -> Generator[int, None, None]:
     """Yield up to max_tokens sampled ids (a stop id is yielded, then generation ends).
 
     Ends early without error when the context is full. The sequence's KV cache is freed when the

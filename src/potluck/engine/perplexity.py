@@ -51,7 +51,7 @@ def perplexity(
     total_nll, count, running = 0.0, 0, []
     for c in range(n_chunks):
         chunk = list(ids[c * n_ctx : (c + 1) * n_ctx])
-        if tok.add_bos:
+        if tok.add_bos and tok.bos_id is not None:
             chunk[0] = tok.bos_id
         seq = model.new_seq_id()
         try:

@@ -192,7 +192,8 @@ class Stage:
             raise ValueError(f"-ngl must be 0 or more, got {n_gpu_layers}")
         self.gpu_layers = range(max(start, stop - n_gpu_layers), stop) if n_gpu_layers else range(0)
         self.head_on_gpu = self.is_last and n_gpu_layers > stop - start
-        self.gpu, self.gpu_device, self._gpu_buft = None, None, None
+        self.gpu, self.gpu_device = None, None
+        self._gpu_buft: int | None = None  # ggml handles (pointers as ints)
         self.cpu = None
         self.sched = None
         self.caches: dict[int, SeqCache] = {}
@@ -225,7 +226,7 @@ class Stage:
         self.sched = lib.ggml_backend_sched_new(
             backends, None, len(order), _SCHED_GRAPH_SIZE, False, True
         )
-        self._graph: StepGraph | None = None
+        self._graph = None
 
     def _lora(
         self, adapter: LoraAdapter, shapes: list[tuple[str, tuple[int, ...]]], exact: bool
@@ -302,7 +303,9 @@ class Stage:
         )
 
     def _kv_buffer_type(self, layer: int) -> int:
-        return self._gpu_buft if layer in self.gpu_layers else self._cpu_buft
+        if layer in self.gpu_layers and self._gpu_buft is not None:
+            return self._gpu_buft
+        return self._cpu_buft
 
     # -- sequences -------------------------------------------------------------------------------
     def cache(self, seq_id: int) -> SeqCache:
@@ -378,6 +381,7 @@ class Stage:
         shape = StepShape.of(caches, [c.n for c in chunks], n_rows)
         if self._graph is None or self._graph.shape != shape:
             self._release_graph()
+            assert self.sched is not None, "this stage is closed"
             self._graph = StepGraph(
                 self.hp, self.weights, self.layers, shape, caches, self.sched, self.loras
             )

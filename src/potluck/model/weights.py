@@ -258,7 +258,7 @@ def _drop_pages(raw: np.ndarray) -> None:
     Only for an array over a file mapping (on ordinary memory DONTNEED would zero it)."""
     import ctypes
 
-    base = raw
+    base: np.ndarray | None = raw
     while base is not None and not isinstance(base, np.memmap):
         base = base.base if isinstance(base, np.ndarray) else None
     if base is None:

@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import gguf
 from gguf import Keys, TokenType
@@ -167,7 +167,7 @@ class Tokenizer:
             for i, t in enumerate(tokens)
             if t in _END_OF_TURN_TEXTS and types[i] != TokenType.NORMAL
         }
-        self._eot = frozenset((declared | named) - {None})
+        self._eot = frozenset(i for i in declared | named if i is not None)
         # `encode_special_tokens` is a setting on the shared object; flip it only under this lock.
         self._lock = threading.Lock()
 
@@ -263,7 +263,7 @@ def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str | Non
             stacklevel=3,
         )
         splits = (_GPT2,)
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = cast(list[tuple[str, str]], [tuple(m.split(" ", 1)) for m in merges])
     vocab = {t: i for i, t in enumerate(tokens)}
     hf = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES))
     hf.pre_tokenizer = pre_tokenizers.Sequence(

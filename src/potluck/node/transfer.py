@@ -107,7 +107,7 @@ def push_chunks(
     total = sum(file.tensors[n].nbytes - starts[n] for n in names)
     sent = 0
     for name in names:
-        data = memoryview(file.raw(name).reshape(-1))
+        data = file.raw(name).reshape(-1).data
         start = starts[name]
         for off in range(start, len(data), TENSOR_CHUNK_BYTES):
             piece = bytes(data[off : off + TENSOR_CHUNK_BYTES])
@@ -137,7 +137,7 @@ def send_tensors(file: GGUFFile, ranges: list[pb.TensorRange], to: str) -> Itera
     log.info("sending %d tensors, %.1f MiB, to %s", len(ranges), total / 2**20, to)
     t0 = time.perf_counter()
     for r in ranges:
-        data = memoryview(file.raw(r.name).reshape(-1))
+        data = file.raw(r.name).reshape(-1).data
         for off in range(r.offset, len(data), TENSOR_CHUNK_BYTES):
             piece = bytes(data[off : off + TENSOR_CHUNK_BYTES])
             if off == r.offset:

@@ -29,9 +29,10 @@ class IntegrityError(PotluckError):
 
 
 def sha256_bytes(data: bytes | memoryview | np.ndarray) -> str:
-    return hashlib.sha256(
-        memoryview(data).cast("B") if not isinstance(data, bytes) else data
-    ).hexdigest()
+    if isinstance(data, bytes):
+        return hashlib.sha256(data).hexdigest()
+    view = data.data if isinstance(data, np.ndarray) else data
+    return hashlib.sha256(view.cast("B")).hexdigest()
 
 
 def sha256_file(path: Path) -> str:

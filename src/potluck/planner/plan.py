@@ -127,6 +127,7 @@ def plan_pool(
     )
     singles = [everyone.stage(i, 0, model.n_layer) for i in range(len(nodes))]
     single = min((st for st in singles if st.fits), key=lambda st: st.compute_ns, default=None)
+    route: Route | None
     if tensor_split is not None:
         route, multi = _manual_route(costs, tensor_split), None
     else:

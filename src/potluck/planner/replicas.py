@@ -93,7 +93,7 @@ def format_replicas(reps: Replicas, item_tokens: int) -> tuple[list[tuple[str, .
     def per_hour(tps: float) -> float:
         return tps * 3600 / item_tokens
 
-    rows = [
+    rows: list[tuple[str, ...]] = [
         (r.label, "a pipeline" if r.plan is not None else "the whole model",
          f"{r.tokens_per_s:.1f}", f"{per_hour(r.tokens_per_s):.0f}")
         for r in reps.replicas

@@ -26,7 +26,7 @@ def _memory(st: PlannedStage) -> str:
 
 def format_plan(plan: Plan) -> list[tuple[str, ...]]:
     """One row per stage, in PLAN_COLUMNS order."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for st in plan.stages:
         if st.n_gpu_layers:
             gpu = layers_label(st.gpu_start, st.stop) + (" + head" if st.head_on_gpu else "")

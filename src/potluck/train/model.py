@@ -119,7 +119,7 @@ class LoraModel(nn.Module):
         w = name + ".weight"
         y = _Frozen.apply(x, self.f, w)
         if _key(w) in self.adapters:
-            ad = self.adapters[_key(w)]
+            ad = self.adapter(w)
             y = y + self.scaling * ((x @ ad.a.T) @ ad.b.T)
         if (bias := self._norms.get(name + ".bias")) is not None:
             y = y + bias
@@ -210,17 +210,24 @@ class LoraModel(nn.Module):
         """Mean cross-entropy per learned token."""
         return self.loss_sum(ids, learn) / max(int((learn[:, 1:] != 0).sum()), 1)
 
+    def adapter(self, name: str) -> Adapter:
+        """The adapter of the matrix `name` (its GGUF name)."""
+        ad = self.adapters[_key(name)]
+        assert isinstance(ad, Adapter)
+        return ad
+
     def lora_pairs(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """{GGUF base name: (A, B)} as numpy f32 (modelfile.lora.write_lora takes them)."""
-        return {
-            _name(k): (ad.a.detach().numpy().copy(), ad.b.detach().numpy().copy())
-            for k, ad in self.adapters.items()
-        }
+        out = {}
+        for name in map(_name, self.adapters):
+            ad = self.adapter(name)
+            out[name] = (ad.a.detach().numpy().copy(), ad.b.detach().numpy().copy())
+        return out
 
     def load_pairs(self, pairs: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
         with torch.no_grad():
             for name, (a, b) in pairs.items():
-                ad = self.adapters[_key(name)]
+                ad = self.adapter(name)
                 ad.a.copy_(torch.from_numpy(np.asarray(a, np.float32)))
                 ad.b.copy_(torch.from_numpy(np.asarray(b, np.float32)))
 

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -118,6 +119,7 @@ class PoolTrainer(Trainer):
             request.metadata_gguf = self.f.header_bytes()
             request.tensor_sha256.update(self._digests())
             reply = client.train("TrainOpen", request, timeout=120.0)
+            assert isinstance(reply, pb.TrainOpenReply)
         if reply.need_tensors:
             missing = list(reply.missing)
             if unknown := [n for n in missing if n not in self.f.tensors]:
@@ -130,6 +132,7 @@ class PoolTrainer(Trainer):
             digests = self._digests()
             client.put_tensors(push_chunks(self.f, address, missing, digests, dict(reply.partial)))
             reply = client.train("TrainOpen", request, timeout=120.0)
+            assert isinstance(reply, pb.TrainOpenReply)
             if reply.need_tensors:
                 raise NodeError(f"node {address} still lacks {len(reply.missing)} tensors")
 
@@ -179,7 +182,7 @@ class PoolTrainer(Trainer):
     def _here(self, part: list[Example], n_learned: int) -> tuple[float, torch.Tensor]:
         """A share's loss and flat gradient, computed in this process."""
         loss = super().gradients(part, n_learned)
-        return loss, torch.cat([p.grad.reshape(-1) for p in self.model.parameters()])
+        return loss, torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in self.model.parameters()])
 
     def gradients(self, batch: Sequence[Example], n_learned: int) -> float:
         parts = self.shares(batch)

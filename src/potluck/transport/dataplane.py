@@ -224,7 +224,7 @@ class DataServer:
                 if data is None:
                     break
                 request = pb.ForwardRequest()
-                request.ParseFromString(data)
+                request.ParseFromString(data)  # type: ignore[arg-type]  # takes a bytearray
                 try:
                     check_message(request)
                 except WireError as exc:
@@ -265,7 +265,7 @@ class DataServer:
         if data is None:
             return False
         msg = pb.DataAuth()
-        msg.ParseFromString(data)
+        msg.ParseFromString(data)  # type: ignore[arg-type]  # takes a bytearray
 
         def refuse(why: str) -> bool:
             send_frame(conn, pb.DataAuthReply(error=why).SerializeToString())
@@ -384,7 +384,7 @@ class DataLink:
                 "closed the connection before greeting; --tls on one side only?)"
             )
         hello = pb.DataHello()
-        hello.ParseFromString(data)
+        hello.ParseFromString(data)  # type: ignore[arg-type]  # takes a bytearray
         if hello.protocol_version != PROTOCOL_VERSION:
             raise NodeError(
                 f"node {self.address} speaks protocol {hello.protocol_version}, this machine "
@@ -405,7 +405,7 @@ class DataLink:
                 "closed the connection before answering the proof)"
             )
         reply = pb.DataAuthReply()
-        reply.ParseFromString(data)
+        reply.ParseFromString(data)  # type: ignore[arg-type]  # takes a bytearray
         if reply.error:
             raise AuthError(
                 f"node {self.address} rejected this machine: {reply.error} ({MISMATCH_HINT})"
@@ -426,7 +426,7 @@ class DataLink:
                 if data is None:
                     break
                 reply = pb.ForwardReply()
-                reply.ParseFromString(data)
+                reply.ParseFromString(data)  # type: ignore[arg-type]  # takes a bytearray
                 with self._lock:
                     fut = conn.pending.pop(reply.request_id, None)
                 if fut is not None:  # else an answer nobody waits for (its batch was given up)

@@ -104,24 +104,23 @@ def _wrap(
     )
     inner = getattr(handler, f"{kind[0]}_{kind[1]}")
 
-    if handler.request_streaming:
+    def streaming(request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        if session_ok is not None:
+            session_ok(context)
+        return inner(_checked(request_iterator, context, threading.get_ident()), context)
 
-        def behavior(request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            if session_ok is not None:
-                session_ok(context)
-            return inner(_checked(request_iterator, context, threading.get_ident()), context)
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        if session_ok is not None:
+            session_ok(context)
+        try:
+            check_message(request)
+        except WireError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return inner(request, context)
 
-    else:
-
-        def behavior(request: Any, context: grpc.ServicerContext) -> Any:
-            if session_ok is not None:
-                session_ok(context)
-            try:
-                check_message(request)
-            except WireError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return inner(request, context)
-
+    behavior: Callable[[Any, grpc.ServicerContext], Any] = (
+        streaming if handler.request_streaming else unary
+    )
     if pool is not None:
         behavior.experimental_thread_pool = pool  # type: ignore[attr-defined]
     make = getattr(grpc, f"{kind[0]}_{kind[1]}_rpc_method_handler")
