@@ -442,8 +442,8 @@ def create_app(
                 "the body is empty: send a JSON object (Content-Type: application/json)"
             ).response()
         where = ".".join(loc) or "body"
-        msg = ctx.get("error") if first.get("type") == "value_error" else first.get("msg")
-        return errors.bad_request(f"{where}: {msg or 'invalid value'}", where).response()
+        why = ctx.get("error") if first.get("type") == "value_error" else first.get("msg")
+        return errors.bad_request(f"{where}: {why or 'invalid value'}", where).response()
 
     @app.exception_handler(HTTPException)
     async def _on_http(request: HttpRequest, exc: HTTPException) -> Response:
@@ -649,7 +649,9 @@ def _http_error(request: HttpRequest, exc: HTTPException) -> ApiError:
             headers={"Allow": ", ".join(takes or ["GET", "HEAD"])},
         )
     kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
-    return errors.ApiError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+    return errors.ApiError(
+        exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {}) or None
+    )
 
 
 _JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", str: "a string"}
