@@ -1,0 +1,5 @@
+"""`python -m potluck.cli ...`: the same as the `potluck` script."""
+
+from potluck.cli import main
+
+main()

@@ -1,0 +1,134 @@
+"""`potluck bench`: the model measured on the best single machine and on the pool, side by side."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from potluck.cli.console import err
+from potluck.cli.load import _plan
+from potluck.cli.options import (
+    DEFAULT_POOL,
+    WIRE_DTYPES,
+    CtxOpt,
+    HeadMemOpt,
+    ModelOpt,
+    NoMdnsOpt,
+    PeerOpt,
+    PoolOpt,
+    RpcOpt,
+    SecretOpt,
+    SplitOpt,
+    ThreadsOpt,
+    TlsOpt,
+    WireOpt,
+    _at_least,
+    _head_mem,
+    _shares,
+)
+from potluck.cli.peers import _auth, _found, _peers
+from potluck.cli.runtime import _setup_threads
+from potluck.errors import PotluckError
+
+
+def bench(
+    model: ModelOpt = None,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    n_predict: Annotated[
+        int, typer.Option("-n", "--n-predict", callback=_at_least(1), help="Tokens to decode.")
+    ] = 32,
+    n_prompt: Annotated[
+        int,
+        typer.Option("-p", "--n-prompt", callback=_at_least(1), help="Prompt tokens to process."),
+    ] = 128,
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
+    mem: HeadMemOpt = None,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
+    wire_dtype: WireOpt = "f32",
+    json_out: Annotated[
+        bool,
+        typer.Option("--json", help="Print the predicted and measured figures as JSON."),
+    ] = False,
+) -> None:
+    """Measure the model on the best single machine and on the pool, side by side: tokens/s,
+    compute per stage and time on each link, and whether pooling is worth it (measured)."""
+    from potluck.engine.generate import load_model
+    from potluck.engine.measure import bench_report, measure, measured_verdict
+    from potluck.engine.pipeline import LOCAL, Assignment
+    from potluck.engine.survey import THIS_MACHINE, assignments_of
+    from potluck.modelfile.sources import resolve_model
+
+    _setup_threads(threads)
+    path = resolve_model(model)
+    addresses = _found(_peers(peer, rpc, pool, no_mdns))
+    if not addresses:
+        raise PotluckError(
+            "no workers to compare with: start `potluck worker` on another machine of the pool, "
+            "or name one with --peer HOST:PORT"
+        )
+    auth = _auth(secret, tls)
+    shares = _shares(tensor_split)
+    head_mem = _head_mem(mem)
+    plan_ = _plan(path, ctx, addresses, shares, auth, mem=head_mem)
+    pool_plan = assignments_of(plan_)
+    if len(pool_plan) == 1:  # the planner would use one machine: show what an even pool does
+        even = [0.0 if head_mem == 0 else 1.0] + [1.0] * len(addresses)
+        plan_ = _plan(path, ctx, addresses, even, auth, mem=head_mem)
+        pool_plan = assignments_of(plan_)
+    runs = []
+    best = plan_.best_single
+    if best is None:
+        err.print("[dim]no single machine can hold the model: measuring the pool only[/]")
+    else:
+        node = LOCAL if best.node == THIS_MACHINE else best.node
+        runs.append((best.node, [Assignment(node, 0, plan_.n_layer)]))
+    runs.append(("pool", pool_plan))
+    results = []
+    for label, assignments in runs:
+        err.print(
+            f"[dim]measuring {label}: " + "; ".join(a.describe() for a in assignments) + "[/]"
+        )
+        m = load_model(
+            path, ctx, assignments=assignments, auth=auth, failover_s=0,
+            wire_dtype=WIRE_DTYPES[wire_dtype],
+        )  # fmt: skip
+        try:
+            results.append(measure(m, label, n_predict, n_prompt))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        finally:
+            if hasattr(m.pipeline, "close"):
+                m.pipeline.close()
+    if json_out:
+        print(json.dumps(bench_report(plan_, results, path.name, n_prompt, n_predict), indent=1))
+        return
+    table = Table(title=f"potluck bench · {path.name} · -p {n_prompt} -n {n_predict}")
+    for col in (
+        "run",
+        "decode tok/s",
+        "prompt tok/s",
+        "compute ms/token per stage",
+        "link ms/token per hop",
+    ):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for r in results:
+        table.add_row(
+            r.label if r.label == "pool" else f"{r.label} alone",
+            f"{r.decode_tokens_per_s:.1f}", f"{r.prompt_tokens_per_s:.1f}",
+            " + ".join(f"{x:.2f}" for x in r.stage_ms), " + ".join(f"{x:.2f}" for x in r.hop_ms) or "–",
+        )  # fmt: skip
+    Console(highlight=False).print(table)
+    names = [a.describe() for a in pool_plan]
+    print(f"predicted: {plan_.verdict}")
+    if len(results) == 2:
+        print(measured_verdict(results[0], results[1], names))

@@ -1,0 +1,201 @@
+"""Loading a model for a command: over the pool's workers when some are found (survey, plan,
+failover re-plans), with a progress bar and the summary lines on stderr."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from potluck.cli.console import err
+from potluck.cli.options import WIRE_DTYPES
+from potluck.cli.peers import _auth, _found
+from potluck.cli.runtime import _backends, _setup_threads
+from potluck.errors import PotluckError
+
+
+def _load(
+    model: str | None,
+    ctx: int | None,
+    threads: int | None,
+    splits: list[int] | None = None,
+    peers=None,  # a PeerFinder (_peers)
+    shares: list[float] | None = None,
+    auth_flags: tuple[str | None, bool] = (None, False),  # --secret, --tls (see _auth)
+    failover_s: float | None = 5.0,
+    balance: str = "prompt",
+    wire: str = "f32",
+    mem: int | None = None,
+    n_seq: int = 1,
+    found: list[str] | None = None,
+    lora: list[str] | None = None,
+):
+    """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan).
+    lora: --lora FILE[:SCALE] each (over a pool, each node gets its layers' part).
+    found: filled with the workers found (all of them, used by the plan or not).
+    Over a pool, a node silent for failover_s seconds is dropped and the planner re-plans on the
+    nodes left (the generation pauses, then goes on). balance: what the planner evens out between
+    stages, "prompt" for one conversation (run, chat) or "decode" for many streams (serve).
+    mem: the most memory this machine offers for layers (--mem; 0: none, workers only).
+    n_seq: sequences at once (serve's -np): the plan and every node count KV for each."""
+    from potluck.engine.generate import load_model
+    from potluck.modelfile.lora import parse_lora_arg
+    from potluck.modelfile.sources import resolve_model
+
+    _setup_threads(threads)
+    path = resolve_model(model)
+    loras = [parse_lora_arg(x) for x in lora or []]
+    t0 = time.perf_counter()
+    with Progress(
+        TextColumn("[bold]loading[/] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(path.name, total=None)
+
+        def on_layer(i: int) -> None:
+            bar.update(task, completed=i + 1)
+
+        from potluck.modelfile.gguf_file import GGUFFile
+        from potluck.modelfile.hparams import hparams_from_metadata
+
+        bar.update(task, total=hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer)
+        assignments, auth, plan = [], None, None
+        addresses = _found(peers, lambda: _auth(*auth_flags)) if peers is not None else []
+        if found is not None:
+            found += addresses
+        if mem == 0 and not addresses:
+            raise PotluckError(
+                "--mem 0 keeps every layer off this machine, and no worker was found: name "
+                "them with --peer HOST:PORT (or start `potluck worker` on them)"
+            )
+        if shares and not addresses:  # a split by hand over no pool: say so, don't ignore it
+            raise PotluckError(
+                f"--tensor-split {','.join(f'{x:g}' for x in shares)} needs workers, and none "
+                "was found: name them with --peer HOST:PORT (or start `potluck worker` on them)"
+            )
+        if addresses:
+            bar.update(task, description=f"{path.name} (asking {len(addresses)} peers, planning)")
+            auth = _auth(*auth_flags)
+            plan = _plan(path, ctx, addresses, shares, auth, balance, mem, n_seq)
+            from potluck.engine.survey import assignments_of
+
+            assignments = assignments_of(plan)
+            err.print(f"[dim]{plan.verdict}[/]")
+        from potluck.engine.survey import assignments_of
+
+        def replan(alive: list[str]):
+            """The plan on the nodes left; a --tensor-split keeps the shares of those left."""
+            if shares and len(shares) == len(addresses) + 1:
+                kept = [shares[0]] + [
+                    x for a, x in zip(addresses, shares[1:], strict=True) if a in alive
+                ]
+                if any(kept):
+                    with contextlib.suppress(
+                        PotluckError
+                    ):  # e.g. they no longer fit: the planner's choice
+                        return assignments_of(
+                            _plan(path, ctx, alive, kept, auth, balance, mem, n_seq)
+                        )
+            return assignments_of(_plan(path, ctx, alive, None, auth, balance, mem, n_seq))
+
+        def on_failover(ev) -> None:
+            err.print(
+                f"[yellow]{', '.join(ev.gone) or 'a node'} went away ({ev.reason}); re-planned and "
+                f"replayed {ev.replayed_tokens} tokens in {ev.recover_s:.1f} s:[/]"
+            )
+            for line in ev.assignments or ["every layer → this machine (cpu)"]:
+                err.print(f"[dim]  {line}[/]")
+
+        began: dict[str, float] = {}
+
+        def on_transfer(node: str, sent: int, total: int) -> None:
+            t = began.setdefault(node, time.perf_counter())
+            rate = sent / max(time.perf_counter() - t, 1e-3)
+            bar.update(
+                task,
+                description=f"{path.name} (sending {node} its layers: "
+                f"{sent / 2**20:.0f}/{total / 2**20:.0f} MiB, {rate / 1e6:.0f} MB/s, "
+                f"{(total - sent) / rate:.0f} s left)",
+            )
+
+        m = load_model(
+            path, ctx, splits or (), on_layer, assignments=assignments, auth=auth,
+            failover_s=failover_s, replan=replan, on_failover=on_failover,
+            on_transfer=on_transfer, wire_dtype=WIRE_DTYPES[wire], n_seq=n_seq, loras=loras,
+        )  # fmt: skip
+    err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
+    for lp, scale in loras:
+        err.print(f"[dim]LoRA adapter {lp.name} · scale {scale:g}[/]")
+    err.print(f"[dim]{_backends()}[/]")
+    from potluck.planner import format_held
+
+    planned = {st.node: st for st in plan.stages} if plan is not None else {}
+    held = getattr(m.pipeline, "held", {})
+    for a in getattr(m.pipeline, "assignments", []):
+        line = a.describe()
+        if (r := held.get(a.node)) is not None:
+            line += " · " + format_held(
+                r.weight_bytes, r.kv_bytes, r.rss_bytes, planned.get(a.node)
+            )
+            if r.pulled_bytes:  # it had no copy of the model: a peer sent its layers
+                rate = r.pulled_bytes / max(r.pull_seconds, 1e-9) / 1e6
+                line += (
+                    f" · received {r.pulled_bytes / 2**20:.0f} MiB of its layers from "
+                    f"{r.pulled_from} at {rate:.0f} MB/s"
+                )
+        err.print(f"[dim]  {line}[/]")
+    return m
+
+
+def _plan(
+    path: Path,
+    ctx: int | None,
+    peers: list[str],
+    shares: list[float] | None,
+    auth=None,
+    balance: str = "prompt",
+    mem: int | None = None,
+    n_seq: int = 1,
+):
+    """Survey the peers, then run the planner for this model and context (this machine offering
+    at most `mem` bytes; KV for `n_seq` sequences at once)."""
+    from potluck.planner import plan_pool
+
+    if shares and len(shares) != len(peers) + 1:  # the planner says so too, without the names
+        shown, n = ",".join(f"{x:g}" for x in shares), len(peers) + 1
+        raise PotluckError(
+            f"--tensor-split {shown} has {len(shares)} shares but the pool has {n} "
+            f"node{'s' * (n > 1)} ({', '.join(['this machine', *peers])}; a worker found twice "
+            "counts once): give one share per node, this machine first"
+        )
+    nodes, links, fp = _survey(path, ctx, peers, auth, mem, n_seq)
+    return plan_pool(fp, nodes, links, shares or None, balance)
+
+
+def _survey(path: Path, ctx: int | None, peers: list[str], auth, mem: int | None, n_seq: int = 1):
+    """(nodes, links, the model's footprint): what the planner takes, measured on this model."""
+    from potluck.engine.generate import DEFAULT_CTX
+    from potluck.engine.survey import survey
+    from potluck.modelfile.gguf_file import GGUFFile, layer_matrices
+    from potluck.modelfile.hparams import hparams_from_metadata
+    from potluck.planner import footprint_from_gguf, held_bytes
+
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata, str(path))
+    n_ctx = ctx or min(hp.n_ctx_train, DEFAULT_CTX)
+    layer = layer_matrices(f.tensors, hp.n_layer // 2)  # every node times its decode through it
+    nodes, links = survey(peers, auth=auth, mem_limit=mem, matrices=layer)
+    fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes, n_seq=n_seq)
+    return nodes, links, fp

@@ -1,0 +1,315 @@
+"""The commands that use a model in this terminal: `run` (one prompt), `chat`, `perplexity`;
+and `models` (what is on this machine)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from potluck.cli.console import err
+from potluck.cli.load import _load
+from potluck.cli.options import (
+    DEFAULT_POOL,
+    BatchOpt,
+    CacheTypeOpt,
+    CtxOpt,
+    DeviceOpt,
+    FailoverOpt,
+    HeadMemOpt,
+    LoraOpt,
+    MinPOpt,
+    ModelOpt,
+    NglOpt,
+    NoMdnsOpt,
+    NoRepackOpt,
+    PeerOpt,
+    PoolOpt,
+    PredictCheck,
+    PromptBatchOpt,
+    RepeatOpt,
+    RpcOpt,
+    SecretOpt,
+    SeedOpt,
+    SplitOpt,
+    TempOpt,
+    ThreadsOpt,
+    TlsOpt,
+    TopKOpt,
+    TopPOpt,
+    WireOpt,
+    _failover,
+    _head_mem,
+    _sampling,
+    _shares,
+)
+from potluck.cli.peers import _peers
+from potluck.cli.runtime import _setup_cache, _setup_gpu
+from potluck.errors import PotluckError
+
+
+def _stream(m, ids: list[int], n: int, sampler, n_batch: int, chat: bool = False) -> list[int]:
+    """Generate up to n tokens (-1: until the end of text or a full context) and print text as it
+    comes; timing on stderr, and a line when the context filled (what to do: in a chat, /reset).
+    Returns the generated ids."""
+    from potluck.engine.generate import generate
+    from potluck.modelfile.tokenizer import StreamDecoder
+
+    dec = StreamDecoder(m.tokenizer)
+    out: list[int] = []
+    t0 = time.perf_counter()
+    t_first = None
+    limit = m.n_ctx if n == -1 else n  # generate stops at a full context anyway
+    for tok in generate(m, ids, limit, sampler, n_batch=n_batch):
+        if t_first is None:
+            t_first = time.perf_counter()
+        out.append(tok)
+        if tok in m.tokenizer.eot_ids:
+            break
+        sys.stdout.write(dec.push(tok))
+        sys.stdout.flush()
+    sys.stdout.write(dec.flush() + "\n")
+    t1 = time.perf_counter()
+    ended = bool(out) and out[-1] in m.tokenizer.eot_ids
+    if not ended and len(out) < limit and len(ids) + len(out) >= m.n_ctx:
+        todo = [*(["/reset to start over"] if chat else []), *filter(None, [_more_ctx(m)])]
+        err.print(
+            f"stopped after {len(out)} tokens: the context of {m.n_ctx} tokens is full"
+            + ("; " + ", or ".join(todo) if todo else "")
+        )
+    if t_first is not None:
+        gen_n = max(len(out) - 1, 0)
+        rate = f"{gen_n / (t1 - t_first):.1f} tok/s" if gen_n and t1 > t_first else "-"
+        err.print(
+            f"[dim]prompt {len(ids)} tokens in {t_first - t0:.2f} s ({len(ids) / (t_first - t0):.1f} tok/s) · "
+            f"generated {len(out)} tokens, {rate}[/]"
+        )
+    return out
+
+
+def run(
+    prompt: Annotated[str, typer.Argument(help="The prompt.")],
+    model: ModelOpt = None,
+    n_predict: Annotated[
+        int,
+        typer.Option(
+            "-n",
+            "--n-predict",
+            callback=PredictCheck,
+            help="Tokens to generate at most (-1: until the end of text or a full context).",
+        ),
+    ] = 128,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    ngl: NglOpt = 0,
+    device: DeviceOpt = None,
+    cache_type: CacheTypeOpt = "f16",
+    no_repack: NoRepackOpt = False,
+    lora: LoraOpt = None,
+    batch: PromptBatchOpt = None,
+    temp: TempOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatOpt = 1.0,
+    seed: SeedOpt = None,
+    raw: Annotated[
+        bool,
+        typer.Option("--raw", help="Feed the prompt as plain text, without the chat template."),
+    ] = False,
+    system: Annotated[
+        str | None, typer.Option("--system", help="System prompt (chat mode).")
+    ] = None,
+    split: Annotated[
+        str | None,
+        typer.Option(
+            "--split",
+            help="Run as in-process stages split at these layers, e.g. 10,20 (checks the pipeline).",
+        ),
+    ] = None,
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
+    mem: HeadMemOpt = None,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
+    failover_timeout: FailoverOpt = 5.0,
+    wire_dtype: WireOpt = "f32",
+) -> None:
+    """Generate text from a prompt, streaming it to stdout (over the pool's workers: found on
+    mDNS, or --peer)."""
+    from potluck.engine.generate import prompt_batch
+    from potluck.engine.sampling import Sampler
+
+    params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    splits = [int(s) for s in split.split(",")] if split else None
+    finder = _peers(peer, rpc, pool, no_mdns or splits is not None)  # --split: in-process check
+    _setup_cache(cache_type, no_repack)
+    _setup_gpu(ngl, device)
+    m = _load(
+        model, ctx, threads, splits, finder, _shares(tensor_split), (secret, tls),
+        _failover(failover_timeout), wire=wire_dtype, mem=_head_mem(mem), lora=lora,
+    )  # fmt: skip
+    if raw:
+        ids = m.tokenizer.encode(prompt)
+    else:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        ids = m.tokenizer.encode(m.chat.render(msgs))
+    _stream(m, ids, n_predict, Sampler(params), prompt_batch(m, batch))
+
+
+def chat(
+    model: ModelOpt = None,
+    n_predict: Annotated[
+        int,
+        typer.Option(
+            "-n",
+            "--n-predict",
+            callback=PredictCheck,
+            help="Tokens per answer at most (-1: until the end of text or a full context).",
+        ),
+    ] = 512,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    ngl: NglOpt = 0,
+    device: DeviceOpt = None,
+    cache_type: CacheTypeOpt = "f16",
+    no_repack: NoRepackOpt = False,
+    lora: LoraOpt = None,
+    batch: PromptBatchOpt = None,
+    temp: TempOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatOpt = 1.0,
+    seed: SeedOpt = None,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
+    mem: HeadMemOpt = None,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
+    failover_timeout: FailoverOpt = 5.0,
+    wire_dtype: WireOpt = "f32",
+) -> None:
+    """Chat interactively with the model's chat template. Ctrl-D or /exit to leave."""
+    from potluck.engine.generate import prompt_batch
+    from potluck.engine.sampling import Sampler
+
+    params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    finder = _peers(peer, rpc, pool, no_mdns)
+    _setup_cache(cache_type, no_repack)
+    _setup_gpu(ngl, device)
+    m = _load(
+        model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
+        _failover(failover_timeout), wire=wire_dtype, mem=_head_mem(mem), lora=lora,
+    )  # fmt: skip
+    sampler = Sampler(params)
+    msgs: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    err.print("[dim]type a message; /exit or Ctrl-D to quit, /reset to start over[/]")
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            sys.stdout.write("\n")
+            return
+        if line.strip() == "/exit":
+            return
+        if line.strip() == "/reset":
+            msgs = msgs[:1] if system else []
+            continue
+        if not line.strip():
+            continue
+        msgs.append({"role": "user", "content": line})
+        ids = m.tokenizer.encode(m.chat.render(msgs))
+        if len(ids) >= m.n_ctx:
+            err.print(f"[red]error:[/] {_too_long(len(ids), m, len(msgs) > 1 + bool(system))}")
+            msgs.pop()
+            continue
+        try:
+            out = _stream(m, ids, n_predict, sampler, prompt_batch(m, batch), chat=True)
+        except PotluckError as exc:  # e.g. a pool node that failed for good: say so, keep going
+            err.print(f"[red]error:[/] {exc}")
+            msgs.pop()
+            continue
+        reply = m.tokenizer.decode([t for t in out if t not in m.tokenizer.eot_ids])
+        msgs.append({"role": "assistant", "content": reply})
+
+
+def _more_ctx(m) -> str:
+    """What raising -c can still give ('' when the context is already the model's longest)."""
+    if m.n_ctx >= m.hp.n_ctx_train:
+        return ""
+    return f"raise -c (the model allows up to {m.hp.n_ctx_train})"
+
+
+def _too_long(n_tokens: int, m, history: bool) -> str:
+    """Why a chat turn cannot be answered: the conversation, or this message alone, fills the
+    context."""
+    more = f", or {_more_ctx(m)}" if _more_ctx(m) else ""
+    if history:
+        return (
+            f"the conversation is {n_tokens} tokens, the context {m.n_ctx}: /reset to start over"
+            + more
+        )
+    return f"this message is {n_tokens} tokens, the context {m.n_ctx}: shorten it" + more
+
+
+def perplexity(
+    file: Annotated[
+        Path, typer.Option("-f", "--file", help="Text file to score.", exists=True, dir_okay=False)
+    ],
+    model: ModelOpt = None,
+    ctx: Annotated[int, typer.Option("-c", "--ctx-size", help="Chunk length in tokens.")] = 256,
+    threads: ThreadsOpt = None,
+    ngl: NglOpt = 0,
+    device: DeviceOpt = None,
+    cache_type: CacheTypeOpt = "f16",
+    no_repack: NoRepackOpt = False,
+    lora: LoraOpt = None,
+    batch: BatchOpt = 512,
+) -> None:
+    """Perplexity over a text file, computed as llama-perplexity does (second half of each chunk)."""
+    from potluck.engine.perplexity import perplexity as compute
+
+    _setup_cache(cache_type, no_repack)
+    _setup_gpu(ngl, device)
+    m = _load(model, ctx, threads, lora=lora)
+    text = file.read_text(encoding="utf-8", errors="replace")
+
+    def on_chunk(i: int, n: int, ppl: float) -> None:
+        err.print(f"[dim][{i}/{n}] running ppl {ppl:.4f}[/]")
+
+    res = compute(m, text, ctx, batch, on_chunk)
+    print(
+        f"perplexity: {res.ppl:.4f} over {res.n_chunks} chunks of {ctx} tokens ({res.n_scored} tokens scored)"
+    )
+
+
+def models() -> None:
+    """List the GGUF models found in Potluck's cache and the Ollama, LM Studio and HF caches."""
+    from potluck.modelfile.sources import find_models, search_roots
+
+    found = find_models()
+    if not found:
+        roots = ", ".join(str(r) for r, _ in search_roots())
+        err.print(
+            f"no models found in {roots}; `potluck run` fetches the default model on first use"
+        )
+        return
+    table = Table("name", "source", "size", "path")
+    for f in found:
+        table.add_row(f.name, f.source, f"{f.size_bytes / 2**20:.1f} MiB", str(f.path))
+    Console().print(table)

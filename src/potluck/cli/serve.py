@@ -1,0 +1,163 @@
+"""`potluck serve`: the OpenAI-compatible API (and the web page) over the model, with batch
+replicas on the workers its plan leaves idle."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from potluck import __version__
+from potluck.cli.batch import _idle_replicas, _Recruits
+from potluck.cli.console import err
+from potluck.cli.load import _load
+from potluck.cli.options import (
+    DEFAULT_PARALLEL,
+    DEFAULT_POOL,
+    CacheTypeOpt,
+    CtxOpt,
+    DeviceOpt,
+    HeadMemOpt,
+    LoraOpt,
+    ModelOpt,
+    NglOpt,
+    NoMdnsOpt,
+    NoRepackOpt,
+    ParallelOpt,
+    PeerOpt,
+    PoolOpt,
+    PromptBatchOpt,
+    RpcOpt,
+    SecretOpt,
+    SplitOpt,
+    ThreadsOpt,
+    TlsOpt,
+    WireOpt,
+    _head_mem,
+    _port,
+    _shares,
+)
+from potluck.cli.peers import _peers
+from potluck.cli.runtime import _setup_cache, _setup_gpu
+from potluck.errors import PotluckError
+
+
+def serve(
+    model: ModelOpt = None,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    ngl: NglOpt = 0,
+    device: DeviceOpt = None,
+    cache_type: CacheTypeOpt = "f16",
+    no_repack: NoRepackOpt = False,
+    lora: LoraOpt = None,
+    batch: PromptBatchOpt = None,
+    peer: PeerOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
+    mem: HeadMemOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option("--port", callback=_port, help="Port to listen on (0: any free one).")
+    ] = 8080,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            help="Clients must send 'Authorization: Bearer KEY' (default: $POTLUCK_API_KEY).",
+        ),
+    ] = None,
+    no_api_key: Annotated[
+        bool,
+        typer.Option("--no-api-key", help="Allow a non-loopback address without an API key."),
+    ] = False,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", help="Requests that may wait; more get HTTP 429.")
+    ] = 64,
+    batch_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--batch-dir",
+            help="Where the batch API keeps its database and files (default: the cache's batches/).",
+        ),
+    ] = None,
+    parallel: ParallelOpt = DEFAULT_PARALLEL,
+    pool: PoolOpt = DEFAULT_POOL,
+    no_mdns: NoMdnsOpt = False,
+    secret: SecretOpt = None,
+    tls: TlsOpt = False,
+    wire_dtype: WireOpt = "f32",
+) -> None:
+    """Serve the model (over a pool with --peer) as an OpenAI-compatible API with a web page."""
+    import dataclasses
+
+    from potluck.api.server import ServerConfig, create_app, is_loopback, model_id_of
+    from potluck.api.server import serve as run_server
+    from potluck.engine.generate import DEFAULT_N_BATCH, prompt_batch
+    from potluck.engine.scheduler import Scheduler, SchedulerConfig
+
+    key = api_key or os.environ.get("POTLUCK_API_KEY") or None
+    if not is_loopback(host) and key is None and not no_api_key:
+        raise PotluckError(
+            f"refusing to listen on {host} without an API key: anyone on the network could use "
+            "the model; pass --api-key KEY (or set POTLUCK_API_KEY), or --no-api-key to accept that"
+        )
+    try:
+        sched_config = SchedulerConfig(  # checked now; n_batch settled once the pool is known
+            n_batch=batch or DEFAULT_N_BATCH, max_queue=max_queue, max_active=parallel
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    finder = _peers(peer, rpc, pool, no_mdns)
+    # many streams at once: stages even in decode time
+    _setup_cache(cache_type, no_repack)
+    _setup_gpu(ngl, device)
+    workers: list[str] = []
+    m = _load(
+        model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
+        balance="decode", wire=wire_dtype, mem=_head_mem(mem), n_seq=parallel, found=workers,
+        lora=lora,
+    )  # fmt: skip
+    sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, batch))
+    scheduler = Scheduler(m, sched_config)
+    # workers the plan leaves idle run batch jobs, each with the whole model, where they can
+    used = {a.node for a in getattr(m.pipeline, "assignments", [])}
+    idle = [a for a in workers if a not in used]
+    extra, reload = (
+        _idle_replicas(m.path, ctx, idle, (secret, tls), parallel) if idle else ([], None)
+    )
+    extra_schedulers: list = []
+
+    def replica_app(r):
+        config = dataclasses.replace(sched_config, n_batch=prompt_batch(r))
+        extra_schedulers.append(Scheduler(r, config))
+        return create_app(r, extra_schedulers[-1], ServerConfig(model_id=model_id_of(r)))
+
+    extra_apps = [(label, replica_app(r)) for label, r in extra]
+    # ... and so do workers that come back, or are started after the server
+    recruits = _Recruits(m.path, ctx, finder, workers, (secret, tls), parallel, replica_app, extra)
+    recruits.add(extra, reload)
+
+    from potluck.modelfile.sources import cache_dir
+
+    batches = batch_dir or cache_dir() / "batches"
+    config = ServerConfig(model_id=model_id_of(m), api_key=key, batch_dir=batches)
+    app_ = create_app(m, scheduler, config, extra_apps, recruits.recruit())
+
+    def on_listen(url: str) -> None:
+        auth = "API key required" if key else "no API key"
+        err.print(
+            f"potluck serve {__version__} listening on {url} · model {model_id_of(m)} · {auth} · "
+            "Ctrl-C to stop",
+            soft_wrap=True,
+        )
+
+    try:
+        run_server(app_, host, port, on_listen)
+    finally:  # Ctrl-C or SIGTERM: uvicorn stopped gracefully and run_server returned
+        for sch in (scheduler, *extra_schedulers):
+            sch.close()
+        for model_ in (m, *(r for _, r in extra)):
+            model_.close()  # the workers free this head's stages now
