@@ -124,9 +124,15 @@ class LocalPipeline:
 class Pipeline(Protocol):
     """What generation needs from a pipeline, local or spread over nodes (engine/pipeline.py)."""
 
-    stages: list[Stage]
-    # how many batches may usefully be in flight at once (the number of pipelined stages)
-    depth: int
+    @property
+    def stages(self) -> list[Stage]:
+        """The stages computed in this process."""
+        ...
+
+    @property
+    def depth(self) -> int:
+        """How many batches may usefully be in flight at once (the pipelined stages)."""
+        ...
 
     def step(
         self,
@@ -149,8 +155,10 @@ class Pipeline(Protocol):
         must not mutate `histories` entries it passed until the future is done."""
         ...
 
-    # whether submit_next starts on the pool without a round trip through this machine
-    chains: bool
+    @property
+    def chains(self) -> bool:
+        """Whether submit_next starts on the pool without a round trip through this machine."""
+        ...
 
     def submit_next(
         self,

@@ -114,7 +114,9 @@ def _gguf_files(root: Path, source: str) -> list[FoundModel]:
 def search_roots() -> list[tuple[Path, str]]:
     home = Path.home()
     hf = Path(
-        os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or home / ".cache" / "huggingface"
+        os.environ.get("HF_HUB_CACHE")
+        or os.environ.get("HF_HOME")
+        or home / ".cache" / "huggingface"
     )
     ollama = Path(os.environ.get("OLLAMA_MODELS", home / ".ollama" / "models"))
     return [

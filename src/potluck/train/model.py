@@ -54,12 +54,12 @@ class _Frozen(torch.autograd.Function):
     input's gradient); W itself is never saved."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, f: WeightSource, name: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, f: WeightSource, name: str) -> torch.Tensor:
         ctx.f, ctx.name = f, name
         return x @ dequantized(f, name).T
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, g: torch.Tensor):
         return g @ dequantized(ctx.f, ctx.name), None, None
 
 

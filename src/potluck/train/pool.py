@@ -182,7 +182,9 @@ class PoolTrainer(Trainer):
     def _here(self, part: list[Example], n_learned: int) -> tuple[float, torch.Tensor]:
         """A share's loss and flat gradient, computed in this process."""
         loss = super().gradients(part, n_learned)
-        return loss, torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in self.model.parameters()])
+        return loss, torch.cat(
+            [cast(torch.Tensor, p.grad).reshape(-1) for p in self.model.parameters()]
+        )
 
     def gradients(self, batch: Sequence[Example], n_learned: int) -> float:
         parts = self.shares(batch)

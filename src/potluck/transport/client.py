@@ -364,8 +364,8 @@ class NodeClient:
                 raise _explain(self.address, exc, timeout) from None
         else:
             reply = self._call("Hello", request, timeout)
-        self.data_port = reply.data_port  # type: ignore[attr-defined]
-        return reply  # type: ignore[return-value]
+        self.data_port = reply.data_port
+        return reply
 
     def probe_speed(
         self, request: pb.ProbeSpeedRequest, timeout: float = 30.0
