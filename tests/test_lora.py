@@ -154,11 +154,12 @@ def test_serve_picks_the_adapter_per_request(smollm2_path: Path, tmp_path: Path)
     answers as `potluck run` with and without the adapter; requests for either at once (in the
     same decode batches) each get their own: the base's rows give the base's tokens (until a
     near-tie), the adapter's rows the adapter's first token and the same text as each other.
-    Not asserted: adapter rows batched equal to alone beyond the first token. On an AVX2 CPU
-    (EPYC Zen 3, 2026-12-02) a decode step of this random adapter in a batch of two or more
-    rows moves the hidden state ≈ 1e-3 relative from layer 10 on against one row (KV caches
-    equal before the step, the base's rows bit-identical): an open finding, see the issue
-    notes; on AVX-512 the texts were equal."""
+    Not asserted: adapter rows batched equal to alone beyond the first token. The adapter's
+    products are f32 matmuls, which ggml sums in another order for one row (a dot product) than
+    for several (tinyBLAS): ~1e-7 apart, and this random adapter (A, B ~ 0.2 N(0, 1), alpha 16)
+    multiplies a perturbation ~50× per adapted layer. The base's products (quantized: integer
+    dot products) are bit-identical either way, and with f32 KV the first difference shows deep
+    in the model (EPYC Zen 3, AVX2, 2026-12-02; on AVX-512 the texts happened to be equal)."""
     import re
     import threading
 
