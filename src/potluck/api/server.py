@@ -405,7 +405,7 @@ def create_app(
     batch_replicas: Sequence[tuple[str, Any]] = (),
     batch_recruit: Recruit | None = None,
 ) -> FastAPI:
-    """The app for one loaded model and its running scheduler (cli.py builds both).
+    """The app for one loaded model and its running scheduler (the CLI builds both: cli/serve.py).
     batch_replicas: more (label, app) for batch jobs (whole-model replicas on idle workers);
     batch_recruit: such replicas again once their worker is back, and on workers found later."""
     api = Api(model, scheduler, config)

@@ -31,7 +31,7 @@ _UNREACHABLE_ERRNOS = {
 }  # fmt: skip
 CLIENT_ERROR = "CLIENT"  # Hello.code when this side failed before any call
 BANDWIDTH_TARGET_S = 0.25  # grow the transfer until one takes this long (or hits the cap)
-BANDWIDTH_MAX_BYTES = 16 * 2**20  # the node's Echo cap (node/worker.py ECHO_MAX_BYTES)
+BANDWIDTH_MAX_BYTES = 16 * 2**20  # the node's Echo cap (node/service.py ECHO_MAX_BYTES)
 BANDWIDTH_START_BYTES = 256 * 2**10
 
 

@@ -29,7 +29,7 @@ from potluck.planner import THIS_MACHINE
 from potluck.planner.errors import fmt_bytes
 from potluck.transport.client import NodeClient
 
-Dial = Callable[[str], NodeClient]  # address -> a client (cli.py builds it, with the pool secret)
+Dial = Callable[[str], NodeClient]  # address -> a client (the CLI builds it, with the pool secret)
 
 
 @dataclass(frozen=True)

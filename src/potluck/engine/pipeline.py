@@ -44,7 +44,7 @@ from potluck.transport.codec import (
 
 LOCAL = "local"
 # This process as a head: its plans give way to each other on a node, never to another head's
-# live one (node/worker.py); two processes with the same model and split get different plan ids.
+# live one (node/plans.py); two processes with the same model and split get different plan ids.
 HEAD_ID = secrets.token_hex(8)
 LOAD_TIMEOUT_S = 300.0  # a node's Load of weights it has (seconds)
 RELEASE_WAIT_S = 1.0  # longest a closing head waits for the nodes to free its plan (seconds)

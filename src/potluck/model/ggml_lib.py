@@ -7,7 +7,7 @@ some functions a 32-bit return type for 64-bit pointers (`ggml_backend_cpu_buffe
 function Potluck calls itself, pointers as `c_void_p`, on the library handle ggml-python loaded.
 Everything else in Potluck calls ggml through `lib` below, never through `ggml.ggml`.
 
-`use_library` swaps in another build of ggml before the first call (cli.py: `POTLUCK_GGML`): a
+`use_library` swaps in another build of ggml before the first call (cli/__init__.py: `POTLUCK_GGML`): a
 folder with `libggml.so`, or the one `llama-cpp-python` installs, which is llama.cpp's own (newer)
 ggml. Why: ggml-python 0.0.45 vendors ggml 0.15.3, which lacks the tiled K-quant matmuls that
 llama.cpp's ggml runs prompts with (bench/RESULTS.md: Gemma-3 prompts 9–11 % faster at 1

@@ -29,7 +29,7 @@ from potluck.modelfile.lora import LoraAdapter
 __all__ = ["SUPPORTED_TYPES", "SeqChunk", "Stage", "WeightSource", "check", "set_threads"]
 
 _SCHED_GRAPH_SIZE = 1 << 16  # the most graph nodes a stage's scheduler plans for
-_threads: list[int] = []  # the process's default thread count (set_threads; cli.py sets it once)
+_threads: list[int] = []  # the process's default thread count (set_threads; the CLI sets it once)
 
 
 def _layer_of(name: str) -> int | None:
@@ -46,7 +46,7 @@ def set_threads(n: int) -> None:
 
 @dataclass(frozen=True)
 class GpuConfig:
-    """The process's GPU settings (cli.py makes it once): -ngl, --device, --vram (the most GPU
+    """The process's GPU settings (the CLI makes it once): -ngl, --device, --vram (the most GPU
     memory used, bytes), and a GPU speed given instead of measured (tests on a software GPU)."""
 
     n_gpu_layers: int = 0

@@ -78,7 +78,7 @@ class AuthError(NodeError):
 class PoolAuth:
     """How this machine proves pool membership: the key derived from the pool secret (None: no
     secret, only for loopback), whether channels use TLS, and (on a worker with TLS) its own
-    certificate. Built once in cli.py and passed down."""
+    certificate. Built once by the CLI (cli/peers.py) and passed down."""
 
     key: bytes | None = field(default=None, repr=False)
     tls: bool = False

@@ -9,7 +9,7 @@ MAX_REPLY_BYTES, from nodes it has authenticated.
 
 Counts: `check_message` bounds every repeated field and string of each request type, so that no
 message can make a node loop or allocate far beyond its size; shapes, dtypes and values that
-depend on the loaded model are checked by the worker (node/worker.py) and the codec.
+depend on the loaded model are checked by the worker (node/compute.py, node/loading.py) and the codec.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every machine of a pool holds the same secret; nodes prove they know it (transport/auth.py) without
 ever sending it. It is read from `--secret`, `POTLUCK_SECRET` or the file `<config dir>/secret`
-(mode 0600; the config dir is POTLUCK_CONFIG, else ~/.config/potluck), in that order; only cli.py
+(mode 0600; the config dir is POTLUCK_CONFIG, else ~/.config/potluck), in that order; only the CLI
 reads the flags and the environment and passes the values here.
 """
 
