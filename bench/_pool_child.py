@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
+from potluck.engine.contract import Assignment
 from potluck.engine.generate import POOL_N_BATCH, generate, load_model, prefill, prompt_ubatch
-from potluck.engine.pipeline import Assignment
 from potluck.engine.sampling import GREEDY, Sampler
 from potluck.model.stage import SeqChunk, set_threads
 from potluck.modelfile.gguf_file import GGUFFile

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from potluck.engine.contract import LOCAL, Assignment
 from potluck.engine.generate import generate, load_model
-from potluck.engine.pipeline import LOCAL, Assignment
 from potluck.engine.sampling import GREEDY, Sampler
 from potluck.errors import NodeError
 from potluck.transport import potluck_pb2 as pb

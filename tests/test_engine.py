@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from potluck.engine.chain import submit_after
 from potluck.engine.generate import generate, layer_ranges, load_model
-from potluck.engine.pipeline import submit_after
 from potluck.engine.sampling import GREEDY, Sampler, SamplingParams
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk

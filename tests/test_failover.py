@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from potluck.engine.contract import LOCAL, Assignment
 from potluck.engine.failover import FailoverPipeline, PoolLostError
 from potluck.engine.generate import generate, load_model
-from potluck.engine.pipeline import LOCAL, Assignment
 from potluck.engine.sampling import GREEDY, Sampler
 from test_pool import start_worker
 

@@ -107,7 +107,7 @@ def test_pool_equals_single_process_gemma3(
 ) -> None:
     """This machine and two workers (one without the file), or three workers and no layer here
     (the first node gets token ids, the last samples)."""
-    from potluck.engine.pipeline import Assignment
+    from potluck.engine.contract import Assignment
 
     want = _single(gemma3_path, "Name three planets.", 12)
     third = None
@@ -315,7 +315,7 @@ def test_run_over_pool_cli(workers: list[str], smollm2_path: Path) -> None:
 
 
 def _whole_model_on(worker: str, path: Path):
-    from potluck.engine.pipeline import Assignment
+    from potluck.engine.contract import Assignment
 
     n_layer = load_model(path, n_ctx=64).hp.n_layer
     return load_model(path, n_ctx=256, assignments=[Assignment(worker, 0, n_layer)])
@@ -596,7 +596,7 @@ def test_heads_share_a_worker_without_evicting_each_other(
     while both compute (it used to evict the oldest plan: a live conversation); a head that
     closes frees its plan at once, and the third head then loads."""
     import potluck.engine.pipeline as pipeline_mod
-    from potluck.engine.pipeline import Assignment
+    from potluck.engine.contract import Assignment
 
     proc, addr = start_worker()
     want = _single(smollm2_path, "Name three planets.", 12)

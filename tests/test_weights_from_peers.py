@@ -11,8 +11,8 @@ import subprocess
 from pathlib import Path
 
 from cut_proxy import CutProxy
+from potluck.engine.contract import LOCAL, Assignment
 from potluck.engine.generate import generate, load_model
-from potluck.engine.pipeline import LOCAL, Assignment
 from potluck.engine.sampling import GREEDY, Sampler
 from potluck.model.layout import stage_tensor_names
 from potluck.modelfile.gguf_file import GGUFFile

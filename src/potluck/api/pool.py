@@ -45,7 +45,7 @@ class PoolInfo:
     def nodes(self) -> list[tuple[str, int, int]]:
         """(address or "local", start, stop) per stage, as the pipeline runs now (a pool that
         failed over has a new plan)."""
-        assignments = getattr(self.model.pipeline, "assignments", None)
+        assignments = self.model.pipeline.assignments
         if assignments:
             return [(a.node, a.start, a.stop) for a in assignments]
         return [("local", 0, self.model.hp.n_layer)]
@@ -88,8 +88,7 @@ class PoolInfo:
 
     def _auth(self) -> Any:
         """The head's pool credentials (secret, TLS), from the pipeline that uses them."""
-        pipe = self.model.pipeline
-        return getattr(pipe, "auth", None) or getattr(getattr(pipe, "inner", None), "auth", None)
+        return self.model.pipeline.auth
 
     def _hello_all(self, nodes: list[str]) -> None:
         from potluck.transport import potluck_pb2 as pb

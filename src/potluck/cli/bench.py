@@ -62,9 +62,9 @@ def bench(
 ) -> None:
     """Measure the model on the best single machine and on the pool, side by side: tokens/s,
     compute per stage and time on each link, and whether pooling is worth it (measured)."""
+    from potluck.engine.contract import LOCAL, Assignment
     from potluck.engine.generate import load_model
     from potluck.engine.measure import bench_report, measure, measured_verdict
-    from potluck.engine.pipeline import LOCAL, Assignment
     from potluck.engine.survey import THIS_MACHINE, assignments_of
     from potluck.modelfile.sources import resolve_model
 
@@ -107,8 +107,7 @@ def bench(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         finally:
-            if hasattr(m.pipeline, "close"):
-                m.pipeline.close()
+            m.pipeline.close()
     if json_out:
         print(json.dumps(bench_report(plan_, results, path.name, n_prompt, n_predict), indent=1))
         return

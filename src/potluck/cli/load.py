@@ -142,8 +142,8 @@ def _load(
     from potluck.planner import format_held
 
     planned = {st.node: st for st in plan.stages} if plan is not None else {}
-    held = getattr(m.pipeline, "held", {})
-    for a in getattr(m.pipeline, "assignments", []):
+    held = m.pipeline.held
+    for a in m.pipeline.assignments:
         line = a.describe()
         if (r := held.get(a.node)) is not None:
             line += " · " + format_held(

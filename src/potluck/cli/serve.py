@@ -123,7 +123,7 @@ def serve(
     sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, batch))
     scheduler = Scheduler(m, sched_config)
     # workers the plan leaves idle run batch jobs, each with the whole model, where they can
-    used = {a.node for a in getattr(m.pipeline, "assignments", [])}
+    used = {a.node for a in m.pipeline.assignments}
     idle = [a for a in workers if a not in used]
     extra, reload = (
         _idle_replicas(m.path, ctx, idle, (secret, tls), parallel) if idle else ([], None)

@@ -31,15 +31,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from potluck.engine.pipeline import follow_inputs
+from potluck.engine.chain import follow_inputs
+from potluck.engine.contract import DEFAULT_TIMEOUT_S, Assignment, Pipeline
 from potluck.engine.sampling import Sampler
 from potluck.errors import PotluckError
 from potluck.model.stage import SeqChunk, Stage
 from potluck.transport import potluck_pb2 as pb
-from potluck.transport.client import NodeError
+from potluck.transport.auth import PoolAuth
+from potluck.transport.client import NodeClient, NodeError
 from potluck.transport.codec import PROTOCOL_VERSION
 
-DEFAULT_TIMEOUT_S = 5.0
 OFF_TIMEOUT_S = 30.0  # failover off: how long a node may stay silent before the request ends
 MAX_RECOVERIES_IN_A_ROW = 4  # another node failing during a recovery starts it over, this often
 
@@ -103,7 +104,7 @@ class _Health:
 
 # (nodes declared gone so far, epoch) -> a new pipeline over the others; raises PotluckError when
 # they cannot run the model
-Connect = Callable[[frozenset[str], int], "object"]
+Connect = Callable[[frozenset[str], int], Pipeline]
 
 
 class FailoverPipeline:
@@ -113,7 +114,7 @@ class FailoverPipeline:
 
     def __init__(
         self,
-        first: object,
+        first: Pipeline,
         connect: Connect | None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         on_event: Callable[[FailoverEvent], None] | None = None,
@@ -144,41 +145,45 @@ class FailoverPipeline:
     # -- the Pipeline protocol --------------------------------------------------------------------
     @property
     def depth(self) -> int:
-        return self.inner.depth  # type: ignore[attr-defined]
+        return self.inner.depth
 
     @property
     def stages(self) -> list[Stage]:
-        return self.inner.stages  # type: ignore[attr-defined]
+        return self.inner.stages
 
     @property
-    def assignments(self) -> list:
-        return list(getattr(self.inner, "assignments", []))
+    def assignments(self) -> list[Assignment]:
+        return list(self.inner.assignments)
 
     @property
-    def held(self) -> dict:
+    def held(self) -> dict[str, pb.LoadReply]:
         """Per node, the LoadReply of the current plan: what it holds."""
-        return dict(getattr(self.inner, "held", {}))
+        return dict(self.inner.held)
 
     @property
     def last_stage_ms(self) -> list[float]:
-        return list(getattr(self.inner, "last_stage_ms", []))
+        return list(self.inner.last_stage_ms)
 
     @property
     def last_hop_ms(self) -> list[float]:
-        return list(getattr(self.inner, "last_hop_ms", []))
+        return list(self.inner.last_hop_ms)
 
     @property
-    def auth(self) -> object:
+    def auth(self) -> PoolAuth | None:
         """How this head proves pool membership (the current plan's)."""
-        return getattr(self.inner, "auth", None)
+        return self.inner.auth
 
     @property
     def nodes(self) -> list[str]:
-        return list(getattr(self.inner, "nodes", []))
+        return list(self.inner.nodes)
+
+    @property
+    def clients(self) -> list[NodeClient]:
+        return list(self.inner.clients)
 
     @property
     def plan_id(self) -> str:
-        return str(getattr(self.inner, "plan_id", ""))
+        return self.inner.plan_id
 
     def submit(
         self,
@@ -193,7 +198,7 @@ class FailoverPipeline:
 
     @property
     def chains(self) -> bool:
-        return bool(getattr(self.inner, "chains", False))
+        return self.inner.chains
 
     def submit_next(
         self,
@@ -231,7 +236,7 @@ class FailoverPipeline:
         with self._lock:
             self._raise_if_failed()
             inner = self.inner
-        logits = inner.forward(tokens, chunks, logits_rows)  # type: ignore[attr-defined]
+        logits = inner.forward(tokens, chunks, logits_rows)
         with self._lock:
             self._confirmed.append(list(zip(chunks, _split(tokens, chunks), strict=True)))
         return logits
@@ -242,20 +247,33 @@ class FailoverPipeline:
             self._confirmed = [batch for batch in kept if batch]
             inner = self.inner
         with contextlib.suppress(PotluckError):  # a node that is gone took its caches with it
-            inner.drop(seq_id)  # type: ignore[attr-defined]
+            inner.drop(seq_id)
+
+    def fail_pending(self, exc: BaseException) -> None:
+        self.inner.fail_pending(exc)
+
+    def abandon(self) -> None:
+        """Stop watching and hang up without a word to the nodes."""
+        self._stop()
+        with contextlib.suppress(PotluckError):
+            self.inner.abandon()
 
     def close(self) -> None:
         """Stop watching and let the pool go (the nodes free this plan). Once: later calls do
         nothing (a command closes its model, and the exit hook closes every pool left)."""
+        if self._stop():
+            with contextlib.suppress(PotluckError):
+                self.inner.close()
+
+    def _stop(self) -> bool:
+        """Stop the heartbeat and the recovery thread; False when that was done before."""
         if self._shut:
-            return
+            return False
         self._shut = True
         self._closed.set()
         self._redo.put(None)
         self._pings.shutdown(wait=False, cancel_futures=True)
-        if hasattr(self.inner, "close"):
-            with contextlib.suppress(PotluckError):
-                self.inner.close()
+        return True
 
     # -- sending and settling ---------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
@@ -273,9 +291,9 @@ class FailoverPipeline:
             b.epoch = self.epoch
             inner = self.inner
             if b.prev is None:
-                fut = inner.submit(b.tokens, b.chunks, b.samplers, b.histories)  # type: ignore[attr-defined]
+                fut = inner.submit(b.tokens, b.chunks, b.samplers, b.histories)
             else:
-                fut = inner.submit_next(b.prev, b.chunks, b.samplers, b.histories, b.stop_ids)  # type: ignore[attr-defined]
+                fut = inner.submit_next(b.prev, b.chunks, b.samplers, b.histories, b.stop_ids)
         fut.add_done_callback(lambda f: self._settle(b, f))
 
     def _resolve(self, b: _Batch, prev: Future[list[int]]) -> None:
@@ -353,12 +371,8 @@ class FailoverPipeline:
             dead, reason, last_seen = self._find_dead(old)
             self.gone |= set(dead)
             with contextlib.suppress(PotluckError):
-                if hasattr(old, "fail_pending"):
-                    old.fail_pending(NodeError(f"failing over: {reason}"))
-                if hasattr(old, "abandon"):  # no goodbye: the first node may be the hung one
-                    old.abandon()
-                elif hasattr(old, "close"):
-                    old.close()
+                old.fail_pending(NodeError(f"failing over: {reason}"))
+                old.abandon()  # no goodbye: the first node may be the hung one
             self.epoch += 1
             who = ", ".join(dead) or "a node"
             if self.connect is None:
@@ -390,7 +404,7 @@ class FailoverPipeline:
                 detect_s=max(0.0, t_decide - last_seen) if last_seen else 0.0,
                 recover_s=time.monotonic() - t_decide,
                 replayed_tokens=replayed,
-                assignments=tuple(a.describe() for a in getattr(new, "assignments", [])),
+                assignments=tuple(a.describe() for a in new.assignments),
             )
             self.events.append(event)
             if self.on_event is not None:
@@ -398,7 +412,7 @@ class FailoverPipeline:
             return
         self._failed = PoolLostError(f"nodes kept failing while recovering: {reason}")
 
-    def _replay(self, pipe: object) -> int:
+    def _replay(self, pipe: Pipeline) -> int:
         """Send every confirmed batch of the live sequences through the new plan again, in order
         and with the same shapes (no sampling); all in flight at once, so stages overlap."""
         pending = []
@@ -407,7 +421,7 @@ class FailoverPipeline:
             ids = [t for _, part in batch for t in part]
             n += len(ids)
             chunks = [c for c, _ in batch]
-            pending.append(pipe.submit(np.array(ids, np.int64), chunks, {}, {}))  # type: ignore[attr-defined]
+            pending.append(pipe.submit(np.array(ids, np.int64), chunks, {}, {}))
         for fut in pending:
             try:
                 fut.result(timeout=max(60.0, 10 * self.timeout_s))
@@ -415,15 +429,15 @@ class FailoverPipeline:
                 raise NodeError("a node did not answer while the sequences were replayed") from None
         return n
 
-    def _find_dead(self, pipe: object) -> tuple[list[str], str, float]:
+    def _find_dead(self, pipe: Pipeline) -> tuple[list[str], str, float]:
         """The nodes of `pipe` that are gone: declared by the heartbeat, or not answering a Hello
         now. (A batch failed, so at least one of them should be.)"""
-        nodes = list(getattr(pipe, "nodes", []))
+        nodes = list(pipe.nodes)
         declared = [n for n in nodes if self._health.get(n, _Health(0)).gone]
         if declared:
             h = self._health[declared[0]]
             return declared, h.reason, h.last_ok
-        clients = {c.address: c for c in getattr(pipe, "clients", [])}
+        clients = {c.address: c for c in pipe.clients}
         dead, reasons = [], []
         for n in nodes:
             try:
@@ -442,12 +456,9 @@ class FailoverPipeline:
         return dead, reasons[0], last
 
     # -- heartbeat --------------------------------------------------------------------------------
-    def _watch(self, pipe: object) -> None:
+    def _watch(self, pipe: Pipeline) -> None:
         now = time.monotonic()
-        self._health = {
-            c.address: self._health.get(c.address, _Health(now))
-            for c in getattr(pipe, "clients", [])
-        }
+        self._health = {c.address: self._health.get(c.address, _Health(now)) for c in pipe.clients}
         for h in self._health.values():
             h.last_ok = max(h.last_ok, now)
 
@@ -457,7 +468,7 @@ class FailoverPipeline:
             if self._failed is not None:
                 return
             with self._lock:
-                clients = list(getattr(self.inner, "clients", []))
+                clients = list(self.inner.clients)
                 health = self._health
                 # naming the plan keeps the nodes from freeing it while this head is idle
                 req = pb.HelloRequest(
@@ -474,7 +485,7 @@ class FailoverPipeline:
                     if self.connect is None:  # before the batches fail: they carry this error
                         self._failed = self._failed or _off_error(c.address, h.reason)
                     with contextlib.suppress(PotluckError):
-                        self.inner.fail_pending(NodeError(h.reason))  # type: ignore[attr-defined]
+                        self.inner.fail_pending(NodeError(h.reason))
                     self._redo.put(None)  # recover even when nothing is in flight
                     continue
                 if not h.probing:
@@ -484,9 +495,9 @@ class FailoverPipeline:
                     except RuntimeError:  # shut down
                         return
 
-    def _ping(self, client: object, h: _Health, req: pb.HelloRequest) -> None:
+    def _ping(self, client: NodeClient, h: _Health, req: pb.HelloRequest) -> None:
         try:
-            client.hello(req, timeout=self.timeout_s)  # type: ignore[attr-defined]
+            client.hello(req, timeout=self.timeout_s)
             h.last_ok = time.monotonic()
         except PotluckError:
             pass  # silence counts against the node in _heartbeat

@@ -5,16 +5,16 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from collections.abc import Callable, Collection, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from potluck.engine.failover import DEFAULT_TIMEOUT_S
-from potluck.engine.pipeline import LOCAL, Assignment, submit_after
+from potluck.engine.contract import DEFAULT_TIMEOUT_S, LOCAL, Assignment, Pipeline
+from potluck.engine.local import LocalPipeline
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.chat import ChatTemplate
@@ -50,140 +50,6 @@ def layer_ranges(n_layer: int, splits: Sequence[int]) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:], strict=False))
 
 
-class LocalPipeline:
-    """Stages chained in this process: the first takes token ids, the last returns logits."""
-
-    depth = 1  # one process computes one batch at a time: nothing gains from a second in flight
-
-    def __init__(self, stages: Sequence[Stage]) -> None:
-        self.stages = list(stages)
-
-    def forward(
-        self,
-        tokens: np.ndarray,
-        chunks: Sequence[SeqChunk],
-        logits_rows: np.ndarray | None = None,
-    ) -> np.ndarray:
-        x = tokens
-        for stage in self.stages[:-1]:
-            x = stage(x, chunks)
-        return self.stages[-1](x, chunks, logits_rows)
-
-    def step(
-        self,
-        tokens: np.ndarray,
-        chunks: Sequence[SeqChunk],
-        samplers: Mapping[int, Sampler],
-        histories: Mapping[int, Sequence[int]],
-    ) -> list[int]:
-        """One forward of the chunks; one sampled token per chunk (from its last row), -1 for a
-        chunk whose sequence has no sampler here (an earlier prompt micro-batch)."""
-        if not any(c.seq_id in samplers for c in chunks):  # an early prompt micro-batch
-            self.forward(tokens, chunks, np.empty(0, np.int64))  # no output head
-            return [-1] * len(chunks)
-        logits = self.forward(tokens, chunks)
-        return [
-            samplers[c.seq_id].sample(row, histories.get(c.seq_id, ()))
-            if c.seq_id in samplers
-            else -1
-            for row, c in zip(logits, chunks, strict=True)
-        ]
-
-    def submit(
-        self,
-        tokens: np.ndarray,
-        chunks: Sequence[SeqChunk],
-        samplers: Mapping[int, Sampler],
-        histories: Mapping[int, Sequence[int]],
-    ) -> Future[list[int]]:
-        """`step` as a future; here it runs now, in the caller's thread."""
-        fut: Future[list[int]] = Future()
-        try:
-            fut.set_result(self.step(tokens, chunks, samplers, histories))
-        except BaseException as exc:  # the caller sees it from fut.result()
-            fut.set_exception(exc)
-        return fut
-
-    chains = False  # submit_next waits for the token here
-
-    def submit_next(
-        self,
-        prev: Future[list[int]],
-        chunks: Sequence[SeqChunk],
-        samplers: Mapping[int, Sampler],
-        histories: Mapping[int, Sequence[int]],
-        stop_ids: Collection[int] = frozenset(),
-    ) -> Future[list[int]]:
-        return submit_after(self, prev, chunks, samplers, histories, stop_ids)
-
-    def drop(self, seq_id: int) -> None:
-        for stage in self.stages:
-            stage.drop(seq_id)
-
-
-class Pipeline(Protocol):
-    """What generation needs from a pipeline, local or spread over nodes (engine/pipeline.py)."""
-
-    @property
-    def stages(self) -> list[Stage]:
-        """The stages computed in this process."""
-        ...
-
-    @property
-    def depth(self) -> int:
-        """How many batches may usefully be in flight at once (the pipelined stages)."""
-        ...
-
-    def step(
-        self,
-        tokens: np.ndarray,
-        chunks: Sequence[SeqChunk],
-        samplers: Mapping[int, Sampler],
-        histories: Mapping[int, Sequence[int]],
-    ) -> list[int]: ...
-
-    def submit(
-        self,
-        tokens: np.ndarray,
-        chunks: Sequence[SeqChunk],
-        samplers: Mapping[int, Sampler],
-        histories: Mapping[int, Sequence[int]],
-    ) -> Future[list[int]]:
-        """Start a `step` and return at once. Batches for the same sequence run in submission
-        order; batches of different sequences overlap across stages (up to `depth` of them usefully).
-        The caller must not submit a sequence's next token before its previous one is known, and
-        must not mutate `histories` entries it passed until the future is done."""
-        ...
-
-    @property
-    def chains(self) -> bool:
-        """Whether submit_next starts on the pool without a round trip through this machine."""
-        ...
-
-    def submit_next(
-        self,
-        prev: Future[list[int]],
-        chunks: Sequence[SeqChunk],
-        samplers: Mapping[int, Sampler],
-        histories: Mapping[int, Sequence[int]],
-        stop_ids: Collection[int] = frozenset(),
-    ) -> Future[list[int]]:
-        """The decode step after `prev` for the same sequences (one chunk of one token each),
-        whose input ids are the tokens `prev` samples: it may be submitted before they are known.
-        Gives [] (nothing computed) when one of them is in `stop_ids`. `histories` hold the ids
-        before prev's tokens."""
-        ...
-
-    def forward(
-        self,
-        tokens: np.ndarray,
-        chunks: Sequence[SeqChunk],
-        logits_rows: np.ndarray | None = None,
-    ) -> np.ndarray: ...
-
-    def drop(self, seq_id: int) -> None: ...
-
-
 @dataclass
 class Model:
     """A loaded model: shape, tokenizer, chat template and the pipeline that computes it."""
@@ -201,9 +67,7 @@ class Model:
 
     def close(self) -> None:
         """Let go of the pool: stop the heartbeat, close the links (no-op for a local model)."""
-        close = getattr(self.pipeline, "close", None)
-        if close is not None:
-            close()
+        self.pipeline.close()
 
     def new_seq_id(self) -> int:
         self._next_seq += 1

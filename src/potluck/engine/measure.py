@@ -59,9 +59,9 @@ def measure(
         hops: list[list[float]] = []
         t0 = t1 = time.perf_counter()
         for _ in tokens:
-            stage_ms = list(getattr(pipe, "last_stage_ms", []))
+            stage_ms = list(pipe.last_stage_ms)
             stages.append(stage_ms or [(time.perf_counter() - t1) * 1e3])
-            hops.append(list(getattr(pipe, "last_hop_ms", [])))
+            hops.append(list(pipe.last_hop_ms))
             t1 = time.perf_counter()
         decode_s = time.perf_counter() - t0
     finally:

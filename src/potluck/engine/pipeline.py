@@ -12,15 +12,14 @@ import secrets
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
+from potluck.engine.chain import submit_after
+from potluck.engine.contract import LOCAL, Assignment
 from potluck.engine.sampling import Sampler, Token
 from potluck.errors import PotluckError
 from potluck.model.layout import stage_tensor_names
@@ -42,35 +41,11 @@ from potluck.transport.codec import (
     tensor_to_proto,
 )
 
-LOCAL = "local"
 # This process as a head: its plans give way to each other on a node, never to another head's
 # live one (node/plans.py); two processes with the same model and split get different plan ids.
 HEAD_ID = secrets.token_hex(8)
 LOAD_TIMEOUT_S = 300.0  # a node's Load of weights it has (seconds)
 RELEASE_WAIT_S = 1.0  # longest a closing head waits for the nodes to free its plan (seconds)
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """Layers [start, stop) on `node` ("local" = this process, else host:port); the last
-    n_gpu_layers of them on the node's GPU (Stage's -ngl: one more than the layers puts the
-    output head there too)."""
-
-    node: str
-    start: int
-    stop: int
-    n_gpu_layers: int = 0
-    # peers the node asks for the tensors it lacks before this head sends them (the plan's)
-    sources: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        n = self.stop - self.start
-        gpu = min(self.n_gpu_layers, n)
-        device = "cpu" if not gpu else f"{gpu} on its GPU" if gpu < n else "GPU"
-        if self.n_gpu_layers > n:
-            device += " + output head"
-        where = "this machine" if self.node == LOCAL else self.node
-        return f"layers {self.start}–{self.stop - 1} → {where} ({device})"
 
 
 def plan_id_of(
@@ -94,99 +69,6 @@ def plan_id_of(
         + (f"|{epoch}" if epoch else "")
     )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def submit_after(
-    pipe: Submitter,
-    prev: Future[list[int]],
-    chunks: Sequence[SeqChunk],
-    samplers: Mapping[int, Sampler],
-    histories: Mapping[int, Sequence[int]],
-    stop_ids: Collection[int],
-) -> Future[list[int]]:
-    """`submit_next` done from this machine: submit prev's tokens when they are here (a pipeline
-    whose first stage runs in this process). [] when a token is in stop_ids.
-
-    A pipeline whose submit computes at once (all stages here) finishes the step inside prev's
-    callback, and that finish starts the next chained step: through `_soon`, each step runs
-    after the one before it returns instead of inside it, so a chain of any length keeps the
-    stack flat (it used to nest ≈ 8 frames per token: RecursionError ≈ 120 tokens after a pool
-    fell back to this machine alone)."""
-    out: Future[list[int]] = Future()
-
-    def go(f: Future[list[int]]) -> None:
-        try:
-            inputs = follow_inputs(f.result(), chunks, histories, stop_ids)
-            if inputs is None:
-                out.set_result([])
-                return
-            nxt = pipe.submit(inputs[0], chunks, samplers, inputs[1])
-        except BaseException as exc:  # the caller sees it from out.result()
-            out.set_exception(exc)
-            return
-        nxt.add_done_callback(lambda g: _copy(g, out))
-
-    prev.add_done_callback(lambda f: _soon(lambda: go(f)))
-    return out
-
-
-_trampoline = threading.local()
-
-
-def _soon(fn: Callable[[], None]) -> None:
-    """Run fn now, or, when this thread is already running one inside `_soon`, right after it."""
-    queue: deque[Callable[[], None]] | None = getattr(_trampoline, "queue", None)
-    if queue is not None:
-        queue.append(fn)
-        return
-    _trampoline.queue = queue = deque([fn])
-    first: BaseException | None = None
-    try:
-        while queue:
-            try:
-                queue.popleft()()
-            except BaseException as exc:  # the others still run (their futures must resolve)
-                first = first or exc
-    finally:
-        _trampoline.queue = None
-    if first is not None:
-        raise first
-
-
-def follow_inputs(
-    tokens: Sequence[int],
-    chunks: Sequence[SeqChunk],
-    histories: Mapping[int, Sequence[int]],
-    stop_ids: Collection[int],
-) -> tuple[np.ndarray, dict[int, list[int]]] | None:
-    """A follow-up step made ordinary once the tokens of the step before it are known: its input
-    ids and the histories with those ids added; None when the generation ended there (no token,
-    or a stop id)."""
-    if not tokens or any(t in stop_ids for t in tokens):
-        return None
-    hist = {
-        c.seq_id: [*histories.get(c.seq_id, ()), int(t)]
-        for c, t in zip(chunks, tokens, strict=True)
-    }
-    return np.array([int(t) for t in tokens], np.int64), hist
-
-
-def _copy(src: Future[list[int]], dst: Future[list[int]]) -> None:
-    exc = src.exception()
-    if exc is not None:
-        dst.set_exception(exc)
-    else:
-        dst.set_result(src.result())
-
-
-class Submitter(Protocol):
-    def submit(
-        self,
-        tokens: np.ndarray,
-        chunks: Sequence[SeqChunk],
-        samplers: Mapping[int, Sampler],
-        histories: Mapping[int, Sequence[int]],
-    ) -> Future[list[int]]: ...
 
 
 class RemotePipeline:

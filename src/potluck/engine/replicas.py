@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from potluck.engine.contract import Assignment
 from potluck.engine.generate import Model, load_model
-from potluck.engine.pipeline import Assignment
 from potluck.engine.survey import assignments_of
 from potluck.planner import THIS_MACHINE, weight_sources
 from potluck.planner.nodes import Links

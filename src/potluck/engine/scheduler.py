@@ -33,8 +33,9 @@ from typing import Protocol
 
 import numpy as np
 
-from potluck.engine.generate import LocalPipeline, Pipeline, prompt_ubatch
-from potluck.engine.sampling import Sampler, SamplingParams
+from potluck.engine.contract import Pipeline
+from potluck.engine.generate import prompt_ubatch
+from potluck.engine.sampling import Sampler, SamplingParams, Token
 from potluck.errors import ContextError, PotluckError, UnsupportedError
 from potluck.model.stage import SeqChunk
 
@@ -118,7 +119,6 @@ class _Seq:
     req: Request
     sink: Sink
     sampler: Sampler
-    t_submit: float
     history: list[int]  # prompt + generated ids (the sampler's penalties read it)
     prefilled: int = 0  # prompt tokens submitted so far
     generated: int = 0
@@ -127,7 +127,6 @@ class _Seq:
     cancelled: bool = False
     cancel_reason: str = "cancelled"  # the Finished reason a cancel ends it with
     done: bool = False
-    t_first: float | None = None
     # its decode step in flight alone (a batch of this sequence only), which a follow-up step
     # may be chained on (pipeline.submit_next); None when there is none
     tail: Future[list[int]] | None = None
@@ -191,7 +190,6 @@ class Stats:
     requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    ttft_s: list[float] = field(default_factory=list)  # recent times to first token (≤ 1024)
     decode_steps: int = 0
     # per stage of the pipeline, recent ms per decode step: compute, and the network hop into it
     # (0 for a stage on this machine)
@@ -221,10 +219,8 @@ class Scheduler:
     def __init__(self, model: _Model, config: SchedulerConfig = SchedulerConfig()) -> None:
         self.model, self.pipeline, self.config = model, model.pipeline, config
         self.n_ctx = model.n_ctx
-        self.depth = max(1, int(getattr(self.pipeline, "depth", 1)))
-        self.logprobs_ok = isinstance(self.pipeline, LocalPipeline) or bool(
-            getattr(self.pipeline, "supports_logprobs", False)
-        )
+        self.depth = max(1, self.pipeline.depth)
+        self.logprobs_ok = self.pipeline.supports_logprobs
         self.stats = Stats()
         self._lock = threading.Lock()
         self._waiting: deque[_Seq] = deque()
@@ -256,7 +252,6 @@ class Scheduler:
             req=req,
             sink=sink,
             sampler=Sampler(req.params),
-            t_submit=time.monotonic(),
             history=list(req.prompt),
         )
         with self._lock:
@@ -382,7 +377,7 @@ class Scheduler:
         decode step is in flight alone: the first node starts it as soon as that step's token
         passes through, so this machine's round trip leaves the sequence's critical path. Only
         steps the plain loop would also take (a stop id is checked by the node)."""
-        if not getattr(self.pipeline, "chains", False):
+        if not self.pipeline.chains:
             return
         live = [s for s in self._active.values() if not s.cancelled and not s.done]
         if sum(1 for s in live if s.decoding) > self.depth:
@@ -498,12 +493,9 @@ class Scheduler:
                 if s.in_flight == 0:
                     self._end(s, Finished(s.cancel_reason, len(s.req.prompt), s.generated))
                 continue
-            if s.req.params.logprobs is not None and not hasattr(tok, "logprob"):
+            if s.req.params.logprobs is not None and not isinstance(tok, Token):
                 self._fail(s, UnsupportedError("logprobs are not yet supported over a pool"))
                 continue
-            if s.t_first is None:
-                s.t_first = now
-                self._push_ttft(now - s.t_submit)
             s.history.append(tok)
             s.generated += 1
             self._emit(s, TokenEvent(tok, s.generated - 1))
@@ -518,20 +510,14 @@ class Scheduler:
         st = self.stats
         st.decode_steps += 1
         st.decode_rows += 0.2 * (rows - st.decode_rows) if st.decode_steps > 1 else rows
-        stage = list(getattr(self.pipeline, "last_stage_ms", []) or [])
-        hop = list(getattr(self.pipeline, "last_hop_ms", []) or [])
+        stage = list(self.pipeline.last_stage_ms)
+        hop = list(self.pipeline.last_hop_ms)
         if not stage:  # a local pipeline: the whole step is this machine's compute
             stage, hop = [ms], [0.0]
         # hop_ms[i] is the hop into stage i: a local first stage has none
         hop = [0.0] * (len(stage) - len(hop)) + hop
         st.stage_ms = _ema(st.stage_ms, stage)
         st.hop_ms = _ema(st.hop_ms, hop)
-
-    def _push_ttft(self, s: float) -> None:
-        ttft = self.stats.ttft_s
-        ttft.append(s)
-        if len(ttft) > 1024:
-            del ttft[:512]
 
     def _fail(self, seq: _Seq, exc: Exception) -> None:
         self._release(seq)

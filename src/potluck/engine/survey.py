@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from potluck.engine.pipeline import LOCAL, Assignment
+from potluck.engine.contract import LOCAL, Assignment
 from potluck.errors import PotluckError
 from potluck.modelfile.gguf_file import Matrix
 from potluck.node.probe import (

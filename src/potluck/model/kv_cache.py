@@ -142,10 +142,6 @@ class SeqCache:
     def commit(self, n_new: int) -> None:
         self.length += n_new
 
-    def truncate(self, length: int) -> None:
-        """Forget positions ≥ length (e.g. to rewind a sequence)."""
-        self.length = min(self.length, length)
-
     def nbytes(self) -> int:
         return self._bytes(self.capacity)
 

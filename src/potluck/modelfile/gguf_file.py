@@ -120,13 +120,6 @@ class GGUFFile:
         mix = Counter(t.qtype.name for t in self.tensors.values() if len(t.shape) > 1)
         return ", ".join(f"{k} ×{v}" for k, v in mix.most_common())
 
-    def layer_bytes(self) -> dict[int | None, int]:
-        """Bytes per global block index; key None collects embeddings, head and output norm."""
-        out: dict[int | None, int] = {}
-        for t in self.tensors.values():
-            out[t.layer] = out.get(t.layer, 0) + t.nbytes
-        return out
-
 
 def read_header(
     f: BinaryIO, size: int, source: str
