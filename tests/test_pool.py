@@ -167,7 +167,6 @@ def test_a_peer_that_never_answers_says_how_long_it_waited() -> None:
     """A port where something accepts connections and never speaks (a hung process, another
     program): the call ends at its deadline, and the line says how long that was."""
     from potluck.transport.client import NodeClient
-    from potluck.transport.codec import PROTOCOL_VERSION
 
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
@@ -175,7 +174,7 @@ def test_a_peer_that_never_answers_says_how_long_it_waited() -> None:
         addr = f"127.0.0.1:{srv.getsockname()[1]}"
         t0 = time.monotonic()
         with pytest.raises(NodeError, match=rf"node {addr} did not answer within 1.5 s: .* hung"):
-            NodeClient(addr).hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=1.5)
+            NodeClient(addr).hello(timeout=1.5)
         assert time.monotonic() - t0 < 10
 
 
@@ -518,7 +517,6 @@ def test_a_broken_transfer_resumes_where_it_stopped(smollm2_path: Path, tmp_path
     from potluck.modelfile.hparams import hparams_from_metadata
     from potluck.node.weights import sha256_file, tensor_digests
     from potluck.transport.client import NodeClient
-    from potluck.transport.codec import PROTOCOL_VERSION
 
     bare = {"POTLUCK_CACHE": str(tmp_path), "HOME": str(tmp_path)}
     proc, addr = start_worker(bare)
@@ -531,7 +529,7 @@ def test_a_broken_transfer_resumes_where_it_stopped(smollm2_path: Path, tmp_path
     cut = f.tensors[embd].nbytes // 2
     client = NodeClient(addr, None)
     try:
-        client.hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION))
+        client.hello()
         reply = client.load(
             pb.LoadRequest(
                 plan_id="broken-head", model_sha256=sha, start=hp.n_layer - 1, stop=hp.n_layer,

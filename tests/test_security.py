@@ -215,9 +215,8 @@ def test_wrong_secret_and_no_secret(
     worker: Worker, pool, want: list[int], smollm2_path: Path
 ) -> None:
     rss = worker.rss()
-    hello = pb.HelloRequest(protocol_version=PROTOCOL_VERSION)
     with pytest.raises(AuthError, match=re.escape(f"node {worker.address} {MISMATCH}")):
-        NodeClient(worker.address, PoolAuth.from_secret(new_secret())).hello(hello)
+        NodeClient(worker.address, PoolAuth.from_secret(new_secret())).hello()
     with pytest.raises(AuthError, match="pool secret mismatch \\(this head has none; set the same"):
         NodeClient(worker.address).load(pb.LoadRequest())
     with pytest.raises(AuthError, match=re.escape(MISMATCH)):
@@ -226,7 +225,7 @@ def test_wrong_secret_and_no_secret(
             auth=PoolAuth.from_secret(new_secret()),
         )  # fmt: skip
     # Hello stays open (it says what mDNS already announces), so a doctor can name the node
-    assert NodeClient(worker.address).hello(hello, authenticate=False).protocol_version
+    assert NodeClient(worker.address).hello(authenticate=False).protocol_version
     # the CLI says it in one line and exits 1
     done = _cli(
         "run", "-m", str(smollm2_path), "-c", "256", "-n", "2", "--peer", worker.address, "Hi",

@@ -91,9 +91,7 @@ class PoolInfo:
         return self.model.pipeline.auth
 
     def _hello_all(self, nodes: list[str]) -> None:
-        from potluck.transport import potluck_pb2 as pb
         from potluck.transport.client import NodeClient
-        from potluck.transport.codec import PROTOCOL_VERSION
 
         try:
             for node in nodes:
@@ -101,10 +99,7 @@ class PoolInfo:
                     old = self._hello.get(node)
                 client = NodeClient(node, self._auth())
                 try:
-                    reply = client.hello(
-                        pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="dashboard"),
-                        timeout=2.0,
-                    )
+                    reply = client.hello("dashboard", timeout=2.0)
                     mem = reply.devices[0].memory_bytes if reply.devices else 0
                     new = _Hello(reply.node_name or node, int(mem), True, time.monotonic())
                 except Exception:  # unreachable or misbehaving: the dashboard shows it as such

@@ -39,7 +39,6 @@ from potluck.model.stage import SeqChunk, Stage
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
-from potluck.transport.codec import PROTOCOL_VERSION
 
 OFF_TIMEOUT_S = 30.0  # failover off: how long a node may stay silent before the request ends
 MAX_RECOVERIES_IN_A_ROW = 4  # another node failing during a recovery starts it over, this often
@@ -441,10 +440,7 @@ class FailoverPipeline:
         dead, reasons = [], []
         for n in nodes:
             try:
-                clients[n].hello(
-                    pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="head"),
-                    timeout=min(2.0, self.timeout_s),
-                )
+                clients[n].hello("head", timeout=min(2.0, self.timeout_s))
             except PotluckError as exc:
                 dead.append(n)
                 reasons.append(str(exc))
@@ -470,10 +466,7 @@ class FailoverPipeline:
             with self._lock:
                 clients = list(self.inner.clients)
                 health = self._health
-                # naming the plan keeps the nodes from freeing it while this head is idle
-                req = pb.HelloRequest(
-                    protocol_version=PROTOCOL_VERSION, head_name="head", plan_ids=[self.plan_id]
-                )
+                plan_id = self.plan_id
             now = time.monotonic()
             for c in clients:
                 h = health.get(c.address)
@@ -491,13 +484,13 @@ class FailoverPipeline:
                 if not h.probing:
                     h.probing = True
                     try:
-                        self._pings.submit(self._ping, c, h, req)
+                        self._pings.submit(self._ping, c, h, plan_id)
                     except RuntimeError:  # shut down
                         return
 
-    def _ping(self, client: NodeClient, h: _Health, req: pb.HelloRequest) -> None:
-        try:
-            client.hello(req, timeout=self.timeout_s)
+    def _ping(self, client: NodeClient, h: _Health, plan_id: str) -> None:
+        try:  # naming the plan keeps the nodes from freeing it while this head is idle
+            client.hello("head", [plan_id], timeout=self.timeout_s)
             h.last_ok = time.monotonic()
         except PotluckError:
             pass  # silence counts against the node in _heartbeat

@@ -158,9 +158,7 @@ class RemotePipeline:
         """Hello every node (protocol, data port), then Load each its stage, shipping the tensors
         a node lacks; `loaded` collects the nodes that hold the plan."""
         for client in self.clients:
-            reply = client.hello(
-                pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="head")
-            )
+            reply = client.hello("head")
             if reply.protocol_version != PROTOCOL_VERSION:
                 raise NodeError(
                     f"node {client.address} speaks protocol {reply.protocol_version}, this head {PROTOCOL_VERSION}"

@@ -87,16 +87,14 @@ def _reload(
     n_seq: int,
 ) -> Model | None:
     from potluck.errors import PotluckError
-    from potluck.transport import potluck_pb2 as pb
     from potluck.transport.client import NodeClient
-    from potluck.transport.codec import PROTOCOL_VERSION
 
     node = replica.nodes[0]
     if replica.plan is not None or node == THIS_MACHINE:
         return None  # this machine's replica does not fail; a pipeline is not reloaded
     client = NodeClient(node, auth)
     try:
-        client.hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=2.0)
+        client.hello(timeout=2.0)
     except PotluckError:
         return None  # not back yet
     finally:

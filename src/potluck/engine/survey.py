@@ -23,7 +23,7 @@ from potluck.planner import DEFAULT_LINK, THIS_MACHINE, Link, NodeInfo, Plan
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient
-from potluck.transport.codec import PROTOCOL_VERSION, matrix_to_proto
+from potluck.transport.codec import matrix_to_proto
 from potluck.transport.linkprobe import quick_link
 
 __all__ = ["THIS_MACHINE", "assignments_of", "node_info", "survey", "this_machine"]
@@ -83,9 +83,7 @@ def survey(
             rtts, reply = [], None
             for _ in range(pings):
                 t0 = time.perf_counter()
-                reply = client.hello(
-                    pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name=THIS_MACHINE)
-                )
+                reply = client.hello(THIS_MACHINE)
                 rtts.append(time.perf_counter() - t0)
             assert reply is not None
             node = node_info(address, reply, nodes[0].cpu_bytes_per_s)

@@ -33,7 +33,7 @@ from potluck.node.weights import BlobSource, BlobStore, find_local_model, lackin
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient
-from potluck.transport.codec import PROTOCOL_VERSION, WireError
+from potluck.transport.codec import WireError
 from potluck.transport.dataplane import Wait
 
 log = logging.getLogger("potluck.worker")
@@ -122,7 +122,7 @@ class Loader:
         nxt = NodeClient(request.next_hop, self.auth) if request.next_hop else None
         if nxt is not None:
             try:  # a next hop of another pool (or gone) is said now, not at the first token
-                nxt.hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name=self.name))
+                nxt.hello(self.name)
                 nxt.use_data_port(self.wait)
             except PotluckError as exc:
                 nxt.close()

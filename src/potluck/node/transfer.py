@@ -20,7 +20,7 @@ from potluck.node.weights import BlobStore
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
-from potluck.transport.codec import PROTOCOL_VERSION, TENSOR_CHUNK_BYTES, WireError
+from potluck.transport.codec import TENSOR_CHUNK_BYTES, WireError
 
 log = logging.getLogger("potluck.worker")
 REPORT_EVERY_BYTES = 32 * 2**20  # progress lines in steps of this size when the total is unknown
@@ -166,7 +166,7 @@ def pull(
     digests = request.tensor_sha256
     client = NodeClient(source, auth)
     try:
-        client.hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION, head_name="peer"))
+        client.hello("peer")
         ask = pb.GetTensorsRequest(
             model_sha256=request.model_sha256, model_bytes=request.model_bytes,
             tensors=[pb.TensorRange(name=n, offset=partial.get(n, 0)) for n in missing],

@@ -33,7 +33,6 @@ from potluck.train.data import Example
 from potluck.train.loop import TrainConfig, Trainer, memory_needed
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.client import NodeClient, NodeError
-from potluck.transport.codec import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 HEAD = "this machine"
@@ -154,9 +153,7 @@ class PoolTrainer(Trainer):
             self.nodes[address].close()
             self.nodes[address] = self.dial(address)
             try:  # a fresh channel to a busy machine: generous, but a node that is down
-                self.nodes[address].hello(  # answers at once (connection refused)
-                    pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=10.0
-                )
+                self.nodes[address].hello(timeout=10.0)  # answers at once (connection refused)
             except PotluckError:
                 continue
             self._open(address)

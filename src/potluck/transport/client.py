@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
 import grpc
@@ -26,6 +26,7 @@ from potluck.transport.auth import (
     explain_refusal,
     handshake,
 )
+from potluck.transport.codec import PROTOCOL_VERSION
 from potluck.transport.dataplane import DataLink, Wait, open_data_link, settle
 from potluck.transport.limits import CLIENT_SIZE_OPTIONS, MAX_REQUEST_BYTES, SERVER_OPTIONS
 from potluck.transport.tls import (
@@ -353,10 +354,19 @@ class NodeClient:
         raise AssertionError("unreachable")
 
     def hello(
-        self, request: pb.HelloRequest, timeout: float = 5.0, authenticate: bool = True
+        self,
+        head_name: str = "",
+        plan_ids: Sequence[str] = (),
+        timeout: float = 5.0,
+        authenticate: bool = True,
     ) -> pb.HelloReply:
         """What the node is. Hello is open to anyone; by default the client proves membership first,
-        so that a secret mismatch shows up here (authenticate=False: ask a node of another pool)."""
+        so that a secret mismatch shows up here (authenticate=False: ask a node of another pool).
+        head_name: who asks (the node's log); plan_ids: plans this head still uses (a node keeps
+        them while the head is idle)."""
+        request = pb.HelloRequest(
+            protocol_version=PROTOCOL_VERSION, head_name=head_name, plan_ids=list(plan_ids)
+        )
         if not authenticate:
             try:
                 reply = self._connect().Hello(request, timeout=timeout)
