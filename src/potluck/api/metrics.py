@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from potluck.api.pool import PoolInfo
 from potluck.engine.scheduler import Event, Finished, Scheduler, TokenEvent
@@ -173,3 +174,24 @@ class Metrics:
         text format, or OpenMetrics."""
         encode, content_type = choose_encoder(accept or "")
         return encode(self.registry), content_type
+
+
+class StatusCounter:
+    """Pure ASGI middleware counting answers by endpoint and status (streaming stays untouched)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path.startswith(("/v1/", "/api/", "/metrics", "/health")) else "static"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count(endpoint, int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,64 @@
+"""The GET routes that describe the server: /health (no key needed), /v1/models and
+/v1/models/{id} (the model and its adapters as `BASE+ADAPTER`), /api/pool (the dashboard's JSON,
+its contract in server.py's docstring; with the batches running and the last done) and /metrics
+(Prometheus)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response
+
+from potluck.api.batch_store import batch_progress
+from potluck.api.state import Api
+
+
+def add_info_routes(app: FastAPI, api: Api, guarded: list) -> None:
+    """The routes on `app` (guarded: the API key check, for all but /health)."""
+    config, scheduler = api.config, api.scheduler
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": config.model_id,
+            "requests_active": scheduler.active,
+            "requests_queued": scheduler.queued,
+        }
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> dict[str, Any]:
+        ids = [config.model_id, *api.adapter_ids]
+        return {"object": "list", "data": [_model_card(api, i) for i in ids]}
+
+    @app.get("/v1/models/{name}", dependencies=guarded)
+    async def model_card(name: str) -> dict[str, Any]:
+        api.check_model(name)
+        return _model_card(api, name if name in api.adapter_ids else config.model_id)
+
+    @app.get("/api/pool", dependencies=guarded)
+    async def pool() -> dict[str, Any]:
+        await run_in_threadpool(api.pool.refresh_hellos)
+        snap = api.pool.snapshot()
+        store = getattr(app.state, "batches", None)
+        snap["batches"] = [] if store is None else batch_progress(store)
+        return snap
+
+    @app.get("/metrics", dependencies=guarded)
+    async def metrics(request: HttpRequest) -> Response:
+        await run_in_threadpool(api.pool.refresh_hellos)
+        body, content_type = api.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+
+def _model_card(api: Api, model_id: str) -> dict[str, Any]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": api.created,
+        "owned_by": "potluck",
+        "context_length": api.model.n_ctx,
+    }
