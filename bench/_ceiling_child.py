@@ -23,10 +23,10 @@ import time
 
 import numpy as np
 
-from potluck.engine.sampling import GREEDY, Sampler
 from potluck.model.stage import SeqChunk, Stage, set_threads
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.sampling import GREEDY, Sampler
 from potluck.transport.spin import spin_readable
 
 N_STREAMS = 4

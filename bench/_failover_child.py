@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict
 
 from potluck.engine.generate import generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler
+from potluck.sampling import GREEDY, Sampler
 
 
 def main() -> None:

@@ -22,10 +22,10 @@ import numpy as np
 
 from potluck.engine.contract import Assignment
 from potluck.engine.generate import POOL_N_BATCH, generate, load_model, prefill, prompt_ubatch
-from potluck.engine.sampling import GREEDY, Sampler
 from potluck.model.stage import SeqChunk, set_threads
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.sampling import GREEDY, Sampler
 
 N_STREAMS = 4
 # a fixed micro-batch (bench_ubatch's sweep); by default the one `potluck run` picks (prompt_ubatch)
@@ -175,7 +175,7 @@ if __name__ == "__main__":
     # Workaround (as cli.main): gRPC's C++ core sometimes aborts in its static destructors when
     # the interpreter finalizes with its channels' threads alive ("terminate called without an
     # active exception", exit 134) after the result is printed; skip finalization.
-    from potluck.engine.failover import _close_live
+    from potluck.pool.failover import _close_live
 
     _close_live()  # free this head's stages on the workers (os._exit skips atexit), as cli.main
     sys.stderr.flush()

@@ -29,8 +29,8 @@ CHILD = r"""
 import json, sys, time
 import numpy as np
 from potluck.engine.generate import load_model, prefill
-from potluck.engine.pipeline import Assignment
-from potluck.engine.sampling import GREEDY, Sampler
+from potluck.engine.contract import Assignment
+from potluck.sampling import GREEDY, Sampler
 from potluck.model.stage import SeqChunk, set_threads
 path, a, b, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 set_threads(1)

@@ -186,7 +186,7 @@ def compare_on_llama_ids(m, base: KLBase) -> dict:
 def run_model(name: str, args, bin_dir: Path, text: str, prompts: tuple[str, ...]) -> dict:
     from potluck.engine.generate import generate, load_model
     from potluck.engine.perplexity import perplexity
-    from potluck.engine.sampling import GREEDY, Sampler
+    from potluck.sampling import GREEDY, Sampler
 
     path = model_path(name)
     m = load_model(path, n_ctx=N_CTX)

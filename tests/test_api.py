@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from potluck.api.server import ServerConfig, bind, create_app, model_id_of, uvicorn_server
 from potluck.engine.generate import Model, generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler, SamplingParams
 from potluck.engine.scheduler import Scheduler, SchedulerConfig
+from potluck.sampling import GREEDY, Sampler, SamplingParams
 
 KEY = "test-key-123"
 N_CTX = 512

@@ -106,7 +106,7 @@ def test_a_node_error_maps_to_503_as_a_lost_pool_does() -> None:
     """A node that fails a call (NodeError: with failover off it ends the request) is the same
     outage to a client: 503, type server_error, code pool_unavailable."""
     from potluck.api.errors import api_error
-    from potluck.engine.failover import PoolLostError
+    from potluck.pool.failover import PoolLostError
     from potluck.transport.client import NodeError
 
     for exc in (NodeError("node 10.0.0.2:50052: unavailable"), PoolLostError("gone")):

@@ -15,7 +15,7 @@ import pytest
 
 from potluck.api.batch import Journal, read_input
 from potluck.engine.generate import generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler
+from potluck.sampling import GREEDY, Sampler
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 

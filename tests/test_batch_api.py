@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from potluck.engine.generate import generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler
+from potluck.sampling import GREEDY, Sampler
 
 pytestmark = pytest.mark.slow  # ≈ 1 min: 200 requests, a kill and a restart
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from potluck.engine.generate import generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler
+from potluck.sampling import GREEDY, Sampler
 
 
 def potluck(
@@ -220,6 +220,7 @@ def _said(done: subprocess.CompletedProcess) -> str:
         (["bench", "-p", "0"], "-p must be ≥ 1, got 0"),
         (["nodes", "--timeout", "0"], "--timeout must be > 0, got 0"),
         (["worker", "--mem", "0"], "--mem '0' is 0 bytes: give a size like 4G"),
+        (["serve", "--failover-timeout", "-1"], "--failover-timeout must be 0 (off) or positive"),
     ],
 )
 def test_bad_numbers_say_so_in_one_line(args: list[str], says: str) -> None:

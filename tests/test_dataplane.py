@@ -22,8 +22,8 @@ import pytest
 
 from potluck.engine.contract import LOCAL, Assignment
 from potluck.engine.generate import generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler
 from potluck.errors import NodeError
+from potluck.sampling import GREEDY, Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import AuthError, PoolAuth
 from potluck.transport.client import ForwardLink, NodeClient

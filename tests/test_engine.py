@@ -11,9 +11,9 @@ import pytest
 
 from potluck.engine.chain import submit_after
 from potluck.engine.generate import generate, layer_ranges, load_model
-from potluck.engine.sampling import GREEDY, Sampler, SamplingParams
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk
+from potluck.sampling import GREEDY, Sampler, SamplingParams
 
 from ggufgen import write_tiny_model
 
@@ -274,7 +274,7 @@ def test_running_a_model_imports_no_torch(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from potluck.engine.generate import load_model, generate\n"
-        "from potluck.engine.sampling import Sampler, GREEDY\n"
+        "from potluck.sampling import Sampler, GREEDY\n"
         "import potluck.cli, potluck.node.worker, potluck.api.server, potluck.engine.scheduler\n"
         f"m = load_model({str(path)!r}, n_ctx=64)\n"
         "assert len(list(generate(m, [1, 2, 3], 4, Sampler(GREEDY)))) >= 1\n"

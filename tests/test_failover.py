@@ -1,4 +1,4 @@
-"""Generations that survive a worker going away (engine/failover.py), with real worker processes
+"""Generations that survive a worker going away (pool/failover.py), with real worker processes
 on loopback: SIGKILL (dead), SIGSTOP (hung, not dead), and a pool that cannot recover.
 
 (The workers are separate OS processes on 127.0.0.1 standing in for separate machines.)
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from potluck.engine.contract import LOCAL, Assignment
-from potluck.engine.failover import FailoverPipeline, PoolLostError
 from potluck.engine.generate import generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler
+from potluck.pool.failover import FailoverPipeline, PoolLostError
+from potluck.sampling import GREEDY, Sampler
 from test_pool import start_worker
 
 PROMPT = "Write a short poem about the sea."
@@ -214,7 +214,7 @@ def test_failover_off_a_hung_worker_ends_the_request(
     """--failover-timeout 0 (failover_s=0): no re-plan, but a hung node (SIGSTOP: its sockets stay
     open) still ends the request with one clear error after OFF_TIMEOUT_S (2 s here), instead of
     hanging the head forever."""
-    import potluck.engine.failover as failover_mod
+    import potluck.pool.failover as failover_mod
 
     monkeypatch.setattr(failover_mod, "OFF_TIMEOUT_S", 2.0)
     workers = spawn(2)

@@ -131,7 +131,7 @@ def _questions() -> list[dict]:
 def _answers(model: Path, lora: Path | None) -> tuple[int, list[str]]:
     """Greedy answers to the held-out questions: (how many name the fact, the answers)."""
     from potluck.engine.generate import generate, load_model
-    from potluck.engine.sampling import GREEDY, Sampler
+    from potluck.sampling import GREEDY, Sampler
 
     m = load_model(model, 512, loras=[(lora, 1.0)] if lora else [])
     hits, said = 0, []

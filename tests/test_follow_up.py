@@ -17,8 +17,8 @@ import pytest
 
 from potluck.engine.contract import Assignment
 from potluck.engine.generate import generate, load_model, prefill
-from potluck.engine.pipeline import RemotePipeline
-from potluck.engine.sampling import GREEDY, Sampler, SamplingParams
+from potluck.pool.pipeline import RemotePipeline
+from potluck.sampling import GREEDY, Sampler, SamplingParams
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.codec import sampling_to_proto, tensor_to_proto
 from test_pool import start_worker

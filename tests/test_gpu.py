@@ -23,11 +23,11 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from potluck.engine.generate import generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler, log_softmax
 from potluck.model.ggml_lib import BackendError, devices
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.sampling import GREEDY, Sampler, log_softmax
 
 from ggufgen import write_tiny_model
 
@@ -126,7 +126,7 @@ def test_a_worker_offering_its_gpu_is_planned_with_gpu_layers(smollm2_path: Path
         while "listening on" not in (line := proc.stderr.readline()):
             assert proc.poll() is None and time.monotonic() < deadline, line
         addr = f"127.0.0.1:{port}"
-        from potluck.engine.survey import survey
+        from potluck.pool.survey import survey
 
         nodes, _ = survey([addr])
         node = nodes[1]

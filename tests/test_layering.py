@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from potluck.engine.contract import Pipeline
-from potluck.engine.failover import FailoverPipeline
 from potluck.engine.local import LocalPipeline
-from potluck.engine.pipeline import RemotePipeline
+from potluck.pool.failover import FailoverPipeline
+from potluck.pool.pipeline import RemotePipeline
 
 # what generation must work without: the network stack, the pool's code, HTTP, torch
 FORBIDDEN = (
@@ -23,8 +23,7 @@ FORBIDDEN = (
     "potluck.node",
     "potluck.api",
     "potluck.discovery",
-    "potluck.engine.pipeline",
-    "potluck.engine.failover",
+    "potluck.pool",
 )
 
 
@@ -42,6 +41,19 @@ def test_the_engine_core_loads_no_network_code(module: str) -> None:
         f"import sys, {module}\n"
         f"print('\\n'.join(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN[:4]!r} "
         f"or m.startswith({FORBIDDEN[4:]!r})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == [], f"importing {module} loads {out}"
+
+
+@pytest.mark.parametrize("module", ["potluck.node.service", "potluck.transport.client"])
+def test_a_worker_and_the_wire_load_no_head_code(module: str) -> None:
+    """Node and transport sit below the engine: a worker runs no scheduler, pool or HTTP code."""
+    head = ("potluck.engine", "potluck.pool", "potluck.api", "potluck.cli", "fastapi")
+    code = (
+        f"import sys, {module}\nprint('\\n'.join(m for m in sys.modules if m.startswith({head!r})))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from potluck.engine.generate import generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler, SamplingParams
 from potluck.model.stage import SeqChunk
+from potluck.sampling import GREEDY, Sampler, SamplingParams
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.client import NodeError
@@ -593,7 +593,7 @@ def test_heads_share_a_worker_without_evicting_each_other(
     decode in turn, each token for token as one process; a third head is refused in one line
     while both compute (it used to evict the oldest plan: a live conversation); a head that
     closes frees its plan at once, and the third head then loads."""
-    import potluck.engine.pipeline as pipeline_mod
+    import potluck.pool.pipeline as pipeline_mod
     from potluck.engine.contract import Assignment
 
     proc, addr = start_worker()

@@ -107,7 +107,7 @@ def test_pool_through_delayed_links(smollm2_path: Path, alone: str) -> None:
         workers = [_worker_behind_proxy(h, env, delay_ms=15) for h in (w1, w2)]
         probe = head.run(
             [sys.executable, "-c",
-             "import sys; from potluck.engine.survey import survey; "
+             "import sys; from potluck.pool.survey import survey; "
              "_, links = survey(sys.argv[1:]); "
              "print(' '.join(f'{l.latency_s * 1e3:.1f}' for l in links.values()))", *workers],
             env=env, timeout=120, check=False,
@@ -160,7 +160,7 @@ def test_survey_measures_every_link(tmp_path: Path) -> None:
             _wait_line(p, "listening on", f"worker on {host.ip}")
             workers.append(f"{host.ip}:50052")
         code = (
-            "import json, os, sys; from potluck.engine.survey import survey; "
+            "import json, os, sys; from potluck.pool.survey import survey; "
             "from potluck.transport.auth import PoolAuth; "
             "_, links = survey(sys.argv[1:], auth=PoolAuth.from_secret(os.environ['POTLUCK_SECRET'])); "
             "print(json.dumps([[a, b, l.latency_s, l.bytes_per_s] for (a, b), l in links.items()]))"

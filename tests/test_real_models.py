@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from potluck.engine.generate import Model, generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler
 from potluck.model.stage import SeqChunk, Stage
+from potluck.sampling import GREEDY, Sampler
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

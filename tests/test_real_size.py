@@ -172,7 +172,7 @@ HELD = re.compile(
 
 def test_workers_report_their_cgroups_room(capped: list[CappedWorker]) -> None:
     """A worker in a 6 GiB group offers what the group has left, not the machine's free RAM."""
-    from potluck.engine.survey import survey
+    from potluck.pool.survey import survey
 
     nodes, _ = survey([w.address for w in capped], pings=1)
     for node in nodes[1:]:

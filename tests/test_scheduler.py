@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from potluck.engine.generate import Model, generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler, SamplingParams, Token, log_softmax
 from potluck.engine.scheduler import (
     Failed,
     Finished,
@@ -25,6 +24,7 @@ from potluck.engine.scheduler import (
 )
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk
+from potluck.sampling import GREEDY, Sampler, SamplingParams, Token, log_softmax
 
 PROMPTS = [
     "The quick brown fox",

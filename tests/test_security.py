@@ -34,7 +34,7 @@ import psutil
 import pytest
 
 from potluck.engine.generate import generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler
+from potluck.sampling import GREEDY, Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.auth import (

@@ -13,10 +13,10 @@ from pathlib import Path
 from cut_proxy import CutProxy
 from potluck.engine.contract import LOCAL, Assignment
 from potluck.engine.generate import generate, load_model
-from potluck.engine.sampling import GREEDY, Sampler
 from potluck.model.layout import stage_tensor_names
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.sampling import GREEDY, Sampler
 from test_pool import _single, start_worker
 
 PROMPT = "The capital of France is"

@@ -27,3 +27,7 @@ class ModelNotFoundError(PotluckError):
 
 class NodeError(PotluckError):
     """A node could not be reached or refused a call; the message names the node and the reason."""
+
+
+class PoolLostError(PotluckError):
+    """The nodes that are left cannot run the model (pool/failover.py); a server answers 503."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from typing import Any
 
 from fastapi import FastAPI
@@ -21,8 +20,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from potluck.engine.scheduler import QueueFullError
-from potluck.errors import ContextError, NodeError, PotluckError, UnsupportedError
+from potluck.engine.scheduler import QueueFullError, SchedulerClosedError
+from potluck.errors import ContextError, NodeError, PoolLostError, PotluckError, UnsupportedError
 from potluck.modelfile.chat import ChatTemplateError
 
 log = logging.getLogger(__name__)
@@ -136,20 +135,14 @@ def api_error(exc: BaseException) -> ApiError:
         return bad_request(str(exc), "messages", "context_length_exceeded")
     if isinstance(exc, UnsupportedError | ChatTemplateError):
         return bad_request(str(exc))
-    if isinstance(exc, NodeError) or _pool_lost(exc):
+    if isinstance(exc, NodeError | PoolLostError):
         return pool_unavailable(str(exc))
+    if isinstance(exc, SchedulerClosedError):  # the server is shutting down
+        return ApiError(503, str(exc), "server_error")
     if isinstance(exc, PotluckError):
         return server_error(str(exc))
     log.error("unexpected error: %r", exc)
     return server_error(f"internal error: {type(exc).__name__}: {exc}")
-
-
-def _pool_lost(exc: BaseException) -> bool:
-    """engine/failover.py's PoolLostError, without loading the pool's code (grpc) into a server
-    that runs none: no instance exists before that module is imported. (A workaround while the
-    class lives there rather than in potluck.errors beside NodeError.)"""
-    failover = sys.modules.get("potluck.engine.failover")
-    return failover is not None and isinstance(exc, failover.PoolLostError)
 
 
 def http_error(request: HttpRequest, exc: HTTPException) -> ApiError:

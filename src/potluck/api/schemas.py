@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from potluck.engine.sampling import (
+from potluck.sampling import (
     MAX_LOGPROBS,
     REPEAT_PENALTY_MAX,
     REPEAT_PENALTY_MIN,

@@ -26,7 +26,6 @@ from potluck.api.pool import PoolInfo
 from potluck.api.schemas import TOP_K_ALL, ChatCompletionRequest, CompletionRequest
 from potluck.api.text import StopText
 from potluck.engine.generate import Model
-from potluck.engine.sampling import SamplingParams, Token
 from potluck.engine.scheduler import (
     INTERACTIVE,
     Event,
@@ -36,6 +35,7 @@ from potluck.engine.scheduler import (
     Scheduler,
     TokenEvent,
 )
+from potluck.sampling import SamplingParams, Token
 
 MAX_CHOICES = 64  # prompts × n in one request
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks that its client is still there
@@ -224,7 +224,9 @@ class Api:
                     yield Piece(index, text, [t for t in ids], None)
             elif isinstance(ev, Finished):
                 if ev.reason == "cancelled" and c.finish is None:
-                    raise errors.ApiError(503, "generation was cancelled: the server is stopping")
+                    raise errors.ApiError(
+                        503, "generation was cancelled: the server is stopping", "server_error"
+                    )
                 text, ids = c.text.flush()
                 c.done, remaining = True, remaining - 1
                 if ev.reason != "cancelled":

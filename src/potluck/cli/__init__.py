@@ -70,7 +70,7 @@ def main() -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     # The pools this command used free their stages on the workers now (os._exit skips atexit):
     # a head that is done must not hold a worker's memory until its idle timeout.
-    if (failover := sys.modules.get("potluck.engine.failover")) is not None:
+    if (failover := sys.modules.get("potluck.pool.failover")) is not None:
         with contextlib.suppress(Exception):  # best effort: the command's work is done
             failover._close_live()
     # Workaround: end the process without interpreter teardown. gRPC's C++ core aborts

@@ -159,10 +159,10 @@ def batch(
 def _idle_replicas(path: Path, ctx, idle: list[str], auth_flags, n_seq: int):
     """Batch replicas for `serve` on the workers its plan leaves idle (each that can hold the
     whole model): ([(label, Model)], reload) as `_replicas`; none when none can."""
-    from potluck.engine.replicas import load_replicas, reloader
     from potluck.planner import THIS_MACHINE
     from potluck.planner.errors import NotEnoughMemoryError
     from potluck.planner.replicas import plan_replicas
+    from potluck.pool.replicas import load_replicas, reloader
 
     auth = _auth(*auth_flags)
     nodes, links, fp = _survey(path, ctx, idle, auth, 0, n_seq)  # this machine: serving
@@ -245,9 +245,9 @@ def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq, found: list[s
     (planner). reload(label): a failed single-machine replica loaded again if its machine
     answers, else None (blocking)."""
     from potluck.engine.generate import load_model
-    from potluck.engine.replicas import load_replicas, reloader
     from potluck.modelfile.sources import resolve_model
     from potluck.planner.replicas import plan_replicas
+    from potluck.pool.replicas import load_replicas, reloader
 
     _setup_threads(threads)
     path = resolve_model(model)

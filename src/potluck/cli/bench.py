@@ -65,8 +65,8 @@ def bench(
     from potluck.engine.contract import LOCAL, Assignment
     from potluck.engine.generate import load_model
     from potluck.engine.measure import bench_report, measure, measured_verdict
-    from potluck.engine.survey import THIS_MACHINE, assignments_of
     from potluck.modelfile.sources import resolve_model
+    from potluck.pool.survey import THIS_MACHINE, assignments_of
 
     _setup_threads(threads)
     path = resolve_model(model)

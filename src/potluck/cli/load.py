@@ -89,11 +89,11 @@ def _load(
             bar.update(task, description=f"{path.name} (asking {len(addresses)} peers, planning)")
             auth = _auth(*auth_flags)
             plan = _plan(path, ctx, addresses, shares, auth, balance, mem, n_seq)
-            from potluck.engine.survey import assignments_of
+            from potluck.pool.survey import assignments_of
 
             assignments = assignments_of(plan)
             err.print(f"[dim]{plan.verdict}[/]")
-        from potluck.engine.survey import assignments_of
+        from potluck.pool.survey import assignments_of
 
         def replan(alive: list[str]):
             """The plan on the nodes left; a --tensor-split keeps the shares of those left."""
@@ -187,10 +187,10 @@ def _plan(
 def _survey(path: Path, ctx: int | None, peers: list[str], auth, mem: int | None, n_seq: int = 1):
     """(nodes, links, the model's footprint): what the planner takes, measured on this model."""
     from potluck.engine.generate import DEFAULT_CTX
-    from potluck.engine.survey import survey
     from potluck.modelfile.gguf_file import GGUFFile, layer_matrices
     from potluck.modelfile.hparams import hparams_from_metadata
     from potluck.planner import footprint_from_gguf, held_bytes
+    from potluck.pool.survey import survey
 
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata, str(path))

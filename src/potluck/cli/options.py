@@ -326,7 +326,7 @@ SeedOpt = Annotated[
 def _sampling(
     temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None
 ):
-    from potluck.engine.sampling import SamplingParams
+    from potluck.sampling import SamplingParams
 
     try:
         return SamplingParams(

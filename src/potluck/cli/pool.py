@@ -187,10 +187,10 @@ def doctor(
     import psutil
 
     from potluck.discovery.doctor import FAIL, DoctorConfig, run_doctor
-    from potluck.engine.survey import this_machine
     from potluck.modelfile.sources import resolve_model
     from potluck.node.doctor import load_samples
     from potluck.node.probe import physical_cores
+    from potluck.pool.survey import this_machine
 
     finder = _peers(peer, rpc, pool, no_mdns)
     found = finder.find(lambda peer: "")  # check even those that do not answer

@@ -146,7 +146,7 @@ def run(
     """Generate text from a prompt, streaming it to stdout (over the pool's workers: found on
     mDNS, or --peer)."""
     from potluck.engine.generate import prompt_batch
-    from potluck.engine.sampling import Sampler
+    from potluck.sampling import Sampler
 
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
     splits = [int(s) for s in split.split(",")] if split else None
@@ -206,7 +206,7 @@ def chat(
 ) -> None:
     """Chat interactively with the model's chat template. Ctrl-D or /exit to leave."""
     from potluck.engine.generate import prompt_batch
-    from potluck.engine.sampling import Sampler
+    from potluck.sampling import Sampler
 
     params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
     finder = _peers(peer, rpc, pool, no_mdns)

@@ -19,6 +19,7 @@ from potluck.cli.options import (
     CacheTypeOpt,
     CtxOpt,
     DeviceOpt,
+    FailoverOpt,
     HeadMemOpt,
     LoraOpt,
     ModelOpt,
@@ -35,6 +36,7 @@ from potluck.cli.options import (
     ThreadsOpt,
     TlsOpt,
     WireOpt,
+    _failover,
     _head_mem,
     _port,
     _shares,
@@ -89,6 +91,7 @@ def serve(
     secret: SecretOpt = None,
     tls: TlsOpt = False,
     wire_dtype: WireOpt = "f32",
+    failover_timeout: FailoverOpt = 5.0,
 ) -> None:
     """Serve the model (over a pool with --peer) as an OpenAI-compatible API with a web page."""
     import dataclasses
@@ -104,6 +107,7 @@ def serve(
             f"refusing to listen on {host} without an API key: anyone on the network could use "
             "the model; pass --api-key KEY (or set POTLUCK_API_KEY), or --no-api-key to accept that"
         )
+    failover_s = _failover(failover_timeout)
     try:
         sched_config = SchedulerConfig(  # checked now; n_batch settled once the pool is known
             n_batch=batch or DEFAULT_N_BATCH, max_queue=max_queue, max_active=parallel
@@ -118,6 +122,7 @@ def serve(
     m = _load(
         model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
         balance="decode", wire=wire_dtype, mem=_head_mem(mem), n_seq=parallel, found=workers,
+        failover_s=failover_s,
         lora=lora,
     )  # fmt: skip
     sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, batch))

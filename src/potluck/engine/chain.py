@@ -16,8 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
-from potluck.engine.sampling import Sampler
 from potluck.model.stage import SeqChunk
+from potluck.sampling import Sampler
 
 
 def submit_after(

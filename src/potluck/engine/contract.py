@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from potluck.engine.sampling import Sampler
 from potluck.model.stage import SeqChunk, Stage
+from potluck.sampling import Sampler
 
 if TYPE_CHECKING:
     from potluck.transport import potluck_pb2 as pb

@@ -22,11 +22,10 @@ from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams, hparams_from_metadata
 from potluck.modelfile.lora import LoraAdapter, open_lora
 from potluck.modelfile.tokenizer import Tokenizer
-
-from .sampling import Sampler
+from potluck.sampling import Sampler
 
 if TYPE_CHECKING:
-    from potluck.engine.failover import FailoverEvent
+    from potluck.pool.failover import FailoverEvent
     from potluck.transport.auth import PoolAuth
 
 DEFAULT_CTX = 4096
@@ -102,10 +101,10 @@ def load_model(
     """Open `path`, check it, and build its pipeline: one local stage by default; in-process stages
     split at `splits`; or with `peers` (host:port) a pool where this machine takes the first share
     of the layers and each peer the next, in proportion to `tensor_split` (even by default); or
-    exactly the given `assignments` (the planner's, see engine/survey.py). `auth` (the pool secret,
+    exactly the given `assignments` (the planner's, see pool/survey.py). `auth` (the pool secret,
     TLS) is how this machine proves membership to the nodes.
 
-    A pool fails over (engine/failover.py): a node silent for `failover_s` seconds is dropped, and
+    A pool fails over (pool/failover.py): a node silent for `failover_s` seconds is dropped, and
     `replan(surviving nodes)` gives the new assignments (default: the layers evenly over this
     machine and the survivors). failover_s = 0: no failover, but a node silent for OFF_TIMEOUT_S
     ends the request with an error (the CLI's --failover-timeout 0); None: a bare pipeline, no
@@ -173,8 +172,8 @@ def _pool(
     adapters: Sequence[LoraAdapter] = (),
 ) -> Pipeline:
     """The pool's pipeline for `plan`, wrapped to fail over to the nodes left when one goes away."""
-    from potluck.engine.failover import OFF_TIMEOUT_S, FailoverPipeline
-    from potluck.engine.pipeline import RemotePipeline
+    from potluck.pool.failover import OFF_TIMEOUT_S, FailoverPipeline
+    from potluck.pool.pipeline import RemotePipeline
 
     first = RemotePipeline(
         gguf, hp, plan, n_ctx, wire_dtype, auth, on_transfer=on_transfer, n_seq=n_seq,

@@ -10,8 +10,8 @@ import numpy as np
 
 from potluck.engine.chain import submit_after
 from potluck.engine.contract import Assignment
-from potluck.engine.sampling import Sampler
 from potluck.model.stage import SeqChunk, Stage
+from potluck.sampling import Sampler
 
 if TYPE_CHECKING:
     from potluck.transport import potluck_pb2 as pb

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from potluck.engine.generate import Model, generate, prefill
-from potluck.engine.sampling import GREEDY, Sampler
 from potluck.planner import Plan
+from potluck.sampling import GREEDY, Sampler
 
 WORTH_IT = 1.2  # pooling must beat the best single machine by 20 % (as the planner's verdict)
 BENCH_TEXT = "The history of the printing press begins in the fifteenth century, when "

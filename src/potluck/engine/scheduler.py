@@ -35,9 +35,9 @@ import numpy as np
 
 from potluck.engine.contract import Pipeline
 from potluck.engine.generate import prompt_ubatch
-from potluck.engine.sampling import Sampler, SamplingParams, Token
 from potluck.errors import ContextError, PotluckError, UnsupportedError
 from potluck.model.stage import SeqChunk
+from potluck.sampling import Sampler, SamplingParams, Token
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from concurrent.futures import Future
 import grpc
 import numpy as np
 
-from potluck.engine.sampling import Sampler, Token
 from potluck.errors import ContextError, PotluckError
 from potluck.model.stage import SeqChunk, Stage
 from potluck.node.followup import FollowUps
 from potluck.node.plans import LoadedStage, PlanStore, Refused
+from potluck.sampling import Sampler, Token
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.codec import (
     WireError,

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from potluck.engine.sampling import Sampler
 from potluck.errors import PotluckError
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import Stage
 from potluck.modelfile.hparams import HParams
+from potluck.sampling import Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.client import NodeClient
 

@@ -9,9 +9,9 @@ import math
 
 import numpy as np
 
-from potluck.engine.sampling import SamplingParams
 from potluck.errors import PotluckError
 from potluck.modelfile.gguf_file import Matrix
+from potluck.sampling import SamplingParams
 from potluck.transport import potluck_pb2 as pb
 
 PROTOCOL_VERSION = 4

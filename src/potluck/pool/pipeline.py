@@ -20,7 +20,6 @@ import numpy as np
 
 from potluck.engine.chain import submit_after
 from potluck.engine.contract import LOCAL, Assignment
-from potluck.engine.sampling import Sampler, Token
 from potluck.errors import PotluckError
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage
@@ -29,6 +28,7 @@ from potluck.modelfile.hparams import HParams
 from potluck.modelfile.lora import LoraAdapter, adapter_part
 from potluck.node.transfer import PULL_TIMEOUT_S, push_chunks
 from potluck.node.weights import sha256_file, tensor_digests
+from potluck.sampling import Sampler, Token
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError

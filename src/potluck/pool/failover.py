@@ -33,9 +33,9 @@ import numpy as np
 
 from potluck.engine.chain import follow_inputs
 from potluck.engine.contract import DEFAULT_TIMEOUT_S, Assignment, Pipeline
-from potluck.engine.sampling import Sampler
-from potluck.errors import PotluckError
+from potluck.errors import PoolLostError, PotluckError
 from potluck.model.stage import SeqChunk, Stage
+from potluck.sampling import Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
@@ -54,10 +54,6 @@ def _close_live() -> None:
     for pipe in list(_LIVE):
         with contextlib.suppress(Exception):  # best effort at exit
             pipe.close()
-
-
-class PoolLostError(PotluckError):
-    """The nodes that are left cannot run the model."""
 
 
 def _off_error(who: str, reason: str) -> PoolLostError:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from potluck.engine.contract import Assignment
 from potluck.engine.generate import Model, load_model
-from potluck.engine.survey import assignments_of
 from potluck.planner import THIS_MACHINE, weight_sources
 from potluck.planner.nodes import Links
 from potluck.planner.replicas import Replica
+from potluck.pool.survey import assignments_of
 from potluck.transport.auth import PoolAuth
 
 
