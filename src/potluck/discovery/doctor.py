@@ -7,6 +7,9 @@ congested network (measured round trips and bandwidth), does its speed hold unde
 (thermal throttling). For the pool: do the model and its context fit the memory, KV cache counted.
 
 Each check ends ok / warn / fail (or skip, saying why); `run_doctor` returns them all in order.
+
+Each check is a short function; they stay in one file so that it reads in the order the report
+prints (over 400 lines on purpose).
 """
 
 from __future__ import annotations

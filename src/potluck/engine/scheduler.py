@@ -15,6 +15,10 @@ that), so greedy output through the scheduler is bit-identical to one request al
 Callers on other threads (the HTTP server's asyncio loop) submit and cancel; events reach them
 through the sink they gave, called on the compute thread (it must be quick and thread-safe, e.g.
 `loop.call_soon_threadsafe`). The scheduler imports no HTTP or gRPC code.
+
+One class over one thread's state (the sequences, the batches in flight, whose turn it is); its
+request types are in engine/requests.py. Over 400 lines on purpose: split further, that state would
+be passed between files.
 """
 
 from __future__ import annotations
@@ -26,82 +30,56 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from potluck.engine.contract import Pipeline
 from potluck.engine.generate import prompt_ubatch
-from potluck.errors import ContextError, PotluckError, UnsupportedError
+from potluck.engine.requests import (
+    BATCH,
+    INTERACTIVE,
+    MAX_DECODE_ROWS,
+    Event,
+    Failed,
+    Finished,
+    QueueFullError,
+    QueueSink,
+    Request,
+    SchedulerClosedError,
+    SchedulerConfig,
+    Sink,
+    Stats,
+    TokenEvent,
+)
+from potluck.errors import ContextError, UnsupportedError
 from potluck.model.stage import SeqChunk
-from potluck.sampling import Sampler, SamplingParams, Token
+from potluck.sampling import Sampler, Token
+
+# the scheduler's whole API from here: Scheduler, Stream, and the request types of engine/requests.py
+__all__ = [
+    "BATCH",
+    "INTERACTIVE",
+    "MAX_DECODE_ROWS",
+    "Event",
+    "Failed",
+    "Finished",
+    "QueueFullError",
+    "QueueSink",
+    "Request",
+    "Scheduler",
+    "SchedulerClosedError",
+    "SchedulerConfig",
+    "Sink",
+    "Stats",
+    "Stream",
+    "TokenEvent",
+]
 
 log = logging.getLogger(__name__)
-
-
-class QueueFullError(PotluckError):
-    """Too many requests are waiting: the caller should retry later (HTTP 429)."""
-
-
-class SchedulerClosedError(PotluckError):
-    """The scheduler was shut down."""
-
-
-MAX_DECODE_ROWS = 8  # sequences in one decode step by default
-INTERACTIVE, BATCH = 0, 1  # Request.priority: who is admitted first when sequences free up
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    n_batch: int = 512  # prompt tokens per micro-batch (llama.cpp's -b)
-    max_queue: int = 64  # requests waiting for a slot; one more is refused (QueueFullError)
-    max_active: int = 16  # sequences generating at once (each holds a KV cache up to n_ctx)
-    max_rows: int = MAX_DECODE_ROWS  # decode rows (sequences) per forward
-
-    def __post_init__(self) -> None:
-        for name in ("n_batch", "max_active", "max_rows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be ≥ 0, got {self.max_queue}")
-
-
-@dataclass(frozen=True)
-class Request:
-    """What to generate: prompt ids, how to sample, at most `max_tokens` new ids, ending early on
-    any of `stop_ids` (which is still delivered)."""
-
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    max_tokens: int
-    stop_ids: frozenset[int]
-    priority: int = INTERACTIVE  # lower runs first: a chat before a batch job's request
-    lora: int | None = None  # the model's adapters it uses (SeqChunk.lora: None all, -1 none)
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token: int  # a sampling.Token (with .logprob, .top) when params.logprobs is set
-    index: int  # 0 for the first generated token
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop" (a stop id), "length" (max_tokens or the context is full), "cancelled"
-    n_prompt: int
-    n_generated: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: Exception
-
-
-Event = TokenEvent | Finished | Failed
-Sink = Callable[[Event], None]
 
 
 class _Model(Protocol):
@@ -150,26 +128,6 @@ class Stream:
         self._scheduler._cancel(self._seq, reason)
 
 
-class QueueSink:
-    """A sink for synchronous callers: `events()` yields until Finished or Failed."""
-
-    def __init__(self) -> None:
-        self.q: queue.SimpleQueue[Event] = queue.SimpleQueue()
-
-    def __call__(self, ev: Event) -> None:
-        self.q.put(ev)
-
-    def events(self, timeout: float = 120.0) -> Iterator[Event]:
-        while True:
-            try:
-                ev = self.q.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"no event from the scheduler in {timeout:.0f} s") from None
-            yield ev
-            if isinstance(ev, Finished | Failed):
-                return
-
-
 @dataclass(frozen=True)
 class _Batch:
     kind: str  # "prompt" or "decode"
@@ -178,33 +136,6 @@ class _Batch:
     samples: bool  # whether the batch's tokens are sampled (a prompt's last micro-batch, decode)
     t0: float
     follow: bool = False  # a follow-up decode step: its input is the token of the one before
-
-
-@dataclass
-class Stats:
-    """Counters and recent timings, read by the metrics endpoint (plain numbers, no locking
-    needed for a consistent-enough snapshot)."""
-
-    requests_total: int = 0
-    requests_rejected: int = 0
-    requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    decode_steps: int = 0
-    # per stage of the pipeline, recent ms per decode step: compute, and the network hop into it
-    # (0 for a stage on this machine)
-    stage_ms: list[float] = field(default_factory=list)
-    hop_ms: list[float] = field(default_factory=list)
-    decode_rows: float = 0.0  # recent rows per decode step
-    max_in_flight: int = 0  # most batches in flight at once so far
-    follow_ups: int = 0  # decode steps sent before the token they follow was back (pool)
-    recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
-
-    def tokens_per_s(self, window_s: float = 5.0) -> float:
-        """Generated tokens per second over the last `window_s` seconds."""
-        now = time.monotonic()
-        n = sum(k for t, k in list(self.recent) if now - t <= window_s)
-        return n / window_s
 
 
 def _ema(old: list[float], new: Sequence[float], a: float = 0.2) -> list[float]:
@@ -216,8 +147,9 @@ def _ema(old: list[float], new: Sequence[float], a: float = 0.2) -> list[float]:
 class Scheduler:
     """Continuous batching over one model's pipeline, on its own compute thread."""
 
-    def __init__(self, model: _Model, config: SchedulerConfig = SchedulerConfig()) -> None:
-        self.model, self.pipeline, self.config = model, model.pipeline, config
+    def __init__(self, model: _Model, config: SchedulerConfig | None = None) -> None:
+        self.model, self.pipeline = model, model.pipeline
+        self.config = config or SchedulerConfig()
         self.n_ctx = model.n_ctx
         self.depth = max(1, self.pipeline.depth)
         self.logprobs_ok = self.pipeline.supports_logprobs

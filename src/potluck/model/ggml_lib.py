@@ -15,6 +15,9 @@ thread). Every declaration below was checked equal in both versions' headers, as
 `struct ggml_tensor`.
 
 Tensors, contexts, graphs, backends and buffers are plain ints (addresses) here.
+
+Mostly a table of ctypes declarations, one per ggml function Potluck calls; over 400 lines on
+purpose: one place to check them against ggml's headers.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 plan_pool(model, nodes, links) is a pure function (numbers in, plan out). The plan id is a hash
 of every input the plan depends on, so two heads that plan the same pool agree on it and a stage
 can refuse messages of another plan.
+
+The Plan and the search that makes it, with its verdict and messages; over 400 lines on purpose
+(the numbers and the words about them stay together).
 """
 
 from __future__ import annotations

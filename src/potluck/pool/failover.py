@@ -14,6 +14,9 @@ head.
 
 Replay gives the same tokens as a run without the fault for greedy sampling; a seeded sampler on
 the new last stage restarts its random stream (noted in docs/ARCHITECTURE.md).
+
+One state machine (heartbeat, declaring nodes gone, re-plan, replay, resend) over state guarded by
+one lock; over 400 lines on purpose: split, the lock's reach would cross files.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 The head sends token ids (or, with a local first stage, hidden states) to the first remote node;
 each node forwards to the next; the last samples, and only token ids come back.
+
+One class, RemotePipeline, and the plan id it carries; over 400 lines on purpose (loading, shipping
+weights, the forward path and letting go share the pipeline's state).
 """
 
 from __future__ import annotations

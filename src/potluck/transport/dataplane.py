@@ -25,6 +25,9 @@ Threads: a node computes each request in its connection's own thread and writes 
 sends it on to the next node) from there, with no hand-off; a client writes small frames in the
 caller's thread and large ones (and whatever follows them) through a writer thread, and one reader
 thread per connection settles the futures.
+
+Both ends of one wire protocol (the server, the link, the framing and handshake they share) in one
+file, so that the two sides cannot drift apart; over 400 lines on purpose.
 """
 
 from __future__ import annotations
