@@ -18,7 +18,6 @@ from rich.progress import (
 )
 
 from potluck.cli.console import err
-from potluck.cli.load import _survey
 from potluck.cli.options import (
     DEFAULT_PARALLEL,
     DEFAULT_POOL,
@@ -162,10 +161,12 @@ def _idle_replicas(path: Path, ctx, idle: list[str], auth_flags, n_seq: int):
     from potluck.planner import THIS_MACHINE
     from potluck.planner.errors import NotEnoughMemoryError
     from potluck.planner.replicas import plan_replicas
+    from potluck.pool.planning import PlanInputs, survey_model
     from potluck.pool.replicas import load_replicas, reloader
 
     auth = _auth(*auth_flags)
-    nodes, links, fp = _survey(path, ctx, idle, auth, 0, n_seq)  # this machine: serving
+    # this machine serves: it offers no memory for a replica
+    nodes, links, fp = survey_model(PlanInputs(path, ctx, auth, mem=0, n_seq=n_seq), idle)
     try:
         plan = plan_replicas(fp, nodes, links)
     except NotEnoughMemoryError as exc:
@@ -247,6 +248,7 @@ def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq, found: list[s
     from potluck.engine.generate import load_model
     from potluck.modelfile.sources import resolve_model
     from potluck.planner.replicas import plan_replicas
+    from potluck.pool.planning import PlanInputs, survey_model
     from potluck.pool.replicas import load_replicas, reloader
 
     _setup_threads(threads)
@@ -263,7 +265,7 @@ def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq, found: list[s
         err.print(f"[dim]{m.summary()}[/]")
         return [("this machine", m)], lambda label: None
     auth = _auth(*auth_flags)
-    nodes, links, fp = _survey(path, ctx, addresses, auth, mem, n_seq)
+    nodes, links, fp = survey_model(PlanInputs(path, ctx, auth, mem=mem, n_seq=n_seq), addresses)
     plan = plan_replicas(fp, nodes, links)
     for r in plan.replicas:
         how = "a pipeline" if r.plan is not None else "the whole model"

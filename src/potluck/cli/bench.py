@@ -10,7 +10,6 @@ from rich.console import Console
 from rich.table import Table
 
 from potluck.cli.console import err
-from potluck.cli.load import _plan
 from potluck.cli.options import (
     DEFAULT_POOL,
     WIRE_DTYPES,
@@ -66,6 +65,7 @@ def bench(
     from potluck.engine.generate import load_model
     from potluck.engine.measure import bench_report, measure, measured_verdict
     from potluck.modelfile.sources import resolve_model
+    from potluck.pool.planning import PlanInputs, plan_to_compare
     from potluck.pool.survey import THIS_MACHINE, assignments_of
 
     _setup_threads(threads)
@@ -79,12 +79,8 @@ def bench(
     auth = _auth(secret, tls)
     shares = _shares(tensor_split)
     head_mem = _head_mem(mem)
-    plan_ = _plan(path, ctx, addresses, shares, auth, mem=head_mem)
+    plan_ = plan_to_compare(PlanInputs(path, ctx, auth, mem=head_mem), addresses, shares)
     pool_plan = assignments_of(plan_)
-    if len(pool_plan) == 1:  # the planner would use one machine: show what an even pool does
-        even = [0.0 if head_mem == 0 else 1.0] + [1.0] * len(addresses)
-        plan_ = _plan(path, ctx, addresses, even, auth, mem=head_mem)
-        pool_plan = assignments_of(plan_)
     runs = []
     best = plan_.best_single
     if best is None:

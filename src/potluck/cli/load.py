@@ -3,9 +3,7 @@ failover re-plans), with a progress bar and the summary lines on stderr."""
 
 from __future__ import annotations
 
-import contextlib
 import time
-from pathlib import Path
 
 from rich.progress import (
     BarColumn,
@@ -49,6 +47,8 @@ def _load(
     from potluck.engine.generate import load_model
     from potluck.modelfile.lora import parse_lora_arg
     from potluck.modelfile.sources import resolve_model
+    from potluck.pool.planning import PlanInputs, plan_model, replanner
+    from potluck.pool.survey import assignments_of
 
     _setup_threads(threads)
     path = resolve_model(model)
@@ -85,30 +85,15 @@ def _load(
                 f"--tensor-split {','.join(f'{x:g}' for x in shares)} needs workers, and none "
                 "was found: name them with --peer HOST:PORT (or start `potluck worker` on them)"
             )
+        replan = None
         if addresses:
             bar.update(task, description=f"{path.name} (asking {len(addresses)} peers, planning)")
             auth = _auth(*auth_flags)
-            plan = _plan(path, ctx, addresses, shares, auth, balance, mem, n_seq)
-            from potluck.pool.survey import assignments_of
-
+            inputs = PlanInputs(path, ctx, auth, balance, mem, n_seq)
+            plan = plan_model(inputs, addresses, shares)
             assignments = assignments_of(plan)
             err.print(f"[dim]{plan.verdict}[/]")
-        from potluck.pool.survey import assignments_of
-
-        def replan(alive: list[str]):
-            """The plan on the nodes left; a --tensor-split keeps the shares of those left."""
-            if shares and len(shares) == len(addresses) + 1:
-                kept = [shares[0]] + [
-                    x for a, x in zip(addresses, shares[1:], strict=True) if a in alive
-                ]
-                if any(kept):
-                    with contextlib.suppress(
-                        PotluckError
-                    ):  # e.g. they no longer fit: the planner's choice
-                        return assignments_of(
-                            _plan(path, ctx, alive, kept, auth, balance, mem, n_seq)
-                        )
-            return assignments_of(_plan(path, ctx, alive, None, auth, balance, mem, n_seq))
+            replan = replanner(inputs, addresses, shares)
 
         def on_failover(ev) -> None:
             err.print(
@@ -157,45 +142,3 @@ def _load(
                 )
         err.print(f"[dim]  {line}[/]")
     return m
-
-
-def _plan(
-    path: Path,
-    ctx: int | None,
-    peers: list[str],
-    shares: list[float] | None,
-    auth=None,
-    balance: str = "prompt",
-    mem: int | None = None,
-    n_seq: int = 1,
-):
-    """Survey the peers, then run the planner for this model and context (this machine offering
-    at most `mem` bytes; KV for `n_seq` sequences at once)."""
-    from potluck.planner import plan_pool
-
-    if shares and len(shares) != len(peers) + 1:  # the planner says so too, without the names
-        shown, n = ",".join(f"{x:g}" for x in shares), len(peers) + 1
-        raise PotluckError(
-            f"--tensor-split {shown} has {len(shares)} shares but the pool has {n} "
-            f"node{'s' * (n > 1)} ({', '.join(['this machine', *peers])}; a worker found twice "
-            "counts once): give one share per node, this machine first"
-        )
-    nodes, links, fp = _survey(path, ctx, peers, auth, mem, n_seq)
-    return plan_pool(fp, nodes, links, shares or None, balance)
-
-
-def _survey(path: Path, ctx: int | None, peers: list[str], auth, mem: int | None, n_seq: int = 1):
-    """(nodes, links, the model's footprint): what the planner takes, measured on this model."""
-    from potluck.engine.generate import DEFAULT_CTX
-    from potluck.modelfile.gguf_file import GGUFFile, layer_matrices
-    from potluck.modelfile.hparams import hparams_from_metadata
-    from potluck.planner import footprint_from_gguf, held_bytes
-    from potluck.pool.survey import survey
-
-    f = GGUFFile(path)
-    hp = hparams_from_metadata(f.metadata, str(path))
-    n_ctx = ctx or min(hp.n_ctx_train, DEFAULT_CTX)
-    layer = layer_matrices(f.tensors, hp.n_layer // 2)  # every node times its decode through it
-    nodes, links = survey(peers, auth=auth, mem_limit=mem, matrices=layer)
-    fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes, n_seq=n_seq)
-    return nodes, links, fp

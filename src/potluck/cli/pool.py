@@ -11,7 +11,6 @@ from rich.console import Console
 from rich.table import Table
 
 from potluck.cli.console import err
-from potluck.cli.load import _plan, _survey
 from potluck.cli.options import (
     DEFAULT_POOL,
     CtxOpt,
@@ -61,6 +60,7 @@ def plan(
     beats the best single machine at all (--batch: the replicas of a batch job)."""
     from potluck.modelfile.sources import resolve_model
     from potluck.planner import PLAN_COLUMNS, format_plan, format_summary
+    from potluck.pool.planning import PlanInputs, plan_model, survey_model
 
     finder = _peers(peer, rpc, pool, no_mdns)
     _setup_threads(None)
@@ -70,7 +70,8 @@ def plan(
         from potluck.planner.replicas import REPLICA_COLUMNS, format_replicas, plan_replicas
 
         auth = _auth(secret, tls) if found else None
-        nodes, links, fp = _survey(path, ctx, found, auth, _head_mem(mem), parallel)
+        inputs = PlanInputs(path, ctx, auth, mem=_head_mem(mem), n_seq=parallel)
+        nodes, links, fp = survey_model(inputs, found)
         rows, lines = format_replicas(plan_replicas(fp, nodes, links), item_tokens)
         table = Table(*REPLICA_COLUMNS, title=f"{path.name} · batch replicas · context {fp.n_ctx}")
         table.columns[0].no_wrap = True
@@ -80,10 +81,10 @@ def plan(
         for line in lines:
             print(line)
         return
-    p = _plan(
-        path, ctx, found, _shares(tensor_split), _auth(secret, tls) if found else None,
-        mem=_head_mem(mem), n_seq=parallel,
-    )  # fmt: skip
+    inputs = PlanInputs(
+        path, ctx, _auth(secret, tls) if found else None, mem=_head_mem(mem), n_seq=parallel
+    )
+    p = plan_model(inputs, found, _shares(tensor_split))
     seqs = f" × {parallel} sequences at once" if parallel > 1 else ""
     table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}{seqs}")
     table.columns[0].no_wrap = True  # a node's address is what the user types: never cut it
