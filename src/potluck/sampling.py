@@ -159,11 +159,11 @@ def _top_ids(x: np.ndarray, k: int) -> np.ndarray:
 
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
-    return e / e.sum()
+    return np.asarray(e / e.sum())
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
     """log softmax over the last axis, computed in float64 and returned as float32."""
     x = np.asarray(x, np.float64)
     m = x.max(axis=-1, keepdims=True)
-    return (x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))).astype(np.float32)
+    return np.asarray(x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True)), np.float32)

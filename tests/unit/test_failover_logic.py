@@ -213,6 +213,7 @@ def test_nodes_that_keep_failing_during_recovery_lose_the_pool(make: Make) -> No
     with pytest.raises(PoolLostError, match="kept failing while recovering"):
         decode_step(fo, 1).result(WAIT_S)
     assert [epoch for _, epoch in connect.calls] == list(range(1, MAX_RECOVERIES_IN_A_ROW + 1))
+    assert fo._closed.is_set()  # nothing left to watch: the heartbeat stops
 
 
 def test_failover_off_passes_on_an_answering_nodes_own_error(make: Make) -> None:
@@ -242,6 +243,11 @@ def test_failover_off_a_silent_node_ends_the_request(make: Make) -> None:
     with pytest.raises(PoolLostError):
         prompt_step(fo).result(WAIT_S)
     assert first.in_flight == []
+    # the pool is let go as a failover lets the old plan go: hung up without a goodbye to a node
+    # that may hang, nothing watched any more
+    assert first.abandoned and fo._closed.wait(WAIT_S)
+    fo.close()
+    assert not first.closed
 
 
 def test_close_lets_the_pool_go_once(make: Make) -> None:

@@ -176,10 +176,10 @@ class _Cursor:
         return self.f.read(n)
 
     def u32(self) -> int:
-        return struct.unpack("<I", self.take(4))[0]
+        return int(struct.unpack("<I", self.take(4))[0])
 
     def u64(self) -> int:
-        return struct.unpack("<Q", self.take(8))[0]
+        return int(struct.unpack("<Q", self.take(8))[0])
 
     def count(self) -> int:
         n = self.u64()

@@ -73,7 +73,7 @@ def stage_table(costs: CostModel, i: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _better(s1: np.ndarray, m1: np.ndarray, s2: np.ndarray, m2: np.ndarray) -> np.ndarray:
     """Where (s1, m1) < (s2, m2) lexicographically."""
-    return (s1 < s2) | ((s1 == s2) & (m1 < m2))
+    return np.asarray((s1 < s2) | ((s1 == s2) & (m1 < m2)))
 
 
 def _unwind(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -47,6 +48,7 @@ OFF_TIMEOUT_S = 30.0  # failover off: how long a node may stay silent before the
 MAX_RECOVERIES_IN_A_ROW = 4  # another node failing during a recovery starts it over, this often
 
 
+log = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[FailoverPipeline] = weakref.WeakSet()
 
 
@@ -259,7 +261,8 @@ class FailoverPipeline:
     def close(self) -> None:
         """Stop watching and let the pool go (the nodes free this plan). Once: later calls do
         nothing (a command closes its model, and the exit hook closes every pool left)."""
-        if self._stop():
+        given_up = self._closed.is_set()  # the pool was lost: its plan was hung up on already
+        if self._stop() and not given_up:
             with contextlib.suppress(PotluckError):
                 self.inner.close()
 
@@ -362,6 +365,12 @@ class FailoverPipeline:
         """Under self._lock: declare the dead gone, connect a new plan, replay. Sets _failed when
         the survivors cannot run the model."""
         if self._failed is not None:
+            # failover off, and the heartbeat declared a node gone: hang up (no goodbye to a
+            # node that may hang) and stop watching, as when a batch found it
+            if not self._closed.is_set():
+                self._closed.set()
+                with contextlib.suppress(PotluckError):
+                    self.inner.abandon()
             return
         for _ in range(MAX_RECOVERIES_IN_A_ROW):
             t_decide = time.monotonic()
@@ -409,6 +418,7 @@ class FailoverPipeline:
                 self.on_event(event)
             return
         self._failed = PoolLostError(f"nodes kept failing while recovering: {reason}")
+        self._closed.set()  # nothing left to watch
 
     def _replay(self, pipe: Pipeline) -> int:
         """Send every confirmed batch of the live sequences through the new plan again, in order
@@ -493,6 +503,8 @@ class FailoverPipeline:
             h.last_ok = time.monotonic()
         except PotluckError:
             pass  # silence counts against the node in _heartbeat
+        except Exception:  # a bug, not the node: say so (it would otherwise count as silence)
+            log.exception("the heartbeat's Hello to %s failed", client.address)
         finally:
             h.probing = False
 

@@ -428,7 +428,7 @@ class RemotePipeline:
         logits = tensor_from_proto(reply.logits, max_elements=1 << 31)
         if logits_rows is None:
             logits_rows = np.cumsum([c.n for c in chunks]) - 1
-        return logits[logits_rows]
+        return np.asarray(logits[logits_rows])
 
     def drop(self, seq_id: int) -> None:
         with self._lock:

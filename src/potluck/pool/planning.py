@@ -14,7 +14,8 @@ from pathlib import Path
 
 from potluck.engine.contract import Assignment
 from potluck.errors import PotluckError
-from potluck.planner import Plan, plan_pool
+from potluck.planner import ModelFootprint, NodeInfo, Plan, plan_pool
+from potluck.planner.nodes import Links
 from potluck.pool.survey import assignments_of
 from potluck.transport.auth import PoolAuth
 
@@ -34,8 +35,10 @@ class PlanInputs:
     n_seq: int = 1
 
 
-def survey_model(inputs: PlanInputs, peers: Sequence[str]):  # -> (nodes, links, footprint)
-    """What the planner takes, measured on this model: every node times its decode through the
+def survey_model(
+    inputs: PlanInputs, peers: Sequence[str]
+) -> tuple[list[NodeInfo], Links, ModelFootprint]:
+    """(nodes, links, footprint): what the planner takes, measured on this model: every node times its decode through the
     model's middle layer."""
     from potluck.engine.generate import DEFAULT_CTX
     from potluck.modelfile.gguf_file import GGUFFile, layer_matrices
