@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from potluck.engine.chain import submit_after
-from potluck.engine.contract import Assignment, Pipeline
+from potluck.engine.contract import Assignment, NodeStatus, Pipeline
 from potluck.errors import NodeError
 from potluck.model.stage import SeqChunk
 from potluck.sampling import Sampler
@@ -94,7 +94,9 @@ class FakeClient:
         self.pinged.set()
         if self.down:
             raise NodeError(f"node {self.address} is unreachable (fake: down)")
-        return pb.HelloReply()
+        return pb.HelloReply(
+            node_name=f"box-{self.address}", devices=[pb.Device(memory_bytes=8 << 30)]
+        )
 
 
 class FakePipeline:
@@ -103,6 +105,7 @@ class FakePipeline:
 
     auth = None
     held: Mapping[str, pb.LoadReply] = {}
+    node_status: Mapping[str, NodeStatus] = {}  # as loaded: the heartbeat (failover) keeps it up
 
     def __init__(
         self,

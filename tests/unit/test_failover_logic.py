@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from potluck.engine.contract import NodeStatus
 from potluck.errors import NodeError, PotluckError
 from potluck.model.stage import SeqChunk
 from potluck.pool.failover import MAX_RECOVERIES_IN_A_ROW, FailoverPipeline, PoolLostError
@@ -125,9 +126,12 @@ def test_a_silent_node_is_declared_gone_with_nothing_in_flight(make: Make) -> No
     assert first.clients[0].pinged.wait(WAIT_S)
     # the heartbeat names the plan (the nodes keep it while this head is idle)
     assert first.clients[0].hellos[-1] == ("head", ("p1",))
+    # what the dashboard shows comes from those Hellos: names, memory, and who answers
+    assert fo.node_status["a:1"] == NodeStatus("box-a:1", 8 << 30, True)
     first.clients[0].down = True
     assert recovered.wait(WAIT_S)
     assert connect.calls == [(frozenset({"a:1"}), 1)]
+    assert set(fo.node_status) == {"b:2"}  # the new plan's nodes
     assert "did not answer" in fo.events[0].reason
     assert second.caches == {1: list(PROMPT)}
     assert decode_step(fo, want[0]).result(WAIT_S) == want[1:]
@@ -245,7 +249,8 @@ def test_failover_off_a_silent_node_ends_the_request(make: Make) -> None:
     assert first.in_flight == []
     # the pool is let go as a failover lets the old plan go: hung up without a goodbye to a node
     # that may hang, nothing watched any more
-    assert first.abandoned and fo._closed.wait(WAIT_S)
+    assert fo._closed.wait(WAIT_S) and first.abandoned
+    assert not fo.node_status["b:2"].ok  # the dashboard shows it as not answering
     fo.close()
     assert not first.closed
 

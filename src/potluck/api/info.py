@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
@@ -41,7 +40,6 @@ def add_info_routes(app: FastAPI, api: Api, guarded: list) -> None:
 
     @app.get("/api/pool", dependencies=guarded)
     async def pool() -> dict[str, Any]:
-        await run_in_threadpool(api.pool.refresh_hellos)
         snap = api.pool.snapshot()
         store = getattr(app.state, "batches", None)
         snap["batches"] = [] if store is None else batch_progress(store)
@@ -49,7 +47,6 @@ def add_info_routes(app: FastAPI, api: Api, guarded: list) -> None:
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics(request: HttpRequest) -> Response:
-        await run_in_threadpool(api.pool.refresh_hellos)
         body, content_type = api.metrics.render(request.headers.get("accept"))
         return Response(body, media_type=content_type)
 

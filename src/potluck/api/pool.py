@@ -2,33 +2,20 @@
 
 Compute and network times come from the scheduler's recent decode steps (engine/scheduler.Stats:
 per stage, ms per decode step; a local pipeline reports the whole step as this machine's compute).
-A remote node's memory total comes from its Hello (asked at most every `HELLO_EVERY_S`, off the
-event loop); its used memory is what the planner's model says its layers hold (weights + the KV
+A remote node's name, memory total and whether it answers come from the pipeline
+(`Pipeline.node_status`: the failover heartbeat's Hellos); its used memory is what the planner's model says its layers hold (weights + the KV
 cache reserved for the context), the head's is measured.
 """
 
 from __future__ import annotations
 
 import socket
-import threading
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
 from potluck.engine.generate import Model
 from potluck.engine.scheduler import Scheduler
-
-HELLO_EVERY_S = 15.0
-
-
-@dataclass
-class _Hello:
-    name: str
-    memory_total: int
-    ok: bool
-    at: float
 
 
 class PoolInfo:
@@ -38,9 +25,6 @@ class PoolInfo:
         self.model, self.scheduler, self.model_id = model, scheduler, model_id
         self.hostname = socket.gethostname()
         self._footprint: Any = None  # the planner's model of the layers' bytes, made on first use
-        self._hello: dict[str, _Hello] = {}
-        self._hello_lock = threading.Lock()
-        self._refreshing = False
 
     def nodes(self) -> list[tuple[str, int, int]]:
         """(address or "local", start, stop) per stage, as the pipeline runs now (a pool that
@@ -67,56 +51,6 @@ class PoolInfo:
         )
         return int(fp.weights(a, b) + fp.kv(a, b) + extra)
 
-    def refresh_hellos(self) -> None:
-        """Ask each remote node for its name and memory, at most every HELLO_EVERY_S. Blocks
-        (run it off the event loop) only while a node has never answered; later refreshes run
-        on a background thread, so a poll never waits for a slow or gone node."""
-        stale, never = [], False
-        with self._hello_lock:
-            for node, _, _ in self.nodes():
-                h = self._hello.get(node)
-                if node != "local" and (h is None or time.monotonic() - h.at >= HELLO_EVERY_S):
-                    stale.append(node)
-                    never |= h is None
-            if not stale or self._refreshing:
-                return
-            self._refreshing = True
-        if never:
-            self._hello_all(stale)
-        else:
-            threading.Thread(target=self._hello_all, args=(stale,), daemon=True).start()
-
-    def _auth(self) -> Any:
-        """The head's pool credentials (secret, TLS), from the pipeline that uses them."""
-        return self.model.pipeline.auth
-
-    def _hello_all(self, nodes: list[str]) -> None:
-        from potluck.transport.client import NodeClient
-
-        try:
-            for node in nodes:
-                with self._hello_lock:
-                    old = self._hello.get(node)
-                client = NodeClient(node, self._auth())
-                try:
-                    reply = client.hello("dashboard", timeout=2.0)
-                    mem = reply.devices[0].memory_bytes if reply.devices else 0
-                    new = _Hello(reply.node_name or node, int(mem), True, time.monotonic())
-                except Exception:  # unreachable or misbehaving: the dashboard shows it as such
-                    new = _Hello(
-                        old.name if old else node,
-                        old.memory_total if old else 0,
-                        False,
-                        time.monotonic(),
-                    )
-                finally:
-                    client.close()
-                with self._hello_lock:
-                    self._hello[node] = new
-        finally:
-            with self._hello_lock:
-                self._refreshing = False
-
     def _local_used(self) -> int:
         stages = self.model.pipeline.stages
         weights = sum(s.weight_bytes() for s in stages)
@@ -127,6 +61,7 @@ class PoolInfo:
         st = self.scheduler.stats
         stage_ms, hop_ms = list(st.stage_ms), list(st.hop_ms)
         rows = st.decode_rows or 1.0
+        status = self.model.pipeline.node_status
         nodes = []
         for i, (node, a, b) in enumerate(self.nodes()):
             compute = stage_ms[i] if i < len(stage_ms) else None
@@ -139,8 +74,7 @@ class PoolInfo:
                     True,
                 )
             else:
-                with self._hello_lock:
-                    h = self._hello.get(node)
+                h = status.get(node)
                 name = h.name if h else node
                 used = self._planned_bytes(a, b)
                 total, ok = (h.memory_total if h else 0), (h.ok if h else True)

@@ -53,6 +53,15 @@ class Assignment:
         return f"layers {self.start}–{self.stop - 1} → {where} ({device})"
 
 
+@dataclass(frozen=True)
+class NodeStatus:
+    """A remote node as its last Hello showed it (the dashboard's view)."""
+
+    name: str  # what the node calls itself
+    memory_total: int  # bytes its first device has (RAM for a CPU)
+    ok: bool  # it answers
+
+
 class Pipeline(Protocol):
     """What generation needs from a pipeline, local or spread over nodes."""
 
@@ -95,6 +104,12 @@ class Pipeline(Protocol):
     @property
     def held(self) -> Mapping[str, pb.LoadReply]:
         """Per remote node, what it reported holding once it loaded the plan."""
+        ...
+
+    @property
+    def node_status(self) -> Mapping[str, NodeStatus]:
+        """Per remote node, its name, memory and whether it answers (kept up by the heartbeat
+        where there is one, else as loaded)."""
         ...
 
     @property

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from potluck.engine.chain import submit_after
-from potluck.engine.contract import Assignment
+from potluck.engine.contract import Assignment, NodeStatus
 from potluck.model.stage import SeqChunk, Stage
 from potluck.sampling import Sampler
 
@@ -46,6 +46,10 @@ class LocalPipeline:
 
     @property
     def held(self) -> dict[str, pb.LoadReply]:
+        return {}
+
+    @property
+    def node_status(self) -> dict[str, NodeStatus]:
         return {}
 
     @property

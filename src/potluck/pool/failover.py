@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -36,15 +37,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from potluck.engine.chain import follow_inputs
-from potluck.engine.contract import DEFAULT_TIMEOUT_S, Assignment, Pipeline
+from potluck.engine.contract import DEFAULT_TIMEOUT_S, Assignment, NodeStatus, Pipeline
 from potluck.errors import PoolLostError, PotluckError
 from potluck.model.stage import SeqChunk, Stage
+from potluck.pool.pipeline import status_of
 from potluck.sampling import Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
 
 OFF_TIMEOUT_S = 30.0  # failover off: how long a node may stay silent before the request ends
+STATUS_SILENT_S = 2.0  # a node silent this long shows as not answering (the dashboard)
 MAX_RECOVERIES_IN_A_ROW = 4  # another node failing during a recovery starts it over, this often
 
 
@@ -100,6 +103,7 @@ class _Health:
     gone: bool = False
     reason: str = ""
     last_seen: float = field(default=0.0)
+    status: NodeStatus | None = None  # from its last Hello
 
 
 # (nodes declared gone so far, epoch) -> a new pipeline over the others; raises PotluckError when
@@ -180,6 +184,18 @@ class FailoverPipeline:
     @property
     def clients(self) -> list[NodeClient]:
         return list(self.inner.clients)
+
+    @property
+    def node_status(self) -> dict[str, NodeStatus]:
+        """The current plan's nodes as the heartbeat last saw them: one silent for STATUS_SILENT_S
+        (or declared gone) is not ok."""
+        out = dict(self.inner.node_status)
+        now = time.monotonic()
+        for node, h in list(self._health.items()):
+            seen = h.status or out.get(node) or NodeStatus(node, 0, True)
+            ok = not h.gone and now - h.last_ok < STATUS_SILENT_S
+            out[node] = dataclasses.replace(seen, ok=ok)
+        return out
 
     @property
     def plan_id(self) -> str:
@@ -368,9 +384,9 @@ class FailoverPipeline:
             # failover off, and the heartbeat declared a node gone: hang up (no goodbye to a
             # node that may hang) and stop watching, as when a batch found it
             if not self._closed.is_set():
-                self._closed.set()
                 with contextlib.suppress(PotluckError):
                     self.inner.abandon()
+                self._closed.set()
             return
         for _ in range(MAX_RECOVERIES_IN_A_ROW):
             t_decide = time.monotonic()
@@ -499,8 +515,9 @@ class FailoverPipeline:
 
     def _ping(self, client: NodeClient, h: _Health, plan_id: str) -> None:
         try:  # naming the plan keeps the nodes from freeing it while this head is idle
-            client.hello("head", [plan_id], timeout=self.timeout_s)
+            reply = client.hello("head", [plan_id], timeout=self.timeout_s)
             h.last_ok = time.monotonic()
+            h.status = status_of(client.address, reply)
         except PotluckError:
             pass  # silence counts against the node in _heartbeat
         except Exception:  # a bug, not the node: say so (it would otherwise count as silence)

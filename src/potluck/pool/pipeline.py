@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from potluck.engine.chain import submit_after
-from potluck.engine.contract import LOCAL, Assignment
+from potluck.engine.contract import LOCAL, Assignment, NodeStatus
 from potluck.errors import PotluckError
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage
@@ -49,6 +49,12 @@ from potluck.transport.codec import (
 HEAD_ID = secrets.token_hex(8)
 LOAD_TIMEOUT_S = 300.0  # a node's Load of weights it has (seconds)
 RELEASE_WAIT_S = 1.0  # longest a closing head waits for the nodes to free its plan (seconds)
+
+
+def status_of(address: str, reply: pb.HelloReply) -> NodeStatus:
+    """A node's name and memory from its Hello."""
+    memory = reply.devices[0].memory_bytes if reply.devices else 0
+    return NodeStatus(reply.node_name or address, int(memory), True)
 
 
 def plan_id_of(
@@ -124,6 +130,7 @@ class RemotePipeline:
         self.clients = [NodeClient(a.node, auth) for a in remotes]
         loaded: list[NodeClient] = []
         self.held: dict[str, pb.LoadReply] = {}  # per node: what it holds once loaded
+        self.node_status: dict[str, NodeStatus] = {}  # per node: its Hello when it was loaded
         try:
             self._load_nodes(file, hp, remotes, n_ctx, wire_dtype, loaded)
         except BaseException:  # a node refused or failed: the ones loaded so far let it go
@@ -166,6 +173,7 @@ class RemotePipeline:
                 raise NodeError(
                     f"node {client.address} speaks protocol {reply.protocol_version}, this head {PROTOCOL_VERSION}"
                 )
+            self.node_status[client.address] = status_of(client.address, reply)
             client.use_data_port()  # the forward path's fast lane, if the node's port is reachable
         header = file.header_bytes()
 
