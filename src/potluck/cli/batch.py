@@ -33,6 +33,7 @@ from potluck.cli.options import (
     ThreadsOpt,
     TlsOpt,
     _head_mem,
+    no_workers_for,
 )
 from potluck.cli.peers import _auth, _found, _peers
 from potluck.cli.runtime import _setup_threads
@@ -257,10 +258,7 @@ def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq, found: list[s
     found.extend(addresses)
     if not addresses:
         if mem == 0:
-            raise PotluckError(
-                "--mem 0 keeps the model off this machine, and no worker was found: name them "
-                "with --peer HOST:PORT (or start `potluck worker` on them)"
-            )
+            raise no_workers_for("the model")
         m = load_model(path, ctx, n_seq=n_seq)
         err.print(f"[dim]{m.summary()}[/]")
         return [("this machine", m)], lambda label: None

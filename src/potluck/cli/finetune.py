@@ -28,6 +28,7 @@ from potluck.cli.options import (
     ThreadsOpt,
     TlsOpt,
     _head_mem,
+    no_workers_for,
 )
 from potluck.cli.peers import _auth, _found, _peers
 from potluck.cli.runtime import _physical_cores
@@ -162,10 +163,7 @@ def finetune(
         )  # fmt: skip
     else:
         if _head_mem(mem) == 0:
-            raise PotluckError(
-                "--mem 0 keeps the training off this machine, and no worker was found: name "
-                "them with --peer HOST:PORT (or start `potluck worker` on them)"
-            )
+            raise no_workers_for("the training")
         trainer = Trainer(hp, f, examples, config, evals)
     ckpt = output.with_name(output.name + CHECKPOINT_SUFFIX)
     if ckpt.exists() and not resume:

@@ -14,7 +14,7 @@ from rich.progress import (
 )
 
 from potluck.cli.console import err
-from potluck.cli.options import WIRE_DTYPES
+from potluck.cli.options import WIRE_DTYPES, no_workers_for
 from potluck.cli.peers import _auth, _found
 from potluck.cli.runtime import _backends, _setup_threads
 from potluck.errors import PotluckError
@@ -76,10 +76,7 @@ def _load(
         if found is not None:
             found += addresses
         if mem == 0 and not addresses:
-            raise PotluckError(
-                "--mem 0 keeps every layer off this machine, and no worker was found: name "
-                "them with --peer HOST:PORT (or start `potluck worker` on them)"
-            )
+            raise no_workers_for("every layer")
         if shares and not addresses:  # a split by hand over no pool: say so, don't ignore it
             raise PotluckError(
                 f"--tensor-split {','.join(f'{x:g}' for x in shares)} needs workers, and none "

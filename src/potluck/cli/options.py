@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from potluck.errors import PotluckError
+
 ModelOpt = Annotated[
     str | None,
     typer.Option(
@@ -342,3 +344,11 @@ def _sampling(
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def no_workers_for(what: str) -> PotluckError:
+    """--mem 0 (nothing on this machine) with no worker found: `what` would run nowhere."""
+    return PotluckError(
+        f"--mem 0 keeps {what} off this machine, and no worker was found: name them with "
+        "--peer HOST:PORT (or start `potluck worker` on them)"
+    )
