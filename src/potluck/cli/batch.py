@@ -191,7 +191,7 @@ class _Recruits:
         self.path, self.ctx, self.finder, self.n_seq = path, ctx, finder, n_seq
         self.known: set[str] = set(known)  # workers used or tried already
         self.auth_flags, self.make_app, self.replicas = auth_flags, make_app, replicas
-        self.reloads: dict[str, Callable] = {}  # label -> reload(label) (engine.replicas)
+        self.reloads: dict[str, Callable] = {}  # label -> reload(label) (pool/replicas.py)
 
     def add(self, loaded, reload) -> None:
         for label, _ in loaded:
