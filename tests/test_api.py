@@ -25,6 +25,8 @@ from potluck.api.server import ServerConfig, bind, create_app, model_id_of, uvic
 from potluck.engine.generate import Model, generate, load_model
 from potluck.engine.scheduler import Scheduler, SchedulerConfig
 from potluck.sampling import GREEDY, Sampler, SamplingParams
+from workers import Spawn
+from workers import spawn_module_worker as spawn_module_worker
 
 KEY = "test-key-123"
 N_CTX = 512
@@ -727,16 +729,10 @@ def test_potluck_serve_subprocess(smollm2_path: Path) -> None:
 
 # -- over a pool: this machine + one worker process -------------------------------------------------
 @pytest.fixture(scope="module")
-def pool_server(smollm2_path: Path) -> Iterator[Server]:
-    from test_pool import start_worker
-
-    proc, address = start_worker()
-    try:
-        m = load_model(smollm2_path, n_ctx=256, peers=[address], tensor_split=[1, 1])
-        yield from start_server(m, SchedulerConfig(), None)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+def pool_server(spawn_module_worker: Spawn, smollm2_path: Path) -> Iterator[Server]:
+    address = spawn_module_worker().address
+    m = load_model(smollm2_path, n_ctx=256, peers=[address], tensor_split=[1, 1])
+    yield from start_server(m, SchedulerConfig(), None)
 
 
 def test_pool_server_dashboard_and_logprobs(pool_server: Server, ref: Model) -> None:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from test_pool import start_worker
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 # counting goes on well past what is generated before the kill (greedy, no end of text)
 PROMPT = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 400, "temperature": 0}
@@ -57,10 +58,12 @@ def _assert_pool_error(body: dict, log: list[str]) -> None:
     assert "went away and the machines left cannot run the model" in err["message"], body
 
 
-def test_a_node_lost_mid_request_answers_503_in_openais_shape(smollm2_path: Path) -> None:
-    worker, addr = start_worker()
+def test_a_node_lost_mid_request_answers_503_in_openais_shape(
+    spawn_worker: Spawn, smollm2_path: Path
+) -> None:
+    worker = spawn_worker()
     head, url, log = _serve(
-        smollm2_path, "-c", "512", "-np", "2", "--peer", addr, "--mem", "0"
+        smollm2_path, "-c", "512", "-np", "2", "--peer", worker.address, "--mem", "0"
     )  # fmt: skip
     body = PROMPT | {"model": smollm2_path.stem}
     try:
@@ -80,7 +83,6 @@ def test_a_node_lost_mid_request_answers_503_in_openais_shape(smollm2_path: Path
                     assert time.monotonic() < deadline, "the non-streaming request never started"
                     time.sleep(0.05)
                 worker.kill()  # SIGKILL: the node is gone, both requests mid-generation
-                worker.wait(timeout=10)
                 events = [line for line in lines if line.startswith("data: ")]
             answer = plain.result(timeout=120)
         # the streaming request: its last event is the error, and no [DONE] follows it
@@ -97,9 +99,6 @@ def test_a_node_lost_mid_request_answers_503_in_openais_shape(smollm2_path: Path
     finally:
         head.terminate()
         head.wait(timeout=30)
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait(timeout=10)
 
 
 def test_a_node_error_maps_to_503_as_a_lost_pool_does() -> None:

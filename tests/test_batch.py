@@ -16,6 +16,8 @@ import pytest
 from potluck.api.batch import Journal, read_input
 from potluck.engine.generate import generate, load_model
 from potluck.sampling import GREEDY, Sampler
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -159,42 +161,35 @@ def test_the_journal_reruns_what_failed_for_the_servers_sake(tmp_path: Path) -> 
 
 
 @pytest.mark.slow  # reference run + a killed run + a resumed run
-def test_replicas_on_two_workers_survive_one_killed(smollm2_path: Path, tmp_path: Path) -> None:
+def test_replicas_on_two_workers_survive_one_killed(
+    spawn_worker: Spawn, smollm2_path: Path, tmp_path: Path
+) -> None:
     """Two workers, each holding the whole model, are two replicas (the head holds none:
     --mem 0); one is SIGKILLed mid-job: its requests go to the other; started again on its
     port, it joins the job again; the output has every custom_id once, each answer as one
     process gives it."""
-    from test_pool import start_worker
-
     inp, want = _counting_job(tmp_path, 40)
-    a, addr_a = start_worker()
-    b, addr_b = start_worker()
-    try:
-        plan = subprocess.run(
-            [sys.executable, "-m", "potluck.cli", "plan", "--batch", "-m", str(smollm2_path),
-             "--peer", addr_a, "--peer", addr_b, "--mem", "0", "--no-mdns", "-np", "2"],
-            capture_output=True, text=True, timeout=300,
-            env={**os.environ, "POTLUCK_MDNS": "0", "COLUMNS": "200"},
-        )  # fmt: skip
-        assert plan.returncode == 0, plan.stderr
-        assert addr_a in plan.stdout and addr_b in plan.stdout, plan.stdout
-        assert "best single machine: 127.0.0.1:" in plan.stdout and "the pool:" in plan.stdout
-        out = tmp_path / "out.jsonl"
-        proc = _batch(inp, out, "--peer", addr_a, "--peer", addr_b, "--mem", "0", "-np", "2")
-        deadline = time.monotonic() + 300
-        while len(_lines(out)) < 4:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        a.kill()
-        a.wait(timeout=10)
-        port = addr_a.rsplit(":", 1)[1]
-        a, again = start_worker(args=("-p", port))  # the same machine, back
-        assert again == addr_a
-        _, said = proc.communicate(timeout=600)
-    finally:
-        for w in (a, b):
-            w.kill()
-            w.wait(timeout=10)
+    a, b = spawn_worker(), spawn_worker()
+    addr_a, addr_b = a.address, b.address
+    plan = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "plan", "--batch", "-m", str(smollm2_path),
+         "--peer", addr_a, "--peer", addr_b, "--mem", "0", "--no-mdns", "-np", "2"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "POTLUCK_MDNS": "0", "COLUMNS": "200"},
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    assert addr_a in plan.stdout and addr_b in plan.stdout, plan.stdout
+    assert "best single machine: 127.0.0.1:" in plan.stdout and "the pool:" in plan.stdout
+    out = tmp_path / "out.jsonl"
+    proc = _batch(inp, out, "--peer", addr_a, "--peer", addr_b, "--mem", "0", "-np", "2")
+    deadline = time.monotonic() + 300
+    while len(_lines(out)) < 4:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    a.kill()
+    again = spawn_worker(port=a.port)  # the same machine, back
+    assert again.address == addr_a
+    _, said = proc.communicate(timeout=600)
     assert proc.returncode == 0, said
     assert (
         f"replica {addr_a}: the whole model" in said

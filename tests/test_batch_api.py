@@ -21,6 +21,8 @@ import pytest
 
 from potluck.engine.generate import generate, load_model
 from potluck.sampling import GREEDY, Sampler
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 pytestmark = pytest.mark.slow  # ≈ 1 min: 200 requests, a kill and a restart
 
@@ -53,7 +55,7 @@ def batch_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 def _follow(proc: subprocess.Popen) -> list[str]:
-    """The lines a worker logs from now on, collected by a thread (never a full pipe)."""
+    """The lines a server logs from now on, collected by a thread (never a full pipe)."""
     lines: list[str] = []
     assert proc.stderr is not None
     threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
@@ -180,56 +182,42 @@ def test_cancel_list_and_errors(smollm2_path: Path, batch_dir: Path, tmp_path: P
 
 
 def test_idle_workers_take_batch_requests_and_a_killed_one_hands_them_back(
-    smollm2_path: Path, batch_dir: Path, tmp_path: Path
+    spawn_worker: Spawn, smollm2_path: Path, batch_dir: Path, tmp_path: Path
 ) -> None:
     """serve over two workers whose plan uses one (--tensor-split 0,1,0, the head holding none):
     the idle one runs the whole model as a batch replica. It is SIGKILLed mid-batch (its
     requests go back), started again on its port (it is loaded again and takes requests), and
     the server is SIGKILLed and started again: the batch completes with every custom_id once."""
-    from test_pool import start_worker
-
     inp = tmp_path / "in.jsonl"
     _input(inp, smollm2_path.stem, 200)
-    a, addr_a = start_worker()
-    b, addr_b = start_worker()
-    args = ("--peer", addr_a, "--peer", addr_b, "--mem", "0", "--tensor-split", "0,1,0")
+    a, b = spawn_worker(), spawn_worker()
+    args = ("--peer", a.address, "--peer", b.address, "--mem", "0", "--tensor-split", "0,1,0")
+    proc, url = _serve(smollm2_path, batch_dir, *args)
     try:
-        proc, url = _serve(smollm2_path, batch_dir, *args)
-        try:
-            c = _client(url)
-            f = c.files.create(file=inp.open("rb"), purpose="batch")
-            batch = c.batches.create(
-                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-            _wait(c, batch.id, lambda x: x.request_counts and x.request_counts.completed >= 30)
-            b.kill()  # the batch replica's machine goes away ...
-            b.wait(timeout=10)
-            _wait(c, batch.id, lambda x: x.request_counts.completed >= 60)
-            first_b = b
-            b, again = start_worker(args=("-p", addr_b.rsplit(":", 1)[1]))  # ... and comes back
-            assert again == addr_b
-            said = _follow(b)
-            # it is loaded again (within REVIVE_S) and takes requests
-            deadline = time.monotonic() + 120
-            while "layers 0–29" not in "".join(said):
-                assert time.monotonic() < deadline, "the worker that came back was not used"
-                time.sleep(0.5)
-        finally:
-            proc.kill()
-            proc.wait()
-        proc, url = _serve(smollm2_path, batch_dir, *args)  # the server, started again
-        try:
-            c = _client(url)
-            done = _wait(c, batch.id, lambda x: x.status == "completed")
-            out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+        c = _client(url)
+        f = c.files.create(file=inp.open("rb"), purpose="batch")
+        batch = c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        _wait(c, batch.id, lambda x: x.request_counts and x.request_counts.completed >= 30)
+        b.kill()  # the batch replica's machine goes away ...
+        _wait(c, batch.id, lambda x: x.request_counts.completed >= 60)
+        again = spawn_worker(port=b.port)  # ... and comes back
+        assert again.address == b.address
+        # it is loaded again (within REVIVE_S) and takes requests
+        assert again.wait_for("layers 0–29", timeout=120), "the worker that came back was not used"
     finally:
-        for w in (a, b):
-            w.kill()
-            w.wait(timeout=10)
-    assert first_b.stderr is not None and "layers 0–29" in first_b.stderr.read()  # a replica
+        proc.kill()
+        proc.wait()
+    proc, url = _serve(smollm2_path, batch_dir, *args)  # the server, started again
+    try:
+        c = _client(url)
+        done = _wait(c, batch.id, lambda x: x.status == "completed")
+        out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "layers 0–29" in b.stop()  # a replica
     ids = [o["custom_id"] for o in out]
     assert sorted(ids) == sorted(f"r{i}" for i in range(200))
     assert done.request_counts.completed == 200 and done.request_counts.failed == 1
@@ -237,46 +225,38 @@ def test_idle_workers_take_batch_requests_and_a_killed_one_hands_them_back(
 
 
 def test_a_worker_started_after_the_server_joins_a_running_batch(
-    smollm2_path: Path, batch_dir: Path, tmp_path: Path
+    spawn_worker: Spawn, smollm2_path: Path, batch_dir: Path, tmp_path: Path
 ) -> None:
     """serve over worker a (the head holding none); worker b is in the peers file but not running,
     so it is left out at start. Started while a batch runs, it is found, loaded with the whole
     model (a replica of its own) and takes requests; the batch has every custom_id once."""
-    from test_pool import start_worker
-
     inp = tmp_path / "in.jsonl"
     _input(inp, smollm2_path.stem, 120)
-    a, addr_a = start_worker()
-    b, addr_b = start_worker()
+    a, b = spawn_worker(), spawn_worker()
+    addr_b = b.address
     b.kill()  # its port, free again: b is started on it later
-    b.wait(timeout=10)
     config = tmp_path / "config"
     config.mkdir()
     (config / "peers").write_text(addr_b + "\n")
+    proc, url = _serve(smollm2_path, batch_dir, "--peer", a.address, "--mem", "0",
+                       env={"POTLUCK_CONFIG": str(config)})  # fmt: skip
+    server_said = _follow(proc)
     try:
-        proc, url = _serve(smollm2_path, batch_dir, "--peer", addr_a, "--mem", "0",
-                           env={"POTLUCK_CONFIG": str(config)})  # fmt: skip
-        server_said = _follow(proc)
-        try:
-            c = _client(url)
-            f = c.files.create(file=inp.open("rb"), purpose="batch")
-            batch = c.batches.create(
-                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-            _wait(c, batch.id, lambda x: x.request_counts and x.request_counts.completed >= 5)
-            b, again = start_worker(args=("-p", addr_b.rsplit(":", 1)[1]))  # started now
-            assert again == addr_b
-            said = _follow(b)
-            done = _wait(c, batch.id, lambda x: x.status == "completed")
-            out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+        c = _client(url)
+        f = c.files.create(file=inp.open("rb"), purpose="batch")
+        batch = c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        _wait(c, batch.id, lambda x: x.request_counts and x.request_counts.completed >= 5)
+        back = spawn_worker(port=b.port)  # started now
+        assert back.address == addr_b
+        done = _wait(c, batch.id, lambda x: x.status == "completed")
+        out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
     finally:
-        for w in (a, b):
-            w.kill()
-            w.wait(timeout=10)
-    assert "layers 0–29" in "".join(said), "".join(said)  # b holds the whole model
+        proc.terminate()
+        proc.wait(timeout=30)
+    said = back.stop()
+    assert "layers 0–29" in said, said  # b holds the whole model
     assert f"replica {addr_b} joins" in "".join(server_said), "".join(server_said)
     assert sorted(o["custom_id"] for o in out) == sorted(f"r{i}" for i in range(120))
     assert done.request_counts.completed == 120 and done.request_counts.failed == 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 import socket
 import ssl
 import struct
@@ -29,6 +28,8 @@ from potluck.transport.auth import AuthError, PoolAuth
 from potluck.transport.client import ForwardLink, NodeClient
 from potluck.transport.codec import PROTOCOL_VERSION
 from potluck.transport.dataplane import DataLink, DataServer, recv_frame, send_frame
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 A = PoolAuth.from_secret("correct horse battery staple")
 B = PoolAuth.from_secret("another pool's secret")
@@ -305,122 +306,89 @@ def test_client_keeps_the_grpc_stream_when_the_data_port_is_closed(
 # -- real workers ---------------------------------------------------------------------------------
 
 
-def _start_worker(
-    *args: str, secret: str | None = None, config: str | None = None
-) -> tuple[subprocess.Popen, str, int]:
-    env = {**os.environ, "POTLUCK_MDNS": "0"}
-    env.pop("POTLUCK_SECRET", None)
-    if secret:
-        env["POTLUCK_SECRET"] = secret
-    if config:
-        env["POTLUCK_CONFIG"] = config
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "potluck.cli", "worker", "-p", "0", "-t", "1", *args],
-        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 60
-    while "listening on" not in (line := proc.stderr.readline()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"worker did not start: {line}")
-    port = re.search(r"listening on [^ ]*:(\d+) ", line)  # -p 0: the port it picked itself
-    assert port, line
-    found = re.search(r"data port (\d+)", line)
-    data = int(found.group(1)) if found else 0
-    return proc, f"127.0.0.1:{port.group(1)}", data
-
-
-def test_pool_over_data_ports_and_grpc_streams_equals_one_process(smollm2_path: Path) -> None:
+def test_pool_over_data_ports_and_grpc_streams_equals_one_process(
+    spawn_worker: Spawn, smollm2_path: Path
+) -> None:
     """A head with a local first stage, a worker on its data port and one with --no-data-port
     (hidden states then travel on gRPC streams): the same greedy tokens as one process, and each
     link is the one it should be."""
-    fast, fast_addr, fast_data = _start_worker("--data-port", "0")
-    slow, slow_addr, slow_data = _start_worker("--no-data-port")
-    try:
-        assert fast_data > 0 and slow_data == 0
-        single = load_model(smollm2_path, n_ctx=256)
-        ids = single.tokenizer.encode("The three primary colours are")
-        want = list(generate(single, ids, 12, Sampler(GREEDY)))
-        n = single.hp.n_layer
-        pool = load_model(
-            smollm2_path,
-            n_ctx=256,
-            assignments=[
-                Assignment(LOCAL, 0, 10),
-                Assignment(fast_addr, 10, 20),
-                Assignment(slow_addr, 20, n),
-            ],
-        )
-        clients = pool.pipeline.inner.clients  # type: ignore[attr-defined]
-        assert isinstance(clients[0].link, DataLink)
-        assert clients[0].data_port == fast_data
-        assert isinstance(clients[1].link, ForwardLink)
-        assert list(generate(pool, ids, 12, Sampler(GREEDY))) == want
-        # logits of every row (perplexity) relayed back through the middle worker: exact
-        import numpy as np
+    fast, slow = spawn_worker("--data-port", "0"), spawn_worker("--no-data-port")
+    assert fast.data_port > 0 and slow.data_port == 0
+    single = load_model(smollm2_path, n_ctx=256)
+    ids = single.tokenizer.encode("The three primary colours are")
+    want = list(generate(single, ids, 12, Sampler(GREEDY)))
+    n = single.hp.n_layer
+    pool = load_model(
+        smollm2_path,
+        n_ctx=256,
+        assignments=[
+            Assignment(LOCAL, 0, 10),
+            Assignment(fast.address, 10, 20),
+            Assignment(slow.address, 20, n),
+        ],
+    )
+    clients = pool.pipeline.inner.clients  # type: ignore[attr-defined]
+    assert isinstance(clients[0].link, DataLink)
+    assert clients[0].data_port == fast.data_port
+    assert isinstance(clients[1].link, ForwardLink)
+    assert list(generate(pool, ids, 12, Sampler(GREEDY))) == want
+    # logits of every row (perplexity) relayed back through the middle worker: exact
+    import numpy as np
 
-        from potluck.model.stage import SeqChunk
+    from potluck.model.stage import SeqChunk
 
-        rows = np.arange(len(ids))
-        got = pool.pipeline.forward(np.array(ids), [SeqChunk(901, len(ids))], rows)
-        ref = single.pipeline.forward(np.array(ids), [SeqChunk(901, len(ids))], rows)
-        assert got.shape == (len(ids), single.hp.n_vocab) and np.array_equal(got, ref)
-        pool.close()
-    finally:
-        for p in (fast, slow):
-            p.terminate()
-            p.wait(timeout=10)
+    rows = np.arange(len(ids))
+    got = pool.pipeline.forward(np.array(ids), [SeqChunk(901, len(ids))], rows)
+    ref = single.pipeline.forward(np.array(ids), [SeqChunk(901, len(ids))], rows)
+    assert got.shape == (len(ids), single.hp.n_vocab) and np.array_equal(got, ref)
+    pool.close()
 
 
-def test_tls_worker_computes_over_its_tls_data_port(smollm2_path: Path, tmp_path: Path) -> None:
+def test_tls_worker_computes_over_its_tls_data_port(
+    spawn_worker: Spawn, smollm2_path: Path, tmp_path: Path
+) -> None:
     secret = "tls data port test secret"
     env_config = str(tmp_path / "config")
-    proc, addr, data = _start_worker("--tls", secret=secret, config=env_config)
-    try:
-        assert data > 0
-        auth = PoolAuth.from_secret(secret, tls=True)
-        n = load_model(smollm2_path, n_ctx=64).hp.n_layer
-        pool = load_model(smollm2_path, n_ctx=256, assignments=[Assignment(addr, 0, n)], auth=auth)
-        link = pool.pipeline.inner.clients[0].link  # type: ignore[attr-defined]
-        assert isinstance(link, DataLink) and link.cert_sha256
-        single = load_model(smollm2_path, n_ctx=256)
-        ids = single.tokenizer.encode("The moon orbits")
-        assert list(generate(pool, ids, 6, Sampler(GREEDY))) == list(
-            generate(single, ids, 6, Sampler(GREEDY))
-        )
-        assert isinstance(link._conn.sock, ssl.SSLSocket)  # type: ignore[union-attr]
-        pool.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    w = spawn_worker("--tls", secret=secret, env={"POTLUCK_CONFIG": env_config})
+    addr, data = w.address, w.data_port
+    assert data > 0
+    auth = PoolAuth.from_secret(secret, tls=True)
+    n = load_model(smollm2_path, n_ctx=64).hp.n_layer
+    pool = load_model(smollm2_path, n_ctx=256, assignments=[Assignment(addr, 0, n)], auth=auth)
+    link = pool.pipeline.inner.clients[0].link  # type: ignore[attr-defined]
+    assert isinstance(link, DataLink) and link.cert_sha256
+    single = load_model(smollm2_path, n_ctx=256)
+    ids = single.tokenizer.encode("The moon orbits")
+    assert list(generate(pool, ids, 6, Sampler(GREEDY))) == list(
+        generate(single, ids, 6, Sampler(GREEDY))
+    )
+    assert isinstance(link._conn.sock, ssl.SSLSocket)  # type: ignore[union-attr]
+    pool.close()
 
 
-def test_worker_data_port_needs_the_pool_secret(smollm2_path: Path) -> None:
+def test_worker_data_port_needs_the_pool_secret(spawn_worker: Spawn, smollm2_path: Path) -> None:
     """A worker with a secret: a head with the secret computes over the data port (first stage
     and last stage on the worker, token ids in and out); a stranger's data connection is refused."""
     secret = "data port test secret"
-    proc, addr, data = _start_worker(secret=secret)
-    try:
-        auth = PoolAuth.from_secret(secret)
-        n = load_model(smollm2_path, n_ctx=64).hp.n_layer
-        pool = load_model(smollm2_path, n_ctx=256, assignments=[Assignment(addr, 0, n)], auth=auth)
-        assert isinstance(pool.pipeline.inner.clients[0].link, DataLink)  # type: ignore[attr-defined]
-        single = load_model(smollm2_path, n_ctx=256)
-        ids = single.tokenizer.encode("Water boils at")
-        assert list(generate(pool, ids, 6, Sampler(GREEDY))) == list(
-            generate(single, ids, 6, Sampler(GREEDY))
-        )
-        pool.close()
-        with pytest.raises(AuthError, match="pool secret mismatch"):
-            DataLink(addr, data, B).open()
-        with pytest.raises(AuthError, match="pool secret mismatch"):
-            DataLink(addr, data, NONE).open()
-        stranger = DataLink(addr, data, B)
-        assert isinstance(stranger.send(_req("x")).exception(timeout=10), AuthError)
-        assert proc.poll() is None
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    w = spawn_worker(secret=secret)
+    addr, data = w.address, w.data_port
+    auth = PoolAuth.from_secret(secret)
+    n = load_model(smollm2_path, n_ctx=64).hp.n_layer
+    pool = load_model(smollm2_path, n_ctx=256, assignments=[Assignment(addr, 0, n)], auth=auth)
+    assert isinstance(pool.pipeline.inner.clients[0].link, DataLink)  # type: ignore[attr-defined]
+    single = load_model(smollm2_path, n_ctx=256)
+    ids = single.tokenizer.encode("Water boils at")
+    assert list(generate(pool, ids, 6, Sampler(GREEDY))) == list(
+        generate(single, ids, 6, Sampler(GREEDY))
+    )
+    pool.close()
+    with pytest.raises(AuthError, match="pool secret mismatch"):
+        DataLink(addr, data, B).open()
+    with pytest.raises(AuthError, match="pool secret mismatch"):
+        DataLink(addr, data, NONE).open()
+    stranger = DataLink(addr, data, B)
+    assert isinstance(stranger.send(_req("x")).exception(timeout=10), AuthError)
+    assert w.alive()
 
 
 def test_doctor_warns_when_the_data_port_is_closed() -> None:
@@ -471,44 +439,35 @@ def test_tensor_codec_round_trip(wire: str | None) -> None:
     assert np.array_equal(got, ref)
 
 
-def test_a_worker_on_the_data_port_of_another_says_so() -> None:
+def test_a_worker_on_the_data_port_of_another_says_so(spawn_worker: Spawn) -> None:
     """Workers on one machine with consecutive ports: the second one's gRPC port is the first
     one's data port; it says what to do instead of a bare 'port taken'."""
-    first, addr, data = _start_worker()
-    try:
-        port = int(addr.rpartition(":")[2])
-        assert data == port + 1
-        env = {**os.environ, "POTLUCK_MDNS": "0"}
-        done = subprocess.run(
-            [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port + 1), "-t", "1"],
-            env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert done.returncode == 1
-        assert f"cannot listen on 127.0.0.1:{port + 1}" in done.stderr
-        assert "ports two apart" in done.stderr
-    finally:
-        first.terminate()
-        first.wait(timeout=10)
+    first = spawn_worker()
+    port, data = first.port, first.data_port
+    assert data == port + 1
+    env = {**os.environ, "POTLUCK_MDNS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port + 1), "-t", "1"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port + 1}" in done.stderr
+    assert "ports two apart" in done.stderr
 
 
-def test_a_second_worker_on_a_taken_port_does_not_start() -> None:
+def test_a_second_worker_on_a_taken_port_does_not_start(spawn_worker: Spawn) -> None:
     """gRPC sets SO_REUSEPORT by default: a second worker on the same port used to start and
     share it (answering some heads in place of the first). It must fail in one line."""
-    first, addr, _ = _start_worker()
-    try:
-        port = int(addr.rpartition(":")[2])
-        env = {**os.environ, "POTLUCK_MDNS": "0"}
-        done = subprocess.run(
-            [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1",
-             "--data-port", "0"],
-            env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert done.returncode == 1, done.stderr
-        assert f"cannot listen on 127.0.0.1:{port}: the port is taken" in done.stderr
-        assert "Traceback" not in done.stderr
-    finally:
-        first.terminate()
-        first.wait(timeout=10)
+    port = spawn_worker().port
+    env = {**os.environ, "POTLUCK_MDNS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1",
+         "--data-port", "0"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: the port is taken" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_a_taken_data_port_given_by_hand_is_one_line() -> None:
@@ -527,28 +486,25 @@ def test_a_taken_data_port_given_by_hand_is_one_line() -> None:
     assert "--data-port" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_polling_and_sleeping_workers_equal_one_process(smollm2_path: Path) -> None:
+def test_polling_and_sleeping_workers_equal_one_process(
+    spawn_worker: Spawn, smollm2_path: Path
+) -> None:
     """A worker that polls its data connections between tokens (the default, here 50 ms) and one
     that sleeps at once (--spin-ms 0), with a head that only sends ids: one process's tokens."""
-    polling, polling_addr, _ = _start_worker("--spin-ms", "50")
-    sleeping, sleeping_addr, _ = _start_worker("--spin-ms", "0")
-    try:
-        single = load_model(smollm2_path, n_ctx=256)
-        ids = single.tokenizer.encode("Rivers flow into")
-        want = list(generate(single, ids, 10, Sampler(GREEDY)))
-        n = single.hp.n_layer
-        for first, second in ((polling_addr, sleeping_addr), (sleeping_addr, polling_addr)):
-            pool = load_model(
-                smollm2_path,
-                n_ctx=256,
-                assignments=[Assignment(first, 0, 14), Assignment(second, 14, n)],
-            )
-            assert list(generate(pool, ids, 10, Sampler(GREEDY))) == want
-            pool.pipeline.close()  # type: ignore[attr-defined]
-    finally:
-        for proc in (polling, sleeping):
-            proc.terminate()
-            proc.wait(timeout=10)
+    polling_addr = spawn_worker("--spin-ms", "50").address
+    sleeping_addr = spawn_worker("--spin-ms", "0").address
+    single = load_model(smollm2_path, n_ctx=256)
+    ids = single.tokenizer.encode("Rivers flow into")
+    want = list(generate(single, ids, 10, Sampler(GREEDY)))
+    n = single.hp.n_layer
+    for first, second in ((polling_addr, sleeping_addr), (sleeping_addr, polling_addr)):
+        pool = load_model(
+            smollm2_path,
+            n_ctx=256,
+            assignments=[Assignment(first, 0, 14), Assignment(second, 14, n)],
+        )
+        assert list(generate(pool, ids, 10, Sampler(GREEDY))) == want
+        pool.pipeline.close()  # type: ignore[attr-defined]
 
 
 def test_spin_ms_out_of_range_is_one_line() -> None:
@@ -567,24 +523,23 @@ def _cpu_s(pid: int) -> float:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU time from /proc")
-def test_a_worker_polls_after_a_frame_only_when_asked() -> None:
+def test_a_worker_polls_after_a_frame_only_when_asked(spawn_worker: Spawn) -> None:
     """After answering a frame, a worker with --spin-ms 1000 keeps polling its connection (CPU
     time while nothing arrives); with --spin-ms 0 it sleeps. Generous bounds: a shared machine
     may give the poller only part of a core."""
     used = {}
     for spin in ("1000", "0"):
-        proc, addr, data = _start_worker("--spin-ms", spin)
-        link = DataLink(addr, data, NONE)
+        w = spawn_worker("--spin-ms", spin)
+        link = DataLink(w.address, w.data_port, NONE)
         try:
             time.sleep(1.0)  # the worker's start-up work is over
             failure = link.send(_req("no such plan")).exception(timeout=10)
             assert isinstance(failure, NodeError) and "is not loaded on this node" in str(failure)
-            before = _cpu_s(proc.pid)
+            before = _cpu_s(w.proc.pid)
             time.sleep(0.8)
-            used[spin] = _cpu_s(proc.pid) - before
+            used[spin] = _cpu_s(w.proc.pid) - before
         finally:
             link.close()
-            proc.terminate()
-            proc.wait(timeout=10)
+            w.stop()
     assert used["1000"] >= 0.2, used
     assert used["0"] < 0.1, used

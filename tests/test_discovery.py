@@ -35,6 +35,8 @@ from potluck.discovery.doctor import OK, WARN, load_check
 from potluck.discovery.mdns import DiscoveryError, announce_scope, check_pool_name
 from potluck.planner.errors import fmt_bytes
 from potluck.transport.codec import PROTOCOL_VERSION
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 from ggufgen import write_tiny_model
 
@@ -72,7 +74,9 @@ class Worker:
 
 def start_worker(host: Host, env: dict[str, str], *args: str, python: list[str] | None = None,
                  listen: str = "0.0.0.0", port: int = PORT) -> Worker:  # fmt: skip
-    """A real `potluck worker` in `host`; returns once it listens (and has announced itself)."""
+    """A real `potluck worker` in `host`; returns once it listens (and has announced itself).
+    (Not tests/workers.py's launcher: the namespace host runs it in a process group of its own
+    and ends it before its namespace goes; mDNS is on.)"""
     argv = python or _cmd()
     proc = host.popen(
         [*argv, "worker", "-H", listen, "-p", str(port), "-t", "1", *args],
@@ -495,7 +499,7 @@ def test_load_check_verdicts() -> None:
     assert load_check("n", falling[:3]).status == "skip"
 
 
-def test_load_probe_sees_a_slowdown(tmp_path: Path) -> None:
+def test_load_probe_sees_a_slowdown(spawn_worker: Spawn, tmp_path: Path) -> None:
     """A real worker (loopback, this namespace, mDNS off) pinned to one CPU runs the load probe;
     halfway through, two busy processes pinned to the same CPU take two thirds of it. The probe's
     throughput drops and the check warns, as it would for a CPU that throttles."""
@@ -503,21 +507,12 @@ def test_load_probe_sees_a_slowdown(tmp_path: Path) -> None:
     from potluck.transport.client import NodeClient
 
     cpu = min(os.sched_getaffinity(0))
-    env = {**_env(tmp_path), "POTLUCK_MDNS": "0"}
-    env.pop("POTLUCK_SECRET")  # loopback: no secret needed
-    proc = subprocess.Popen(
-        ["taskset", "-c", str(cpu), *_cmd("worker", "-p", "0", "-t", "1")],
-        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+    # loopback, mDNS off, no secret (none needed), its own config folder
+    env = {"POTLUCK_CONFIG": str(tmp_path), "COLUMNS": "400"}
+    worker = spawn_worker(env=env, prefix=("taskset", "-c", str(cpu)))
     burners: list[subprocess.Popen] = []
     try:
-        assert proc.stderr is not None
-        line = ""
-        while "listening on" not in line:
-            line = proc.stderr.readline()
-            assert line, "the worker ended before listening"
-        address = re.search(r"listening on (\S+)", line).group(1)  # type: ignore[union-attr]
-        client = NodeClient(address)
+        client = NodeClient(worker.address)
         seconds, result = 6.0, {}
         probe = threading.Thread(
             target=lambda: result.update(out=stress(client, seconds, 0.5)), daemon=True
@@ -535,6 +530,7 @@ def test_load_probe_sees_a_slowdown(tmp_path: Path) -> None:
         check = load_check("worker", samples)
         assert check.status == WARN, (check, samples)
     finally:
-        for p in [*burners, proc]:
+        worker.kill()
+        for p in burners:
             p.kill()
             p.wait(timeout=10)

@@ -7,9 +7,7 @@ on loopback: SIGKILL (dead), SIGSTOP (hung, not dead), and a pool that cannot re
 from __future__ import annotations
 
 import os
-import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,27 +16,11 @@ from potluck.engine.contract import LOCAL, Assignment
 from potluck.engine.generate import generate, load_model
 from potluck.pool.failover import FailoverPipeline, PoolLostError
 from potluck.sampling import GREEDY, Sampler
-from test_pool import start_worker
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 PROMPT = "Write a short poem about the sea."
 N = 48  # long enough that an inexact replay (other kernels, other floats) shows
-
-
-@pytest.fixture
-def spawn() -> Iterator:
-    procs = []
-
-    def start(n: int) -> list:
-        out = [start_worker() for _ in range(n)]
-        procs.extend(out)
-        return out
-
-    yield start
-    for p, _ in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
-            p.terminate()
-            p.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +43,17 @@ def _run_with_fault(m, at: int, fault) -> list[int]:
 
 
 @pytest.mark.parametrize("n_workers", [2, 3])
-def test_sigkill_mid_generation(spawn, smollm2_path: Path, want: list[int], n_workers: int) -> None:
-    workers = spawn(n_workers)
-    m = load_model(smollm2_path, n_ctx=256, peers=[a for _, a in workers], failover_s=5.0)
+def test_sigkill_mid_generation(
+    spawn_worker: Spawn, smollm2_path: Path, want: list[int], n_workers: int
+) -> None:
+    workers = [spawn_worker() for _ in range(n_workers)]
+    m = load_model(smollm2_path, n_ctx=256, peers=[w.address for w in workers], failover_s=5.0)
     pipe = m.pipeline
     assert isinstance(pipe, FailoverPipeline)
-    victim, addr = workers[-1]
+    victim = workers[-1]
+    addr = victim.address
     t0 = time.monotonic()
-    got = _run_with_fault(m, 5, lambda: victim.kill())
+    got = _run_with_fault(m, 5, victim.kill)
     assert got == want
     assert len(pipe.events) == 1
     ev = pipe.events[0]
@@ -82,35 +67,36 @@ def test_sigkill_mid_generation(spawn, smollm2_path: Path, want: list[int], n_wo
 
 @pytest.mark.parametrize(("victim_index", "sig"), [(0, "kill"), (1, "kill"), (0, "stop")])
 def test_fault_while_steps_go_ahead(
-    spawn, smollm2_path: Path, want: list[int], victim_index: int, sig: str
+    spawn_worker: Spawn, smollm2_path: Path, want: list[int], victim_index: int, sig: str
 ) -> None:
     """A plan of two nodes and no layer here: the head sends each step before the token it
     follows is back (the first node holds it until then). Killing or hanging either node loses
     none of those steps: same tokens, one failover."""
-    workers = spawn(2)
+    workers = [spawn_worker(), spawn_worker()]
     n = load_model(smollm2_path, n_ctx=64).hp.n_layer
-    plan = [Assignment(workers[0][1], 0, 14), Assignment(workers[1][1], 14, n)]
+    plan = [Assignment(workers[0].address, 0, 14), Assignment(workers[1].address, 14, n)]
     m = load_model(smollm2_path, n_ctx=256, assignments=plan, failover_s=2.0)
     pipe = m.pipeline
     assert isinstance(pipe, FailoverPipeline) and pipe.chains
-    victim, addr = workers[victim_index]
-    fault = victim.kill if sig == "kill" else lambda: os.kill(victim.pid, signal.SIGSTOP)
+    victim = workers[victim_index]
+    fault = victim.kill if sig == "kill" else victim.pause
     assert _run_with_fault(m, 6, fault) == want
-    assert len(pipe.events) == 1 and pipe.events[0].gone == (addr,)
+    assert len(pipe.events) == 1 and pipe.events[0].gone == (victim.address,)
     assert list(generate(m, _ids(m), 4, Sampler(GREEDY))) == want[:4]
 
 
-def test_sigstop_hung_worker(spawn, smollm2_path: Path, want: list[int]) -> None:
+def test_sigstop_hung_worker(spawn_worker: Spawn, smollm2_path: Path, want: list[int]) -> None:
     """A stopped process keeps its sockets open: only the heartbeat can tell it is gone."""
-    workers = spawn(2)
+    workers = [spawn_worker(), spawn_worker()]
     timeout = 2.0
-    m = load_model(smollm2_path, n_ctx=256, peers=[a for _, a in workers], failover_s=timeout)
+    m = load_model(smollm2_path, n_ctx=256, peers=[w.address for w in workers], failover_s=timeout)
     pipe = m.pipeline
-    victim, addr = workers[0]
+    victim = workers[0]
+    addr = victim.address
     stopped_at = []
 
     def stop() -> None:
-        os.kill(victim.pid, signal.SIGSTOP)
+        victim.pause()
         stopped_at.append(time.monotonic())
 
     got = _run_with_fault(m, 3, stop)
@@ -120,7 +106,9 @@ def test_sigstop_hung_worker(spawn, smollm2_path: Path, want: list[int]) -> None
     assert ev.detect_s <= timeout + 1.0, ev
 
 
-def test_unrecoverable_pool_fails_fast_with_a_clear_error(spawn, smollm2_path: Path) -> None:
+def test_unrecoverable_pool_fails_fast_with_a_clear_error(
+    spawn_worker: Spawn, smollm2_path: Path
+) -> None:
     """When the survivors cannot hold the model, the waiting request ends with PoolLostError
     within the timeout. (The re-plan here is the real planner told that this machine has no
     memory to spare: standing in for a head too small for the model.)"""
@@ -128,8 +116,8 @@ def test_unrecoverable_pool_fails_fast_with_a_clear_error(spawn, smollm2_path: P
     from potluck.modelfile.hparams import hparams_from_metadata
     from potluck.planner import NodeInfo, footprint_from_gguf, plan_pool
 
-    workers = spawn(1)
-    victim, addr = workers[0]
+    victim = spawn_worker()
+    addr = victim.address
     f = GGUFFile(smollm2_path)
     hp = hparams_from_metadata(f.metadata)
 
@@ -147,13 +135,13 @@ def test_unrecoverable_pool_fails_fast_with_a_clear_error(spawn, smollm2_path: P
         PoolLostError,
         match=r"127.0.0.1:\d+ went away and the machines left cannot run the model: .* short",
     ):
-        _run_with_fault(m, 2, lambda: victim.kill())
+        _run_with_fault(m, 2, victim.kill)
     assert time.monotonic() - t0 < 10
     with pytest.raises(PoolLostError):  # and every later call, at once
         list(generate(m, _ids(m), 2, Sampler(GREEDY)))
 
 
-def test_cli_run_survives_a_killed_worker(spawn, smollm2_path: Path) -> None:
+def test_cli_run_survives_a_killed_worker(spawn_worker: Spawn, smollm2_path: Path) -> None:
     """`potluck run` over two workers; one is killed once text is flowing: same text, and the
     log says what happened."""
     import subprocess
@@ -164,9 +152,9 @@ def test_cli_run_survives_a_killed_worker(spawn, smollm2_path: Path) -> None:
     cmd = [sys.executable, "-m", "potluck.cli", *args]
     alone = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert alone.returncode == 0, alone.stderr
-    workers = spawn(2)
-    victim, addr = workers[1]
-    peers = ["--peer", workers[0][1], "--peer", addr, "--tensor-split", "1,1,1"]
+    workers = [spawn_worker(), spawn_worker()]
+    victim, addr = workers[1], workers[1].address
+    peers = ["--peer", workers[0].address, "--peer", addr, "--tensor-split", "1,1,1"]
     proc = subprocess.Popen([*cmd, *peers], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert proc.stdout is not None
     first = os.read(proc.stdout.fileno(), 1)  # text is flowing (unbuffered: nothing is lost)
@@ -178,10 +166,12 @@ def test_cli_run_survives_a_killed_worker(spawn, smollm2_path: Path) -> None:
     assert f"{addr} went away" in log and "re-planned and replayed" in log
     # the re-plan keeps --tensor-split's shares for the machines left, and says where layers went
     after = log.split("re-planned and replayed")[1]
-    assert "layers 0–14 → this machine (cpu)" in after and f"→ {workers[0][1]} (cpu)" in after
+    assert "layers 0–14 → this machine (cpu)" in after and f"→ {workers[0].address} (cpu)" in after
 
 
-def test_next_hop_gone_before_first_batch_with_a_secret(smollm2_path: Path) -> None:
+def test_next_hop_gone_before_first_batch_with_a_secret(
+    spawn_worker: Spawn, smollm2_path: Path
+) -> None:
     """A middle worker whose next hop vanished before the first batch (its handshake to it fails)
     answers the batch with an error: the head gets it at once, or fails over; it never hangs."""
     from potluck.transport.auth import PoolAuth
@@ -189,27 +179,19 @@ def test_next_hop_gone_before_first_batch_with_a_secret(smollm2_path: Path) -> N
     from potluck.transport.secret import new_secret
 
     secret = new_secret()
-    env = {"POTLUCK_SECRET": secret}
-    procs = [start_worker(env), start_worker(env)]
-    try:
-        auth = PoolAuth.from_secret(secret)
-        peers = [a for _, a in procs]
-        m = load_model(smollm2_path, n_ctx=128, peers=peers, auth=auth, failover_s=None)
-        procs[1][0].kill()
-        procs[1][0].wait(timeout=10)
-        t0 = time.monotonic()
-        with pytest.raises(NodeError, match=peers[1]):
-            list(generate(m, _ids(m), 2, Sampler(GREEDY)))
-        assert time.monotonic() - t0 < 30
-    finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(timeout=10)
+    workers = [spawn_worker(secret=secret), spawn_worker(secret=secret)]
+    auth = PoolAuth.from_secret(secret)
+    peers = [w.address for w in workers]
+    m = load_model(smollm2_path, n_ctx=128, peers=peers, auth=auth, failover_s=None)
+    workers[1].kill()
+    t0 = time.monotonic()
+    with pytest.raises(NodeError, match=peers[1]):
+        list(generate(m, _ids(m), 2, Sampler(GREEDY)))
+    assert time.monotonic() - t0 < 30
 
 
 def test_failover_off_a_hung_worker_ends_the_request(
-    spawn, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+    spawn_worker: Spawn, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--failover-timeout 0 (failover_s=0): no re-plan, but a hung node (SIGSTOP: its sockets stay
     open) still ends the request with one clear error after OFF_TIMEOUT_S (2 s here), instead of
@@ -217,12 +199,12 @@ def test_failover_off_a_hung_worker_ends_the_request(
     import potluck.pool.failover as failover_mod
 
     monkeypatch.setattr(failover_mod, "OFF_TIMEOUT_S", 2.0)
-    workers = spawn(2)
-    m = load_model(smollm2_path, n_ctx=256, peers=[a for _, a in workers], failover_s=0)
-    victim, addr = workers[1]
+    workers = [spawn_worker(), spawn_worker()]
+    m = load_model(smollm2_path, n_ctx=256, peers=[w.address for w in workers], failover_s=0)
+    victim, addr = workers[1], workers[1].address
     t0 = time.monotonic()
     with pytest.raises(PoolLostError, match=rf"{addr} went away .* failover is off"):
-        _run_with_fault(m, 2, lambda: os.kill(victim.pid, signal.SIGSTOP))
+        _run_with_fault(m, 2, victim.pause)
     assert time.monotonic() - t0 < 15
     assert not m.pipeline.events  # nothing was re-planned
     from potluck.cli import _failover
@@ -230,13 +212,15 @@ def test_failover_off_a_hung_worker_ends_the_request(
     assert _failover(0) == 0  # the CLI's --failover-timeout 0 is this mode, not a bare pipeline
 
 
-def test_failover_onto_this_machine_alone_then_a_long_generation(spawn, smollm2_path: Path) -> None:
+def test_failover_onto_this_machine_alone_then_a_long_generation(
+    spawn_worker: Spawn, smollm2_path: Path
+) -> None:
     """The only worker dies early in a long generation; the re-plan puts every layer on this
     machine, where follow-up steps (sent ahead while the first stage was a node) now compute in
     this process. 400 more tokens: the same as one process (they used to nest one call per
     token and end in RecursionError after ≈ 120)."""
-    workers = spawn(1)
-    victim, addr = workers[0]
+    victim = spawn_worker()
+    addr = victim.address
     n_layer = load_model(smollm2_path, n_ctx=64).hp.n_layer
     single = load_model(smollm2_path, n_ctx=512)
     ids = _ids(single)
@@ -255,15 +239,16 @@ def test_failover_onto_this_machine_alone_then_a_long_generation(spawn, smollm2_
     assert len(m.pipeline.events) == 1 and not m.pipeline.chains
 
 
-def test_failover_off_passes_on_an_answering_nodes_own_error(spawn, smollm2_path: Path) -> None:
+def test_failover_off_passes_on_an_answering_nodes_own_error(
+    spawn_worker: Spawn, smollm2_path: Path
+) -> None:
     """Failover off, and a node that still answers refuses a call (here its plan was freed by
     hand, as another head's Load may free an idle one): the request ends with that node's own
     error, not "went away", and the pool is not written off for later calls."""
     from potluck.transport import potluck_pb2 as pb
     from potluck.transport.client import NodeClient, NodeError
 
-    workers = spawn(1)
-    _, addr = workers[0]
+    addr = spawn_worker().address
     n_layer = load_model(smollm2_path, n_ctx=64).hp.n_layer
     m = load_model(
         smollm2_path, n_ctx=256, assignments=[Assignment(addr, 0, n_layer)], failover_s=0

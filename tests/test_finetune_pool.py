@@ -19,6 +19,8 @@ from potluck.modelfile.lora import open_lora
 from potluck.modelfile.tokenizer import Tokenizer
 from potluck.train.data import read_examples
 from potluck.train.loop import TrainConfig, Trainer, run
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 from ggufgen import write_tiny_model
 from traindata import write_rotations
@@ -57,27 +59,22 @@ def _close(got: dict, want: dict) -> float:
     return max(float(np.abs(got[k] - want[k]).max() / np.abs(want[k]).max()) for k in want)
 
 
-def test_two_workers_train_as_one_process(tiny, tmp_path: Path) -> None:
-    from test_pool import start_worker
-
+def test_two_workers_train_as_one_process(spawn_worker: Spawn, tiny, tmp_path: Path) -> None:
     model, data = tiny
     f, hp, examples = _examples(model, data)
     alone = Trainer(hp, f, examples, CONFIG)
     run(alone, tmp_path / "alone.gguf")
     want = _pairs(tmp_path / "alone.gguf", f)
-    workers = [start_worker(args=("--model-dir", str(model.parent))) for _ in range(2)]
-    try:
-        r = subprocess.run(
-            [sys.executable, "-m", "potluck.cli", "finetune", "-m", str(model), "--data",
-             str(data), "-o", str(tmp_path / "pool.gguf"), "--rank", "4", "--lr", "1e-2",
-             "--epochs", "3", "--batch", "4", "--checkpoint-every", "2", "--mem", "0",
-             "--no-mdns", *[x for _, a in workers for x in ("--peer", a)]],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-    finally:
-        for w, _ in workers:
-            w.kill()
-            w.wait(timeout=10)
+    workers = [spawn_worker("--model-dir", str(model.parent)) for _ in range(2)]
+    r = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "finetune", "-m", str(model), "--data",
+         str(data), "-o", str(tmp_path / "pool.gguf"), "--rank", "4", "--lr", "1e-2",
+         "--epochs", "3", "--batch", "4", "--checkpoint-every", "2", "--mem", "0",
+         "--no-mdns", *[x for w in workers for x in ("--peer", w.address)]],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    for w in workers:
+        w.kill()
     assert r.returncode == 0, r.stderr
     assert "data parallel over 127.0.0.1:" in r.stderr and "this machine" not in r.stderr
     # the same sums in another order: float round-off, amplified a little by 9 AdamW steps
@@ -85,42 +82,32 @@ def test_two_workers_train_as_one_process(tiny, tmp_path: Path) -> None:
     assert err < 1e-4, f"the pool's adapter differs from one process's by {err:.2e}"
 
 
-def test_a_worker_killed_and_back_costs_nothing(tiny, tmp_path: Path) -> None:
+def test_a_worker_killed_and_back_costs_nothing(spawn_worker: Spawn, tiny, tmp_path: Path) -> None:
     from potluck.train.pool import PoolTrainer
     from potluck.transport.client import NodeClient
-    from test_pool import start_worker
 
     model, data = tiny
     f, hp, examples = _examples(model, data)
     alone = Trainer(hp, f, examples, CONFIG)
     run(alone, tmp_path / "alone.gguf")
     want = _pairs(tmp_path / "alone.gguf", f)
-    a, addr_a = start_worker(args=("--model-dir", str(model.parent)))
-    b, addr_b = start_worker(args=("--model-dir", str(model.parent)))
+    a, b = (spawn_worker("--model-dir", str(model.parent)) for _ in range(2))
+    addr_a, addr_b = a.address, b.address
     events: list[str] = []
     pool = PoolTrainer(
         hp, f, examples, CONFIG, (), [addr_a, addr_b], NodeClient, True, events.append
     )
-    procs = {"b": b}
 
     def on_step(r) -> None:
         if r.step == 2:  # b dies (SIGKILL) ...
-            procs["b"].kill()
-            procs["b"].wait(timeout=10)
+            b.kill()
         if r.step == 4:  # ... and comes back on its port: it joins at the checkpoint after step 4
-            procs["b"], again = start_worker(
-                args=("--model-dir", str(model.parent), "-p", addr_b.rsplit(":", 1)[1])
-            )
-            assert again == addr_b
+            again = spawn_worker("--model-dir", str(model.parent), port=b.port)
+            assert again.address == addr_b
 
-    try:
-        pool.start()
-        assert pool.alive == sorted([addr_a, addr_b])
-        run(pool, tmp_path / "pool.gguf", on_step)
-    finally:
-        for w in (a, procs["b"]):
-            w.kill()
-            w.wait(timeout=10)
+    pool.start()
+    assert pool.alive == sorted([addr_a, addr_b])
+    run(pool, tmp_path / "pool.gguf", on_step)
     assert any(e.startswith(f"{addr_b} left the training at step 2") for e in events), events
     assert f"{addr_b} joins again at step 4" in events, events
     assert pool.alive == sorted([addr_a, addr_b])  # both took part in the last steps
@@ -128,35 +115,36 @@ def test_a_worker_killed_and_back_costs_nothing(tiny, tmp_path: Path) -> None:
     assert err < 1e-4, f"the adapter differs from the fault-free one by {err:.2e}"
 
 
-def test_a_worker_without_room_is_left_out_with_the_numbers(tiny, tmp_path: Path) -> None:
+def test_a_worker_without_room_is_left_out_with_the_numbers(
+    spawn_worker: Spawn, tiny, tmp_path: Path
+) -> None:
     """A worker whose --mem cannot hold a step of its share says so, and the training goes on
     without it (here: on this machine alone)."""
     from potluck.train.pool import PoolTrainer
     from potluck.transport.client import NodeClient
-    from test_pool import start_worker
 
     model, data = tiny
     f, hp, examples = _examples(model, data)
-    small, addr = start_worker(args=("--model-dir", str(model.parent), "--mem", "1K"))
+    small = spawn_worker("--model-dir", str(model.parent), "--mem", "1K")
     events: list[str] = []
-    try:
-        pool = PoolTrainer(hp, f, examples, CONFIG, (), [addr], NodeClient, True, events.append)
-        pool.start()
-        run(pool, tmp_path / "a.gguf")
-    finally:
-        small.kill()
-        small.wait(timeout=10)
+    pool = PoolTrainer(
+        hp, f, examples, CONFIG, (), [small.address], NodeClient, True, events.append
+    )
+    pool.start()
+    run(pool, tmp_path / "a.gguf")
+    small.kill()
     assert pool.alive == [] and (tmp_path / "a.gguf").exists()
     assert len(events) == 1 and "training step of this node's share needs about" in events[0]
     assert "GiB, it offers 0.0 GiB" in events[0], events
 
 
-def test_a_worker_without_the_model_file_receives_it_once(tiny, tmp_path: Path) -> None:
+def test_a_worker_without_the_model_file_receives_it_once(
+    spawn_worker: Spawn, tiny, tmp_path: Path
+) -> None:
     """A worker with an empty cache (no model file): the head sends it the model's tensors
     (kept by hash), and it trains its share as one with the file would."""
     from potluck.train.pool import PoolTrainer
     from potluck.transport.client import NodeClient
-    from test_pool import start_worker
 
     model, data = tiny
     f, hp, examples = _examples(model, data)
@@ -164,16 +152,14 @@ def test_a_worker_without_the_model_file_receives_it_once(tiny, tmp_path: Path) 
     run(alone, tmp_path / "alone.gguf")
     empty = tmp_path / "empty-cache"
     empty.mkdir()
-    w, addr = start_worker({"POTLUCK_CACHE": str(empty), "HOME": str(empty)})
+    w = spawn_worker(env={"POTLUCK_CACHE": str(empty), "HOME": str(empty)})
+    addr = w.address
     events: list[str] = []
-    try:
-        pool = PoolTrainer(hp, f, examples, CONFIG, (), [addr], NodeClient, False, events.append)
-        pool.start()
-        assert pool.alive == [addr], events
-        run(pool, tmp_path / "pool.gguf")
-    finally:
-        w.kill()
-        w.wait(timeout=10)
+    pool = PoolTrainer(hp, f, examples, CONFIG, (), [addr], NodeClient, False, events.append)
+    pool.start()
+    assert pool.alive == [addr], events
+    run(pool, tmp_path / "pool.gguf")
+    w.kill()
     assert len(events) == 1 and events[0].startswith(f"{addr} has no copy of the model: sending"), (
         events
     )

@@ -9,7 +9,6 @@ checked against one process running the whole model.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,18 +20,16 @@ from potluck.pool.pipeline import RemotePipeline
 from potluck.sampling import GREEDY, Sampler, SamplingParams
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.codec import sampling_to_proto, tensor_to_proto
-from test_pool import start_worker
+from workers import Spawn
+from workers import spawn_module_worker as spawn_module_worker
+from workers import spawn_worker as spawn_worker
 
 PROMPT = "Name three planets."
 
 
 @pytest.fixture(scope="module")
-def workers() -> Iterator[list[str]]:
-    procs = [start_worker(), start_worker()]
-    yield [addr for _, addr in procs]
-    for p, _ in procs:
-        p.terminate()
-        p.wait(timeout=10)
+def workers(spawn_module_worker: Spawn) -> list[str]:
+    return [spawn_module_worker().address for _ in range(2)]
 
 
 def _ids(path: Path) -> list[int]:
@@ -191,19 +188,14 @@ def test_follow_up_batches_on_the_wire(workers: list[str], smollm2_path: Path) -
     pipe.drop(fresh)
 
 
-def test_follow_up_through_the_grpc_stream(smollm2_path: Path) -> None:
+def test_follow_up_through_the_grpc_stream(spawn_worker: Spawn, smollm2_path: Path) -> None:
     """Workers whose data port is closed (--no-data-port: the gRPC ForwardStream carries the
     forward path) take follow-up steps the same way."""
-    procs = [start_worker(args=("--no-data-port",)) for _ in range(2)]
-    try:
-        want = _single(smollm2_path, 12)
-        pool = _pool([a for _, a in procs], smollm2_path)
-        assert pool.pipeline.chains
-        assert list(generate(pool, _ids(smollm2_path), 12, Sampler(GREEDY))) == want
-    finally:
-        for p, _ in procs:
-            p.terminate()
-            p.wait(timeout=10)
+    peers = [spawn_worker("--no-data-port").address for _ in range(2)]
+    want = _single(smollm2_path, 12)
+    pool = _pool(peers, smollm2_path)
+    assert pool.pipeline.chains
+    assert list(generate(pool, _ids(smollm2_path), 12, Sampler(GREEDY))) == want
 
 
 # -- the scheduler (potluck serve) ------------------------------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,8 @@ from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.sampling import GREEDY, Sampler, log_softmax
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 from ggufgen import write_tiny_model
 
@@ -110,47 +111,37 @@ def test_a_stage_too_big_for_the_device_says_how_many_layers_fit(smollm2_path: P
         set_gpu(GpuConfig())
 
 
-def test_a_worker_offering_its_gpu_is_planned_with_gpu_layers(smollm2_path: Path) -> None:
+def test_a_worker_offering_its_gpu_is_planned_with_gpu_layers(
+    spawn_worker: Spawn, smollm2_path: Path
+) -> None:
     """`potluck worker -ngl 99`: its Hello names the device with ggml's free memory; the head's
     planner puts layers there (the GPU's speed is given: lavapipe is no faster than the CPU);
     `potluck run` over it gives one process's text until a near-tie."""
-    from test_pool import _free_port
+    gpu_speed = {"POTLUCK_GPU_BYTES_PER_S": "1e12"}
+    env = {**os.environ, "POTLUCK_MDNS": "0", **gpu_speed}
+    addr = spawn_worker("-ngl", "99", env=gpu_speed, timeout=120).address
+    from potluck.pool.survey import survey
 
-    port = _free_port()
-    env = {**os.environ, "POTLUCK_MDNS": "0", "POTLUCK_GPU_BYTES_PER_S": "1e12"}
-    cmd = [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1", "-ngl", "99"]
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stderr is not None
-        deadline = time.monotonic() + 120
-        while "listening on" not in (line := proc.stderr.readline()):
-            assert proc.poll() is None and time.monotonic() < deadline, line
-        addr = f"127.0.0.1:{port}"
-        from potluck.pool.survey import survey
-
-        nodes, _ = survey([addr])
-        node = nodes[1]
-        assert node.device == "gpu" and node.gpu_memory_bytes > 0 and node.max_gpu_layers == 99
-        plan = subprocess.run(
-            [sys.executable, "-m", "potluck.cli", "plan", "-m", str(smollm2_path), "-c", "256",
-             "--peer", addr, "--tensor-split", "1,1"],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert plan.returncode == 0, plan.stderr
-        assert "15–29 +" in plan.stdout and "head" in plan.stdout, plan.stdout  # on its GPU
-        prompt = "Name three planets."
-        run = subprocess.run(
-            [sys.executable, "-m", "potluck.cli", "run", "-m", str(smollm2_path), "-c", "256",
-             "--peer", addr, "--tensor-split", "1,1", "--temp", "0", "-n", "12", prompt],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert run.returncode == 0, run.stderr
-        assert f"layers 15–29 → {addr} (GPU + output head)" in run.stderr, run.stderr
-        single = load_model(smollm2_path, n_ctx=256)
-        ids = single.tokenizer.encode(single.chat.render([{"role": "user", "content": prompt}]))
-        want = single.tokenizer.decode(list(generate(single, ids, 12, Sampler(GREEDY))))
-        # the same text until a near-tie: here the first line at least ("1. Mars" on this CPU)
-        assert run.stdout.split("\n")[0] == want.split("\n")[0], (run.stdout, want)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    nodes, _ = survey([addr])
+    node = nodes[1]
+    assert node.device == "gpu" and node.gpu_memory_bytes > 0 and node.max_gpu_layers == 99
+    plan = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "plan", "-m", str(smollm2_path), "-c", "256",
+         "--peer", addr, "--tensor-split", "1,1"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    assert "15–29 +" in plan.stdout and "head" in plan.stdout, plan.stdout  # on its GPU
+    prompt = "Name three planets."
+    run = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "run", "-m", str(smollm2_path), "-c", "256",
+         "--peer", addr, "--tensor-split", "1,1", "--temp", "0", "-n", "12", prompt],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert f"layers 15–29 → {addr} (GPU + output head)" in run.stderr, run.stderr
+    single = load_model(smollm2_path, n_ctx=256)
+    ids = single.tokenizer.encode(single.chat.render([{"role": "user", "content": prompt}]))
+    want = single.tokenizer.decode(list(generate(single, ids, 12, Sampler(GREEDY))))
+    # the same text until a near-tie: here the first line at least ("1. Mars" on this CPU)
+    assert run.stdout.split("\n")[0] == want.split("\n")[0], (run.stdout, want)

@@ -20,6 +20,8 @@ from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.modelfile.lora import open_lora, parse_lora_arg, write_lora
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 from ggufgen import write_tiny_model
 
@@ -229,25 +231,22 @@ def test_serve_picks_the_adapter_per_request(smollm2_path: Path, tmp_path: Path)
     assert got["a1"] == got["a2"] and toks["a1"][0] == toks["a"][0] != toks["plain"][0]
 
 
-def test_adapter_over_a_pool_equals_one_machine(smollm2_path: Path, tmp_path: Path) -> None:
+def test_adapter_over_a_pool_equals_one_machine(
+    spawn_worker: Spawn, smollm2_path: Path, tmp_path: Path
+) -> None:
     """`potluck run --lora` over two workers (this machine holding no layers): each node gets
     its layers' part of the adapter (LoadRequest.adapters) and the text is one machine's."""
-    from test_pool import start_worker
-
     f = GGUFFile(smollm2_path)
     targets = [f"blk.{i}.ffn_down.weight" for i in range(0, 30, 3)] + ["blk.29.attn_q.weight"]
     write_lora(tmp_path / "a.gguf", f.arch, 16.0, _adapter(f, targets))
     alone = _run(smollm2_path, "--lora", str(tmp_path / "a.gguf"))
     plain = _run(smollm2_path)
     assert alone.returncode == 0 and alone.stdout != plain.stdout
-    workers = [start_worker(), start_worker()]
-    try:
-        peers = [x for _, a in workers for x in ("--peer", a)]
-        pooled = _run(smollm2_path, "--lora", str(tmp_path / "a.gguf"), "--mem", "0", *peers)
-    finally:
-        for w, _ in workers:
-            w.kill()
-            w.wait(timeout=10)
+    workers = [spawn_worker(), spawn_worker()]
+    peers = [x for w in workers for x in ("--peer", w.address)]
+    pooled = _run(smollm2_path, "--lora", str(tmp_path / "a.gguf"), "--mem", "0", *peers)
+    for w in workers:
+        w.kill()
     assert pooled.returncode == 0, pooled.stderr
     assert "→ 127.0.0.1:" in pooled.stderr  # it ran on the workers
     assert pooled.stdout == alone.stdout

@@ -8,7 +8,8 @@ import pytest
 
 from potluck.engine.generate import load_model
 from potluck.engine.measure import Measured, measure, measured_verdict
-from test_pool import start_worker
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 
 def _m(label: str, tok_s: float, stage: tuple[float, ...], hop: tuple[float, ...] = ()) -> Measured:
@@ -33,14 +34,11 @@ def test_verdict_blames_the_slowest_stage() -> None:
     assert "the slowest stage: 10.0.0.3:50052 needs 11.0 ms per token" in v
 
 
-def test_measure_local_and_pool(smollm2_path: Path) -> None:
-    proc, addr = start_worker()
-    try:
-        single = measure(load_model(smollm2_path, n_ctx=128), "this machine", 8, 16)
-        pool = measure(load_model(smollm2_path, n_ctx=128, peers=[addr]), "pool", 8, 16)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+def test_measure_local_and_pool(spawn_worker: Spawn, smollm2_path: Path) -> None:
+    worker = spawn_worker()
+    single = measure(load_model(smollm2_path, n_ctx=128), "this machine", 8, 16)
+    pool = measure(load_model(smollm2_path, n_ctx=128, peers=[worker.address]), "pool", 8, 16)
+    worker.stop()
     assert single.decode_tokens_per_s > 0 and single.prompt_tokens_per_s > 0
     assert len(single.stage_ms) == 1 and single.hop_ms == ()
     assert len(pool.stage_ms) == 2 and len(pool.hop_ms) == 1  # this machine → the worker
@@ -49,22 +47,20 @@ def test_measure_local_and_pool(smollm2_path: Path) -> None:
         measure(load_model(smollm2_path, n_ctx=128), "x", 1, 128)
 
 
-def test_bench_command(smollm2_path: Path) -> None:
+def test_bench_command(spawn_worker: Spawn, smollm2_path: Path) -> None:
     import os
     import subprocess
     import sys
 
-    proc, addr = start_worker()
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "potluck.cli", "bench", "-m", str(smollm2_path), "-c", "256",
-             "-n", "8", "-p", "16", "--peer", addr, "--tensor-split", "1,1"],
-            capture_output=True, text=True, timeout=300,
-            env={**os.environ, "POTLUCK_MDNS": "0", "COLUMNS": "200"},
-        )  # fmt: skip
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    worker = spawn_worker()
+    addr = worker.address
+    done = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "bench", "-m", str(smollm2_path), "-c", "256",
+         "-n", "8", "-p", "16", "--peer", addr, "--tensor-split", "1,1"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "POTLUCK_MDNS": "0", "COLUMNS": "200"},
+    )  # fmt: skip
+    worker.stop()
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert " alone " in out and "│ pool " in out and "decode tok/s" in out

@@ -25,6 +25,9 @@ from potluck.sampling import GREEDY, Sampler, SamplingParams
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.client import NodeError
+from workers import Spawn
+from workers import spawn_module_worker as spawn_module_worker
+from workers import spawn_worker as spawn_worker
 
 
 def _free_port() -> int:
@@ -33,40 +36,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(
-    env_extra: dict[str, str] | None = None, threads: int = 1, args: tuple[str, ...] = ()
-) -> tuple[subprocess.Popen, str]:
-    """A real `potluck worker` on a port it picks itself (-p 0: no window in which another
-    process can take a port chosen here); returns once it listens, with its address."""
-    env = {**os.environ, "POTLUCK_MDNS": "0", **(env_extra or {})}  # peers are named here
-    cmd = [sys.executable, "-m", "potluck.cli", "worker", "-p", "0", "-t", str(threads), *args]
-    proc = subprocess.Popen(
-        cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
-    )
-    deadline = time.monotonic() + 60
-    assert proc.stderr is not None
-    line = proc.stderr.readline()
-    while "listening on" not in line:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(
-                f"worker did not start: {line}{proc.stderr.read() if proc.poll() is not None else ''}"
-            )
-        line = proc.stderr.readline()
-    found = re.search(r"listening on [^ ]*:(\d+) ", line)
-    assert found, line
-    return proc, f"127.0.0.1:{found.group(1)}"
-
-
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+def workers(
+    spawn_module_worker: Spawn, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[str]]:
     """Two workers: the first finds the model in the shared cache, the second has an empty cache
     (as on a machine that never downloaded it), so the head ships it only its layers' tensors."""
     empty = tmp_path_factory.mktemp("empty-cache")
-    procs = [start_worker(), start_worker({"POTLUCK_CACHE": str(empty), "HOME": str(empty)})]
-    yield [addr for _, addr in procs]
-    for p, _ in procs:
-        p.terminate()
-        p.wait(timeout=10)
+    pair = [
+        spawn_module_worker(),
+        spawn_module_worker(env={"POTLUCK_CACHE": str(empty), "HOME": str(empty)}),
+    ]
+    yield [w.address for w in pair]
+    for w in pair:  # (before the check below: the shipped blobs are then all written)
+        w.stop()
     empty_blobs = empty / "blobs"
     assert empty_blobs.is_dir() and any(empty_blobs.iterdir()), (
         "no tensors were shipped to the bare worker"
@@ -103,20 +86,18 @@ def test_pool_equals_single_process_smollm2(
 
 @pytest.mark.parametrize("split", ["1,1,2", "3 remote"])
 def test_pool_equals_single_process_gemma3(
-    workers: list[str], gemma3_path: Path, split: str
+    workers: list[str], spawn_worker: Spawn, gemma3_path: Path, split: str
 ) -> None:
     """This machine and two workers (one without the file), or three workers and no layer here
     (the first node gets token ids, the last samples)."""
     from potluck.engine.contract import Assignment
 
     want = _single(gemma3_path, "Name three planets.", 12)
-    third = None
     if split == "3 remote":
-        third, addr = start_worker()
         plan = [
             Assignment(workers[0], 0, 5),
             Assignment(workers[1], 5, 11),
-            Assignment(addr, 11, 18),
+            Assignment(spawn_worker().address, 11, 18),
         ]
         pool = load_model(gemma3_path, n_ctx=256, assignments=plan)
     else:
@@ -129,8 +110,6 @@ def test_pool_equals_single_process_gemma3(
         assert list(generate(pool, ids, 12, Sampler(GREEDY))) == want
     finally:
         pool.close()
-        if third is not None:
-            _stop(third)
 
 
 def test_seeded_sampling_through_pool(workers: list[str], smollm2_path: Path) -> None:
@@ -402,55 +381,44 @@ def test_concurrent_sequences_in_flight_equal_one_process(
         pool.pipeline.drop(s)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
-def test_worker_mem_limit(smollm2_path: Path) -> None:
+def test_worker_mem_limit(spawn_worker: Spawn, smollm2_path: Path) -> None:
     """--mem caps what the worker offers (Hello, so the planner sees it) and what it loads."""
-    proc, addr = start_worker(args=("--mem", "64M"))
-    try:
-        stub = pb_grpc.NodeStub(grpc.insecure_channel(addr))
-        from potluck.transport.codec import PROTOCOL_VERSION
+    addr = spawn_worker("--mem", "64M").address
+    stub = pb_grpc.NodeStub(grpc.insecure_channel(addr))
+    from potluck.transport.codec import PROTOCOL_VERSION
 
-        hello = stub.Hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=10)
-        assert hello.devices[0].memory_bytes == 64 * 2**20
-        with pytest.raises(NodeError, match=r"has --mem 64 MiB: layers 3–29 need [\d.]+ MiB"):
-            load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(1, 9))
-        few = load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(5, 1))
-        assert few.pipeline.assignments[1].start == 25
-        ids = few.tokenizer.encode("Hello")
-        assert len(list(generate(few, ids, 3, Sampler(GREEDY)))) == 3
-        one_kv = few.pipeline.held[addr].kv_bytes
-        few.close()
-        # serve's -np: the node counts the KV of that many sequences at the full context
-        three = load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(5, 1), n_seq=3)
-        assert three.pipeline.held[addr].kv_bytes == 3 * one_kv > 0
-        three.close()
-        with pytest.raises(NodeError, match=r"KV at -c 256 × -np 100\); .* a smaller -c or -np"):
-            load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(5, 1), n_seq=100)
-    finally:
-        _stop(proc)
+    hello = stub.Hello(pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=10)
+    assert hello.devices[0].memory_bytes == 64 * 2**20
+    with pytest.raises(NodeError, match=r"has --mem 64 MiB: layers 3–29 need [\d.]+ MiB"):
+        load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(1, 9))
+    few = load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(5, 1))
+    assert few.pipeline.assignments[1].start == 25
+    ids = few.tokenizer.encode("Hello")
+    assert len(list(generate(few, ids, 3, Sampler(GREEDY)))) == 3
+    one_kv = few.pipeline.held[addr].kv_bytes
+    few.close()
+    # serve's -np: the node counts the KV of that many sequences at the full context
+    three = load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(5, 1), n_seq=3)
+    assert three.pipeline.held[addr].kv_bytes == 3 * one_kv > 0
+    three.close()
+    with pytest.raises(NodeError, match=r"KV at -c 256 × -np 100\); .* a smaller -c or -np"):
+        load_model(smollm2_path, n_ctx=256, peers=[addr], tensor_split=(5, 1), n_seq=100)
 
 
-def test_worker_frees_plans_of_a_vanished_head(smollm2_path: Path) -> None:
+def test_worker_frees_plans_of_a_vanished_head(spawn_worker: Spawn, smollm2_path: Path) -> None:
     """A plan that no head uses or names in a heartbeat is freed after --idle-timeout; a head
     with failover (its heartbeat names the plan) keeps its plan however long it idles."""
-    proc, addr = start_worker(args=("--idle-timeout", "1"))
-    try:
-        silent = load_model(smollm2_path, n_ctx=128, peers=[addr], failover_s=None)
-        alive = load_model(smollm2_path, n_ctx=256, peers=[addr])
-        time.sleep(2.5)
-        ids = silent.tokenizer.encode("Hello")
-        with pytest.raises(NodeError, match=r"plan \w+ is not loaded on this node"):
-            list(generate(silent, ids, 2, Sampler(GREEDY)))
-        assert len(list(generate(alive, ids, 2, Sampler(GREEDY)))) == 2
-    finally:
-        _stop(proc)
+    addr = spawn_worker("--idle-timeout", "1").address
+    silent = load_model(smollm2_path, n_ctx=128, peers=[addr], failover_s=None)
+    alive = load_model(smollm2_path, n_ctx=256, peers=[addr])
+    time.sleep(2.5)
+    ids = silent.tokenizer.encode("Hello")
+    with pytest.raises(NodeError, match=r"plan \w+ is not loaded on this node"):
+        list(generate(silent, ids, 2, Sampler(GREEDY)))
+    assert len(list(generate(alive, ids, 2, Sampler(GREEDY)))) == 2
 
 
-def test_worker_device_flags() -> None:
+def test_worker_device_flags(spawn_worker: Spawn) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "potluck.cli", "worker", "--device", "cuda", "-p", str(_free_port())],
         capture_output=True, text=True, timeout=60,
@@ -462,26 +430,21 @@ def test_worker_device_flags() -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 1 and "has no device 'NoSuchGPU9'" in done.stderr, done.stderr
-    proc, _ = start_worker(args=("--device", "cpu"))  # cpu: no GPU, as without the flag
-    _stop(proc)
+    spawn_worker("--device", "cpu").stop()  # cpu: no GPU, as without the flag
 
 
 def test_weights_transfer_reports_progress_on_both_sides(
-    smollm2_path: Path, tmp_path: Path
+    spawn_worker: Spawn, smollm2_path: Path, tmp_path: Path
 ) -> None:
     """A worker without the model file gets its layers' tensors: the head reports bytes sent
     (the CLI's progress bar), the worker logs what it received."""
     bare = {"POTLUCK_CACHE": str(tmp_path), "HOME": str(tmp_path)}
-    proc, addr = start_worker(bare)
+    worker = spawn_worker(env=bare)
+    addr = worker.address
     seen: list[tuple[str, int, int]] = []
-    try:
-        m = load_model(smollm2_path, n_ctx=128, peers=[addr], on_transfer=lambda *a: seen.append(a))
-        m.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-    assert proc.stderr is not None
-    log = proc.stderr.read()
+    m = load_model(smollm2_path, n_ctx=128, peers=[addr], on_transfer=lambda *a: seen.append(a))
+    m.close()
+    log = worker.stop()
     assert seen and all(node == addr for node, _, _ in seen)
     sent = [s for _, s, _ in seen]
     assert sent == sorted(sent) and sent[-1] == seen[-1][2] > 30 * 2**20
@@ -508,7 +471,9 @@ def test_weights_transfer_reports_progress_on_both_sides(
     assert sent[-1] == sum(f.tensors[n].nbytes for n in names) < f.size_bytes * 0.7
 
 
-def test_a_broken_transfer_resumes_where_it_stopped(smollm2_path: Path, tmp_path: Path) -> None:
+def test_a_broken_transfer_resumes_where_it_stopped(
+    spawn_worker: Spawn, smollm2_path: Path, tmp_path: Path
+) -> None:
     """A head that stops halfway through sending a tensor (its process killed, the link cut):
     the worker keeps what arrived; the next head sends only the rest of that tensor, and the
     blob passes its sha256 (so the pool computes what one process computes)."""
@@ -519,7 +484,8 @@ def test_a_broken_transfer_resumes_where_it_stopped(smollm2_path: Path, tmp_path
     from potluck.transport.client import NodeClient
 
     bare = {"POTLUCK_CACHE": str(tmp_path), "HOME": str(tmp_path)}
-    proc, addr = start_worker(bare)
+    worker = spawn_worker(env=bare)
+    addr = worker.address
     f = GGUFFile(smollm2_path)
     hp = hparams_from_metadata(f.metadata)
     names = stage_tensor_names(f.tensors.values(), hp.n_layer, hp.n_layer - 1, hp.n_layer)
@@ -564,20 +530,15 @@ def test_a_broken_transfer_resumes_where_it_stopped(smollm2_path: Path, tmp_path
     held = sizes[-1]  # what arrived before the cut (gRPC may drop the last messages in flight)
     assert 0 < held <= cut + (1 << 20), sizes[-3:]
     seen: list[tuple[str, int, int]] = []
+    m = load_model(smollm2_path, n_ctx=128, peers=[addr], on_transfer=lambda *a: seen.append(a))
     try:
-        m = load_model(smollm2_path, n_ctx=128, peers=[addr], on_transfer=lambda *a: seen.append(a))
-        try:
-            prompt = [{"role": "user", "content": "The capital of France is"}]
-            ids = m.tokenizer.encode(m.chat.render(prompt))
-            pool = list(generate(m, ids, 8, Sampler(GREEDY)))
-        finally:
-            m.close()
+        prompt = [{"role": "user", "content": "The capital of France is"}]
+        ids = m.tokenizer.encode(m.chat.render(prompt))
+        pool = list(generate(m, ids, 8, Sampler(GREEDY)))
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        m.close()
+    log = worker.stop()
     assert pool == _single(smollm2_path, "The capital of France is", 8)
-    assert proc.stderr is not None
-    log = proc.stderr.read()
     assert f"resuming 1 tensors of a broken transfer ({held / 2**20:.1f} MiB kept)" in log, log
     start = int(re.findall(r"layers (\d+)–29: no local copy", log)[-1])  # the second head's
     stage = stage_tensor_names(f.tensors.values(), hp.n_layer, start, hp.n_layer)
@@ -586,7 +547,7 @@ def test_a_broken_transfer_resumes_where_it_stopped(smollm2_path: Path, tmp_path
 
 
 def test_heads_share_a_worker_without_evicting_each_other(
-    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+    spawn_worker: Spawn, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Heads are told apart by their head id (random per process; set here by hand to play three
     head processes in one). Two heads with the same model and split get plans of their own and
@@ -596,39 +557,36 @@ def test_heads_share_a_worker_without_evicting_each_other(
     import potluck.pool.pipeline as pipeline_mod
     from potluck.engine.contract import Assignment
 
-    proc, addr = start_worker()
+    addr = spawn_worker().address
     want = _single(smollm2_path, "Name three planets.", 12)
     plan = [Assignment(addr, 0, 30)]  # SmolLM2's 30 layers, all on the worker
 
     def whole_model_on_the_worker():
         return load_model(smollm2_path, n_ctx=256, assignments=plan)
 
-    try:
-        heads = []
-        for name in ("head-a", "head-b"):
-            monkeypatch.setattr(pipeline_mod, "HEAD_ID", name)
-            heads.append(whole_model_on_the_worker())
-        assert heads[0].pipeline.plan_id != heads[1].pipeline.plan_id
-        ids = heads[0].tokenizer.encode(
-            heads[0].chat.render([{"role": "user", "content": "Name three planets."}])
-        )
-        gens = [generate(h, ids, 12, Sampler(GREEDY)) for h in heads]
-        got: list[list[int]] = [[], []]
-        for _ in range(12):  # interleaved: both sequences live on the worker at once
-            for out, gen in zip(got, gens, strict=True):
-                out.append(next(gen))
-        assert got == [want, want]
-        monkeypatch.setattr(pipeline_mod, "HEAD_ID", "head-c")
-        with pytest.raises(NodeError, match=r"running the stages of 2 other heads .* at most 2"):
-            whole_model_on_the_worker()  # within LIVE_S (10 s) of both heads' last tokens
-        heads[0].close()  # releases its plan on the worker
-        third = whole_model_on_the_worker()
-        assert list(generate(third, ids, 12, Sampler(GREEDY))) == want
-        # head-b's plan was kept (in use): it still decodes, without a failover
-        assert list(generate(heads[1], ids, 12, Sampler(GREEDY))) == want
-        assert not heads[1].pipeline.events
-    finally:
-        _stop(proc)
+    heads = []
+    for name in ("head-a", "head-b"):
+        monkeypatch.setattr(pipeline_mod, "HEAD_ID", name)
+        heads.append(whole_model_on_the_worker())
+    assert heads[0].pipeline.plan_id != heads[1].pipeline.plan_id
+    ids = heads[0].tokenizer.encode(
+        heads[0].chat.render([{"role": "user", "content": "Name three planets."}])
+    )
+    gens = [generate(h, ids, 12, Sampler(GREEDY)) for h in heads]
+    got: list[list[int]] = [[], []]
+    for _ in range(12):  # interleaved: both sequences live on the worker at once
+        for out, gen in zip(got, gens, strict=True):
+            out.append(next(gen))
+    assert got == [want, want]
+    monkeypatch.setattr(pipeline_mod, "HEAD_ID", "head-c")
+    with pytest.raises(NodeError, match=r"running the stages of 2 other heads .* at most 2"):
+        whole_model_on_the_worker()  # within LIVE_S (10 s) of both heads' last tokens
+    heads[0].close()  # releases its plan on the worker
+    third = whole_model_on_the_worker()
+    assert list(generate(third, ids, 12, Sampler(GREEDY))) == want
+    # head-b's plan was kept (in use): it still decodes, without a failover
+    assert list(generate(heads[1], ids, 12, Sampler(GREEDY))) == want
+    assert not heads[1].pipeline.events
 
 
 @pytest.mark.parametrize(("wire", "tol"), [("float16", 0.06), ("bfloat16", 0.1)])
@@ -658,31 +616,28 @@ def test_half_precision_hidden_states_on_the_wire(
     assert agree >= 0.9, agree
 
 
-def test_cli_heads_free_their_plans_when_they_exit(smollm2_path: Path) -> None:
+def test_cli_heads_free_their_plans_when_they_exit(spawn_worker: Spawn, smollm2_path: Path) -> None:
     """Three `potluck run` in a row on one worker: each frees its stage as it exits (the third
     used to be refused: two finished heads still held the worker's two plans)."""
-    proc, addr = start_worker()
-    try:
-        for _ in range(3):
-            done = _cli(
-                "run", "-m", str(smollm2_path), "-n", "3", "-c", "128", "--peer", addr,
-                "--tensor-split", "1,1", "Hi",
-            )  # fmt: skip
-            assert done.returncode == 0, done.stderr
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-    assert proc.stderr is not None
-    assert proc.stderr.read().count("its head is done with it") == 3
+    worker = spawn_worker()
+    addr = worker.address
+    for _ in range(3):
+        done = _cli(
+            "run", "-m", str(smollm2_path), "-n", "3", "-c", "128", "--peer", addr,
+            "--tensor-split", "1,1", "Hi",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    assert worker.stop().count("its head is done with it") == 3
 
 
-def test_serve_stopped_by_sigterm_frees_its_plan(smollm2_path: Path) -> None:
+def test_serve_stopped_by_sigterm_frees_its_plan(spawn_worker: Spawn, smollm2_path: Path) -> None:
     """`potluck serve` over a worker, stopped as systemd or docker stop it (SIGTERM): the worker
     frees the head's stage at once (uvicorn re-raised the signal under the default handler, which
     killed the process before it could say so; the stage waited for the idle timeout)."""
     import signal
 
-    proc, addr = start_worker()
+    worker = spawn_worker()
+    addr = worker.address
     env = {**os.environ, "POTLUCK_MDNS": "0"}
     cmd = [
         sys.executable, "-m", "potluck.cli", "serve", "-m", str(smollm2_path), "-c", "128",
@@ -699,16 +654,8 @@ def test_serve_stopped_by_sigterm_frees_its_plan(smollm2_path: Path) -> None:
         head.send_signal(signal.SIGTERM)  # at once: the handler is in place before it says so
         assert head.wait(timeout=30) == 0, "the head died of the signal instead of stopping"
         # the worker says so within moments (its idle timeout would be 120 s)
-        assert proc.stderr is not None
-        import select
-
-        fd, said, deadline = proc.stderr.fileno(), "", time.monotonic() + 5
-        while "its head is done with it" not in said and time.monotonic() < deadline:
-            if select.select([fd], [], [], 0.05)[0]:
-                said += os.read(fd, 65536).decode(errors="replace")
+        freed = worker.wait_for("its head is done with it", timeout=5)
     finally:
         if head.poll() is None:
             head.kill()
-        proc.terminate()
-        proc.wait(timeout=10)
-    assert "its head is done with it" in said
+    assert freed, worker.stop()

@@ -27,6 +27,8 @@ def _cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "potluck.cli", *args]
 
 
+# The workers here start through Host.popen, not tests/workers.py: the namespace host runs them in
+# a process group of their own and ends them before its namespace goes.
 def _wait_line(proc: subprocess.Popen, needle: str, what: str, stream: str = "stderr") -> None:
     f = getattr(proc, stream)
     lines = []

@@ -19,7 +19,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,8 @@ import pytest
 
 from cgroups import MemoryCgroup, Unavailable
 from potluck.modelfile.sources import cache_dir
+from workers import Spawn, Worker
+from workers import spawn_module_worker as spawn_module_worker
 
 pytestmark = pytest.mark.slow
 
@@ -68,17 +69,19 @@ def _forget_pages(path: Path) -> None:
 
 @dataclass
 class CappedWorker:
-    address: str
-    proc: subprocess.Popen
-    log: Path
+    worker: Worker
     group: MemoryCgroup
 
+    @property
+    def address(self) -> str:
+        return self.worker.address
+
     def said(self) -> str:
-        return self.log.read_text()
+        return self.worker.log
 
     def peak_rss_bytes(self) -> int:
         """The process's peak resident memory (VmHWM)."""
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        status = Path(f"/proc/{self.worker.proc.pid}/status").read_text()
         found = re.search(r"VmHWM:\s+(\d+) kB", status)
         assert found, status
         return int(found.group(1)) * 1024
@@ -95,32 +98,19 @@ def _memory_facts() -> str:
     return f"overcommit_memory {mode}; " + "; ".join(" ".join(f.split()) for f in facts)
 
 
-def _start(group: MemoryCgroup, log: Path, model_dir: Path) -> CappedWorker:
-    cmd = [
-        sys.executable, "-m", "potluck.cli", "worker", "-p", "0", "-t", "1", "--no-mdns",
-        "--model-dir", str(model_dir),
-    ]  # fmt: skip
-    with open(log, "w") as out:
-        try:
-            proc = subprocess.Popen(
-                group.command(cmd), stdout=subprocess.DEVNULL, stderr=out,
-                env={**os.environ, "POTLUCK_MDNS": "0"},
-            )  # fmt: skip
-        except OSError as exc:  # (seen once in CI: ENOMEM) say what the memory looked like
-            raise RuntimeError(f"cannot start a worker: {exc}; {_memory_facts()}") from exc
-    deadline = time.monotonic() + 90
-    while (found := re.search(r"listening on [^ ]*:(\d+) ", log.read_text())) is None:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"worker did not start: {log.read_text()}")
-        time.sleep(0.2)
-    return CappedWorker(f"127.0.0.1:{found.group(1)}", proc, log, group)
+def _start(spawn: Spawn, group: MemoryCgroup, model_dir: Path) -> CappedWorker:
+    """A worker in `group` (the group's shell execs it), with the model's folder."""
+    try:
+        worker = spawn(
+            "--no-mdns", "--model-dir", str(model_dir), prefix=group.command([]), timeout=90
+        )
+    except OSError as exc:  # (seen once in CI: ENOMEM) say what the memory looked like
+        raise RuntimeError(f"cannot start a worker: {exc}; {_memory_facts()}") from exc
+    return CappedWorker(worker, group)
 
 
 @pytest.fixture(scope="module")
-def capped(
-    model14b: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[CappedWorker]]:
+def capped(spawn_module_worker: Spawn, model14b: Path) -> Iterator[list[CappedWorker]]:
     """Two workers, each in its own 6 GiB memory cgroup, that have the model file."""
     groups: list[MemoryCgroup] = []
     try:
@@ -131,19 +121,14 @@ def capped(
             g.remove()
         pytest.skip(str(exc))
     _forget_pages(model14b)
-    logs = tmp_path_factory.mktemp("capped")
     workers = []
     try:
         for g in groups:
-            workers.append(_start(g, logs / f"{g.path.name}.log", model14b.parent))
+            workers.append(_start(spawn_module_worker, g, model14b.parent))
         yield workers
     finally:
-        for w in workers:
-            w.proc.terminate()
-            try:
-                w.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
+        for w in workers:  # before their groups go
+            w.worker.stop(timeout=20)
         for g in groups:
             g.remove()
 
@@ -193,7 +178,7 @@ def test_14b_on_two_capped_workers_equals_one_uncapped_process(
     )
     assert pool.returncode == 0, pool.stderr
     for w in capped:
-        assert w.proc.poll() is None, f"worker {w.address} died: {w.said()}"
+        assert w.worker.alive(), f"worker {w.address} died: {w.said()}"
         assert w.group.oom_kills() == 0, f"the OOM killer ended a process of {w.address}'s group"
     # what each worker holds, beside what the plan counted: the same within 5 %
     held = [HELD.search(line) for line in pool.stderr.splitlines()]

@@ -4,6 +4,7 @@ of real worker processes (several batches in flight) the tokens are the same as 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ from potluck.engine.scheduler import (
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk
 from potluck.sampling import GREEDY, Sampler, SamplingParams, Token, log_softmax
+from workers import Spawn
+from workers import spawn_module_worker as spawn_module_worker
 
 PROMPTS = [
     "The quick brown fox",
@@ -184,17 +187,9 @@ def test_logprobs_are_the_models(smol: Model, sched: Scheduler) -> None:
 
 # -- over a pool of real worker processes: depth > 1, batches in flight --------------------------
 @pytest.fixture(scope="module")
-def pool_model(smollm2_path: Path) -> Iterator[Model]:
-    from test_pool import start_worker
-
-    procs = [start_worker(), start_worker()]
-    try:
-        m = load_model(smollm2_path, n_ctx=256, peers=[a for _, a in procs])
-        yield m
-    finally:
-        for p, _ in procs:
-            p.terminate()
-            p.wait(timeout=10)
+def pool_model(spawn_module_worker: Spawn, smollm2_path: Path) -> Model:
+    peers = [spawn_module_worker().address for _ in range(2)]
+    return load_model(smollm2_path, n_ctx=256, peers=peers)
 
 
 def test_pool_concurrent_equal_alone(smol: Model, pool_model: Model) -> None:
@@ -251,6 +246,7 @@ def test_interactive_requests_go_before_waiting_batch_requests(smol: Model) -> N
     try:
         ids = tuple(smol.tokenizer.encode("Hello"))
         first_token: dict[str, float] = {}
+        running = threading.Event()  # the first request has a token: it holds the one slot
 
         def sink(name: str) -> QueueSink:
             q = QueueSink()
@@ -259,6 +255,8 @@ def test_interactive_requests_go_before_waiting_batch_requests(smol: Model) -> N
             def call(ev) -> None:
                 if isinstance(ev, TokenEvent):
                     first_token.setdefault(name, time.perf_counter())
+                    if name == "running":
+                        running.set()
                 inner(ev)
 
             q.__call__ = call  # type: ignore[method-assign]
@@ -268,10 +266,8 @@ def test_interactive_requests_go_before_waiting_batch_requests(smol: Model) -> N
         for name, prio in (("running", BATCH), ("batch", BATCH), ("chat", INTERACTIVE)):
             sinks[name] = sink(name)
             s.submit(Request(ids, GREEDY, 24, frozenset(), prio), sinks[name].__call__)
-            deadline = time.monotonic() + 30
-            while name == "running" and name not in first_token:  # it holds the one slot
-                assert time.monotonic() < deadline
-                time.sleep(0.001)
+            if name == "running":
+                assert running.wait(timeout=30)
         for q in sinks.values():
             assert isinstance(list(q.events(timeout=60))[-1], Finished)
         assert first_token["running"] < first_token["chat"] < first_token["batch"]

@@ -30,7 +30,6 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-import psutil
 import pytest
 
 from potluck.engine.generate import generate, load_model
@@ -54,6 +53,9 @@ from potluck.transport.codec import PROTOCOL_VERSION
 from potluck.transport.limits import MAX_CHUNKS, MAX_REQUEST_BYTES
 from potluck.transport.secret import new_secret
 from potluck.transport.tls import CHANNEL_TLS_OPTIONS, load_or_create_identity
+from workers import Spawn, Worker
+from workers import spawn_module_worker as spawn_module_worker
+from workers import spawn_worker as spawn_worker
 
 PROMPT = "Name three planets."
 N_TOKENS = 6
@@ -67,45 +69,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Worker:
-    """`potluck worker` as a subprocess; its stderr goes to a file (a pipe nobody reads could
-    fill up and stall it while it logs refused handshakes)."""
-
-    def __init__(self, tmp: Path, secret: str | None, *extra: str, host: str = "127.0.0.1"):
-        self.port = _free_port()
-        self.address = f"{host}:{self.port}"
-        self.config = tmp / f"config-{self.port}"
-        self.log = tmp / f"worker-{self.port}.log"
-        env = {**os.environ, "POTLUCK_CONFIG": str(self.config), "POTLUCK_MDNS": "0"}
-        env.pop("POTLUCK_SECRET", None)
-        if secret is not None:
-            env["POTLUCK_SECRET"] = secret
-        cmd = [sys.executable, "-m", "potluck.cli", "worker", "-H", host, "-p", str(self.port)]
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [*cmd, "-t", "1", *extra], env=env, stderr=log, stdout=subprocess.DEVNULL
-            )
-        deadline = time.monotonic() + 90
-        while "listening on" not in self.log.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"worker did not start: {self.log.read_text()}")
-            time.sleep(0.1)
-
-    def rss(self) -> int:
-        return psutil.Process(self.proc.pid).memory_info().rss
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+def _start(spawn: Spawn, config: Path, secret: str, *extra: str) -> Worker:
+    """A worker of the pool `secret` with its own config folder (its TLS certificate goes there)."""
+    return spawn(*extra, secret=secret, env={"POTLUCK_CONFIG": str(config)}, timeout=90)
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +85,14 @@ def auth(secret: str) -> PoolAuth:
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory, secret: str) -> Iterator[Worker]:
-    w = Worker(tmp_path_factory.mktemp("w"), secret)
-    yield w
-    w.stop()
+def worker_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder the shared worker's config folder is in."""
+    return tmp_path_factory.mktemp("w")
+
+
+@pytest.fixture(scope="module")
+def worker(spawn_module_worker: Spawn, worker_home: Path, secret: str) -> Worker:
+    return _start(spawn_module_worker, worker_home / "config", secret)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +118,7 @@ def pool(worker: Worker, auth: PoolAuth, smollm2_path: Path, want: list[int]):
 
 
 def _still_serving(pool, worker: Worker, want: list[int], rss_before: int) -> None:
-    assert worker.alive(), worker.log.read_text()[-2000:]
+    assert worker.alive(), worker.log[-2000:]
     ids = pool.tokenizer.encode(pool.chat.render([{"role": "user", "content": PROMPT}]))
     assert list(generate(pool, ids, N_TOKENS, Sampler(GREEDY))) == want
     grown = worker.rss() - rss_before
@@ -480,7 +450,7 @@ def test_oversized_message(worker: Worker, auth: PoolAuth, pool, want: list[int]
 
 
 def test_wrong_dtype_shape_and_counts(
-    worker: Worker, auth: PoolAuth, pool, want: list[int]
+    worker: Worker, worker_home: Path, auth: PoolAuth, pool, want: list[int]
 ) -> None:
     """Bad tensors, counts and names from a peer that has the secret: INVALID_ARGUMENT each,
     and paths in names are never opened."""
@@ -534,7 +504,7 @@ def test_wrong_dtype_shape_and_counts(
     chunk = pb.TensorChunk(name="t", sha256="../" * 21 + "x", total_bytes=4, data=b"abcd")
     code, detail = _code(lambda: stub.PutTensors(iter([chunk]), timeout=10, metadata=md))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a sha256 hex digest" in detail
-    assert not (worker.config.parent / "x").exists()
+    assert not (worker_home / "x").exists()
     _still_serving(pool, worker, want, rss)
 
 
@@ -669,7 +639,8 @@ def test_fuzz_port(worker: Worker, auth: PoolAuth, pool, want: list[int]) -> Non
 
 
 def test_worker_to_worker_hop_authenticates(
-    tmp_path_factory: pytest.TempPathFactory,
+    spawn_worker: Spawn,
+    tmp_path: Path,
     worker: Worker,
     secret: str,
     auth: PoolAuth,
@@ -678,13 +649,10 @@ def test_worker_to_worker_hop_authenticates(
 ) -> None:
     """The head → worker → worker chain: the second worker requires a session, so the first
     proved the secret to it (over its own NodeClient) for the tokens to come back."""
-    second = Worker(tmp_path_factory.mktemp("w2"), secret)
-    try:
-        got, m = _pool_tokens(smollm2_path, [worker.address, second.address], auth)
-        assert got == want
-        assert len(m.pipeline.last_stage_ms) == 3
-    finally:
-        second.stop()
+    second = _start(spawn_worker, tmp_path / "config", secret)
+    got, m = _pool_tokens(smollm2_path, [worker.address, second.address], auth)
+    assert got == want
+    assert len(m.pipeline.last_stage_ms) == 3
 
 
 # -- non-loopback addresses ----------------------------------------------------------------------
@@ -713,7 +681,9 @@ def _netns() -> Iterator[tuple[str, str]]:
 
 
 @pytest.mark.netns
-def test_non_loopback_address_needs_a_secret(tmp_path: Path, secret: str) -> None:
+def test_non_loopback_address_needs_a_secret(
+    spawn_worker: Spawn, tmp_path: Path, secret: str
+) -> None:
     with _netns() as (ns, ip):
         base = ["ip", "netns", "exec", ns, sys.executable, "-m", "potluck.cli", "worker"]
         env = {**os.environ, "POTLUCK_CONFIG": str(tmp_path), "POTLUCK_MDNS": "0", "COLUMNS": "300"}
@@ -725,22 +695,13 @@ def test_non_loopback_address_needs_a_secret(tmp_path: Path, secret: str) -> Non
         assert f"refusing to listen on {ip} without a pool secret" in done.stderr
         assert "potluck secret --save" in done.stderr
         # with the secret it starts (and binds inside the namespace only)
-        log = tmp_path / "ns-worker.log"
-        with open(log, "w") as f:
-            proc = subprocess.Popen(
-                [*base, "-H", ip, "-p", "50052", "-t", "1"], stdout=subprocess.DEVNULL, stderr=f,
-                env={**env, "POTLUCK_SECRET": secret},
-            )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 90
-            while "listening on" not in log.read_text():
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
-            assert f"listening on {ip}:50052" in log.read_text()
-            assert "pool secret from POTLUCK_SECRET" in log.read_text()
-        finally:
-            proc.terminate()
-            proc.wait(timeout=20)
+        w = spawn_worker(
+            "-H", ip, port=50052, secret=secret, prefix=("ip", "netns", "exec", ns), timeout=90,
+            env={"POTLUCK_CONFIG": str(tmp_path), "COLUMNS": "300"},
+        )  # fmt: skip
+        assert f"listening on {ip}:50052" in w.log
+        assert "pool secret from POTLUCK_SECRET" in w.log
+        w.stop(timeout=20)
 
 
 # -- TLS -----------------------------------------------------------------------------------------
@@ -816,44 +777,41 @@ def _tls_relay(target: str, cert_dir: Path) -> Iterator[str]:
 
 
 def test_tls_pinning(
-    tmp_path_factory: pytest.TempPathFactory, secret: str, smollm2_path: Path, want: list[int]
+    spawn_worker: Spawn, tmp_path: Path, secret: str, smollm2_path: Path, want: list[int]
 ) -> None:
-    tmp = tmp_path_factory.mktemp("tls")
-    tls_worker = Worker(tmp, secret, "--tls")
-    try:
-        tls_auth = PoolAuth.from_secret(secret, tls=True)
-        got, m = _pool_tokens(smollm2_path, [tls_worker.address], tls_auth)
-        assert got == want
-        rss = tls_worker.rss()
-        # the certificate was made once and kept; the worker said which
-        cert = tls_worker.config / "tls" / "worker-cert.pem"
-        assert (tls_worker.config / "tls" / "worker-key.pem").stat().st_mode & 0o777 == 0o600
-        assert load_or_create_identity(tls_worker.config).sha256.hex()[:16] in tls_worker.log.read_text()  # fmt: skip
-        assert cert.is_file()
-        # a machine in between with its own certificate cannot finish the handshake
-        with _tls_relay(tls_worker.address, tmp / "mitm") as relay:
-            with pytest.raises(AuthError, match="TLS certificate mismatch: the head was shown"):
-                NodeClient(relay, tls_auth).authenticate()
-            # nor can a channel that trusts another certificate talk to the real worker
-            other = load_or_create_identity(tmp / "other")
-            ch = grpc.secure_channel(
-                tls_worker.address,
-                grpc.ssl_channel_credentials(root_certificates=other.cert_pem),
-                options=CHANNEL_TLS_OPTIONS,
-            )
-            code, _ = _code(lambda: pb_grpc.NodeStub(ch).Hello(pb.HelloRequest(), timeout=5))
-            assert code == grpc.StatusCode.UNAVAILABLE
-        # a head without --tls is told what to do, as is a TLS head at a plain worker
-        with pytest.raises(NodeError, match="speaks TLS .*pass --tls here too"):
-            NodeClient(tls_worker.address, PoolAuth.from_secret(secret)).authenticate()
-        # garbage at the TLS port
-        assert _fuzz_raw(random.Random(7), tls_worker.address, 40, time.monotonic() + 8) > 0
-        assert tls_worker.alive()
-        ids = m.tokenizer.encode(m.chat.render([{"role": "user", "content": PROMPT}]))
-        assert list(generate(m, ids, N_TOKENS, Sampler(GREEDY))) == want
-        assert tls_worker.rss() - rss < RSS_SLACK
-    finally:
-        tls_worker.stop()
+    config = tmp_path / "config"
+    tls_worker = _start(spawn_worker, config, secret, "--tls")
+    tls_auth = PoolAuth.from_secret(secret, tls=True)
+    got, m = _pool_tokens(smollm2_path, [tls_worker.address], tls_auth)
+    assert got == want
+    rss = tls_worker.rss()
+    # the certificate was made once and kept; the worker said which
+    cert = config / "tls" / "worker-cert.pem"
+    assert (config / "tls" / "worker-key.pem").stat().st_mode & 0o777 == 0o600
+    assert load_or_create_identity(config).sha256.hex()[:16] in tls_worker.log
+    assert cert.is_file()
+    # a machine in between with its own certificate cannot finish the handshake
+    with _tls_relay(tls_worker.address, tmp_path / "mitm") as relay:
+        with pytest.raises(AuthError, match="TLS certificate mismatch: the head was shown"):
+            NodeClient(relay, tls_auth).authenticate()
+        # nor can a channel that trusts another certificate talk to the real worker
+        other = load_or_create_identity(tmp_path / "other")
+        ch = grpc.secure_channel(
+            tls_worker.address,
+            grpc.ssl_channel_credentials(root_certificates=other.cert_pem),
+            options=CHANNEL_TLS_OPTIONS,
+        )
+        code, _ = _code(lambda: pb_grpc.NodeStub(ch).Hello(pb.HelloRequest(), timeout=5))
+        assert code == grpc.StatusCode.UNAVAILABLE
+    # a head without --tls is told what to do, as is a TLS head at a plain worker
+    with pytest.raises(NodeError, match="speaks TLS .*pass --tls here too"):
+        NodeClient(tls_worker.address, PoolAuth.from_secret(secret)).authenticate()
+    # garbage at the TLS port
+    assert _fuzz_raw(random.Random(7), tls_worker.address, 40, time.monotonic() + 8) > 0
+    assert tls_worker.alive()
+    ids = m.tokenizer.encode(m.chat.render([{"role": "user", "content": PROMPT}]))
+    assert list(generate(m, ids, N_TOKENS, Sampler(GREEDY))) == want
+    assert tls_worker.rss() - rss < RSS_SLACK
 
 
 def test_tls_head_at_a_plain_worker(worker: Worker, secret: str) -> None:

@@ -7,7 +7,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ from potluck.discovery.static import (
     read_peers_file,
     split_address,
 )
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 
 @pytest.mark.parametrize(
@@ -173,36 +174,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_worker(config: Path) -> tuple[subprocess.Popen, int]:
-    """A real worker on 127.0.0.1 (mDNS off, no secret, POTLUCK_CONFIG=config), once listening."""
-    port = _free_port()
-    env = {**os.environ, "POTLUCK_MDNS": "0", "POTLUCK_CONFIG": str(config)}
-    env.pop("POTLUCK_SECRET", None)
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1", "--no-mdns"],
-        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    assert worker.stderr is not None
-    deadline = time.monotonic() + 60
-    while "listening on" not in (line := worker.stderr.readline()):
-        assert worker.poll() is None and time.monotonic() < deadline, line
-    return worker, port
-
-
-def test_cli_tensor_split_names_the_nodes(tmp_path: Path, smollm2_path: Path) -> None:
+def test_cli_tensor_split_names_the_nodes(
+    spawn_worker: Spawn, tmp_path: Path, smollm2_path: Path
+) -> None:
     """A worker both in the peers file and typed counts once: a --tensor-split with a share for
     each is one too long, and the error lists the nodes it counted."""
-    worker, port = _start_worker(tmp_path)
-    try:
-        address = f"127.0.0.1:{port}"
-        (tmp_path / "peers").write_text(f"{address}\n")
-        r = _potluck(
-            "plan", "-m", str(smollm2_path), "--peer", address, "--tensor-split", "0,1,1",
-            env={"POTLUCK_CONFIG": str(tmp_path)},
-        )  # fmt: skip
-    finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+    worker = spawn_worker("--no-mdns", env={"POTLUCK_CONFIG": str(tmp_path)})
+    address = worker.address
+    (tmp_path / "peers").write_text(f"{address}\n")
+    r = _potluck(
+        "plan", "-m", str(smollm2_path), "--peer", address, "--tensor-split", "0,1,1",
+        env={"POTLUCK_CONFIG": str(tmp_path)},
+    )  # fmt: skip
+    worker.stop(timeout=30)
     assert r.returncode == 1, r.stderr
     said = " ".join(r.stderr.split())
     want = (
@@ -212,18 +196,18 @@ def test_cli_tensor_split_names_the_nodes(tmp_path: Path, smollm2_path: Path) ->
     assert want in said, r.stderr
 
 
-def test_a_dead_machine_in_the_peers_file_is_left_out(tmp_path: Path, smollm2_path: Path) -> None:
+def test_a_dead_machine_in_the_peers_file_is_left_out(
+    spawn_worker: Spawn, tmp_path: Path, smollm2_path: Path
+) -> None:
     """The peers file is a standing list: a laptop on it that is closed is left out with a line
     that says so, and the command goes on with the machines that answer. (A peer typed with
     --peer still fails loudly: test_pool's test_unreachable_peer.)"""
     dead = _free_port()  # nothing listens there
-    worker, port = _start_worker(tmp_path)
-    try:
-        (tmp_path / "peers").write_text(f"127.0.0.1:{dead}\n127.0.0.1:{port}\n")
-        r = _potluck("plan", "-m", str(smollm2_path), env={"POTLUCK_CONFIG": str(tmp_path)})
-    finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+    worker = spawn_worker("--no-mdns", env={"POTLUCK_CONFIG": str(tmp_path)})
+    port = worker.port
+    (tmp_path / "peers").write_text(f"127.0.0.1:{dead}\n127.0.0.1:{port}\n")
+    r = _potluck("plan", "-m", str(smollm2_path), env={"POTLUCK_CONFIG": str(tmp_path)})
+    worker.stop(timeout=30)
     said = " ".join(r.stderr.split())
     assert r.returncode == 0, r.stderr
     assert f"left out 127.0.0.1:{dead} (peers file): it is in the peers file but does not" in said

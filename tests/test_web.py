@@ -22,6 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from workers import Spawn
+from workers import spawn_module_worker as spawn_module_worker
+
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
 CHROMIUM = next(
@@ -51,6 +54,7 @@ API_KEY = "test-key-7f3a"
 START_TIMEOUT_S = 180  # loading SmolLM2 and compiling kernels on a busy 2-core machine
 ANSWER_TIMEOUT_MS = 90_000  # one answer of ≤ 48 tokens, with margin for a loaded machine
 ARTIFACTS = Path(__file__).parent / "artifacts"
+POOL = f"web-test-{os.getpid()}"  # a pool name of our own
 
 
 def _free_port() -> int:
@@ -63,7 +67,7 @@ def _env() -> dict[str, str]:
     """The processes' environment: no mDNS (other test runs' workers on this host must not join
     these pools), a pool name of our own, and API keys only from argv."""
     env = {k: v for k, v in os.environ.items() if k != "POTLUCK_API_KEY"}
-    return {**env, "POTLUCK_MDNS": "0", "POTLUCK_POOL": f"web-test-{os.getpid()}"}
+    return {**env, "POTLUCK_MDNS": "0", "POTLUCK_POOL": POOL}
 
 
 class Server:
@@ -156,33 +160,22 @@ def keyed_server(smollm2_path: Path, artifacts: Path) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def pool_server(smollm2_path: Path, artifacts: Path) -> Iterator[Server]:
+def pool_server(
+    spawn_module_worker: Spawn, smollm2_path: Path, artifacts: Path
+) -> Iterator[Server]:
     """A head and one `potluck worker` process on loopback (standing in for a second machine),
-    the layers split evenly."""
-    port = _free_port()
-    log = artifacts / "worker.log"
-    with log.open("w") as out:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "potluck.cli", "worker", "-p", str(port), "-t", "1"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=_env(),
-        )
+    the layers split evenly. The worker's log is kept beside the server's."""
+    worker = spawn_module_worker(env={"POTLUCK_POOL": POOL}, timeout=START_TIMEOUT_S)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "listening on" not in log.read_text(errors="replace"):
-            if worker.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"potluck worker did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        peer = f"127.0.0.1:{port}"
-        s = Server(smollm2_path, artifacts / "serve-pool.log", "--peer", peer, "-ts", "1,1")
+        s = Server(
+            smollm2_path, artifacts / "serve-pool.log", "--peer", worker.address, "-ts", "1,1"
+        )
         try:
             yield s
         finally:
             s.stop()
     finally:
-        worker.terminate()
-        worker.wait(timeout=20)
+        (artifacts / "worker.log").write_text(worker.stop(timeout=20))
 
 
 @pytest.fixture(scope="module")

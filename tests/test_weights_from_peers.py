@@ -7,7 +7,6 @@ folder. The broken link is a real TCP connection that a proxy cuts in the middle
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 from cut_proxy import CutProxy
@@ -17,17 +16,11 @@ from potluck.model.layout import stage_tensor_names
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.sampling import GREEDY, Sampler
-from test_pool import _single, start_worker
+from test_pool import _single
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 PROMPT = "The capital of France is"
-
-
-def _stop(proc: subprocess.Popen) -> str:
-    """End a worker; what it logged."""
-    proc.terminate()
-    proc.wait(timeout=10)
-    assert proc.stderr is not None
-    return proc.stderr.read()
 
 
 def _bare(path: Path) -> dict[str, str]:
@@ -61,25 +54,22 @@ def _greedy(assignments: list[Assignment], model: Path, seen: list) -> tuple[lis
 
 
 def test_a_node_without_the_file_gets_its_layers_from_a_peer(
-    smollm2_path: Path, tmp_path: Path
+    spawn_worker: Spawn, smollm2_path: Path, tmp_path: Path
 ) -> None:
     """B lacks the file and is told to ask C (no file either: it says so) and then A (has it):
     every byte of B's layers comes from A, exactly its layers' bytes, none from the head; the
     pool then computes what one process computes."""
-    a, addr_a = start_worker()  # finds SmolLM2 in the shared model cache
-    b, addr_b = start_worker(_bare(tmp_path / "b"))
-    c, addr_c = start_worker(_bare(tmp_path / "c"))
-    logs: dict[str, str] = {}
-    try:
-        plan = [
-            Assignment(LOCAL, 0, 10), Assignment(addr_a, 10, 20),
-            Assignment(addr_b, 20, 30, sources=(addr_c, addr_a)),
-        ]  # fmt: skip
-        seen: list = []
-        got, held = _greedy(plan, smollm2_path, seen)
-    finally:
-        for name, proc in (("a", a), ("b", b), ("c", c)):
-            logs[name] = _stop(proc)
+    a = spawn_worker()  # finds SmolLM2 in the shared model cache
+    b = spawn_worker(env=_bare(tmp_path / "b"))
+    c = spawn_worker(env=_bare(tmp_path / "c"))
+    addr_a, addr_b, addr_c = a.address, b.address, c.address
+    plan = [
+        Assignment(LOCAL, 0, 10), Assignment(addr_a, 10, 20),
+        Assignment(addr_b, 20, 30, sources=(addr_c, addr_a)),
+    ]  # fmt: skip
+    seen: list = []
+    got, held = _greedy(plan, smollm2_path, seen)
+    logs = {name: w.stop() for name, w in (("a", a), ("b", b), ("c", c))}
     assert got == _single(smollm2_path, PROMPT, 8)
     assert seen == [], "the head sent tensors although a peer had them"
     stage = _stage_bytes(smollm2_path, 20, 30)
@@ -93,22 +83,20 @@ def test_a_node_without_the_file_gets_its_layers_from_a_peer(
 
 
 def test_a_pull_cut_in_the_middle_is_finished_by_the_head(
-    smollm2_path: Path, tmp_path: Path
+    spawn_worker: Spawn, smollm2_path: Path, tmp_path: Path
 ) -> None:
     """The link from the peer breaks 6 MiB into B's transfer: B keeps what arrived (whole tensors
     and the part of the one in flight) and the head sends only the rest; the blobs pass their
     hashes and the pool computes what one process computes."""
-    a, addr_a = start_worker()
-    b, addr_b = start_worker(_bare(tmp_path / "b"))
+    a, b = spawn_worker(), spawn_worker(env=_bare(tmp_path / "b"))
+    addr_b = b.address
     cut = 6 << 20
-    try:
-        with CutProxy(addr_a, cut_after=cut) as link:
-            plan = [Assignment(LOCAL, 0, 15), Assignment(addr_b, 15, 30, sources=(link.address,))]
-            seen: list = []
-            got, held = _greedy(plan, smollm2_path, seen)
-            assert link.cut.is_set()
-    finally:
-        log_a, log_b = _stop(a), _stop(b)
+    with CutProxy(a.address, cut_after=cut) as link:
+        plan = [Assignment(LOCAL, 0, 15), Assignment(addr_b, 15, 30, sources=(link.address,))]
+        seen: list = []
+        got, held = _greedy(plan, smollm2_path, seen)
+        assert link.cut.is_set()
+    log_a, log_b = a.stop(), b.stop()
     assert got == _single(smollm2_path, PROMPT, 8)
     stage = _stage_bytes(smollm2_path, 15, 30)
     assert f"peer {link.address} did not send them" in log_b, log_b
