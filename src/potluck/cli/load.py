@@ -4,6 +4,7 @@ failover re-plans), with a progress bar and the summary lines on stderr."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from rich.progress import (
     BarColumn,
@@ -13,46 +14,57 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from potluck.cli.config import ModelFlags, PoolFlags
 from potluck.cli.console import err
 from potluck.cli.options import WIRE_DTYPES, no_workers_for
 from potluck.cli.peers import _auth, _found
-from potluck.cli.runtime import _backends, _setup_threads
+from potluck.cli.runtime import _backends, _setup_cache, _setup_gpu, _setup_threads
 from potluck.errors import PotluckError
+
+if TYPE_CHECKING:
+    from potluck.discovery.pool import PeerFinder
 
 
 def _load(
-    model: str | None,
-    ctx: int | None,
-    threads: int | None,
+    flags: ModelFlags,
+    net: PoolFlags | None = None,
+    *,
     splits: list[int] | None = None,
-    peers=None,  # a PeerFinder (_peers)
-    shares: list[float] | None = None,
-    auth_flags: tuple[str | None, bool] = (None, False),  # --secret, --tls (see _auth)
-    failover_s: float | None = 5.0,
+    no_mdns: bool = False,
     balance: str = "prompt",
-    wire: str = "f32",
-    mem: int | None = None,
     n_seq: int = 1,
     found: list[str] | None = None,
-    lora: list[str] | None = None,
+    finder: PeerFinder | None = None,
 ):
-    """Resolve, load with a progress bar, and print the one-line summary (and the pool's plan).
-    lora: --lora FILE[:SCALE] each (over a pool, each node gets its layers' part).
-    found: filled with the workers found (all of them, used by the plan or not).
-    Over a pool, a node silent for failover_s seconds is dropped and the planner re-plans on the
-    nodes left (the generation pauses, then goes on). balance: what the planner evens out between
-    stages, "prompt" for one conversation (run, chat) or "decode" for many streams (serve).
-    mem: the most memory this machine offers for layers (--mem; 0: none, workers only).
-    n_seq: sequences at once (serve's -np): the plan and every node count KV for each."""
+    """Set up this machine's compute (threads, cache, GPU), find the pool's workers (net; None:
+    this machine alone), plan, load with a progress bar, and print the one-line summary and the
+    plan. splits: in-process stages split at these layers (run --split; finds no workers).
+    found: filled with the workers found (all of them, used by the plan or not). finder: the
+    browse to use (serve keeps it to recruit workers later); default: net's, started here.
+    Over a pool, a node silent for --failover-timeout seconds is dropped and the planner re-plans
+    on the nodes left (the generation pauses, then goes on). balance: what the planner evens out
+    between stages, "prompt" for one conversation (run, chat) or "decode" for many streams
+    (serve). n_seq: sequences at once (serve's -np): the plan and every node count KV for each."""
     from potluck.engine.generate import load_model
     from potluck.modelfile.lora import parse_lora_arg
     from potluck.modelfile.sources import resolve_model
     from potluck.pool.planning import PlanInputs, plan_model, replanner
     from potluck.pool.survey import assignments_of
 
-    _setup_threads(threads)
-    path = resolve_model(model)
-    loras = [parse_lora_arg(x) for x in lora or []]
+    _setup_cache(flags.cache_type, flags.no_repack)
+    _setup_gpu(flags.ngl, flags.device)
+    _setup_threads(flags.threads)
+    ctx = flags.ctx
+    peers = finder
+    if peers is None and net is not None:
+        peers = net.finder(no_mdns or splits is not None)
+    shares = net.shares() if net is not None else []
+    mem = net.mem_bytes() if net is not None else None
+    failover_s = net.failover_timeout if net is not None else 5.0  # checked by PoolFlags
+    wire = net.wire_dtype if net is not None else "f32"
+    auth_flags = net.auth_flags() if net is not None else (None, False)
+    path = resolve_model(flags.model)
+    loras = [parse_lora_arg(x) for x in flags.lora or []]
     t0 = time.perf_counter()
     with Progress(
         TextColumn("[bold]loading[/] {task.description}"),

@@ -12,44 +12,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from potluck.cli.config import ModelFlags, PoolFlags, SamplingFlags, takes
 from potluck.cli.console import err
 from potluck.cli.load import _load
 from potluck.cli.options import (
-    DEFAULT_POOL,
     BatchOpt,
     CacheTypeOpt,
-    CtxOpt,
     DeviceOpt,
-    FailoverOpt,
-    HeadMemOpt,
     LoraOpt,
-    MinPOpt,
     ModelOpt,
     NglOpt,
-    NoMdnsOpt,
     NoRepackOpt,
-    PeerOpt,
-    PoolOpt,
     PredictCheck,
-    PromptBatchOpt,
-    RepeatOpt,
-    RpcOpt,
-    SecretOpt,
-    SeedOpt,
-    SplitOpt,
-    TempOpt,
     ThreadsOpt,
-    TlsOpt,
-    TopKOpt,
-    TopPOpt,
-    WireOpt,
-    _failover,
-    _head_mem,
-    _sampling,
-    _shares,
 )
-from potluck.cli.peers import _peers
-from potluck.cli.runtime import _setup_cache, _setup_gpu
 from potluck.errors import PotluckError
 
 
@@ -92,9 +68,9 @@ def _stream(m, ids: list[int], n: int, sampler, n_batch: int, chat: bool = False
     return out
 
 
+@takes
 def run(
     prompt: Annotated[str, typer.Argument(help="The prompt.")],
-    model: ModelOpt = None,
     n_predict: Annotated[
         int,
         typer.Option(
@@ -104,20 +80,6 @@ def run(
             help="Tokens to generate at most (-1: until the end of text or a full context).",
         ),
     ] = 128,
-    ctx: CtxOpt = None,
-    threads: ThreadsOpt = None,
-    ngl: NglOpt = 0,
-    device: DeviceOpt = None,
-    cache_type: CacheTypeOpt = "f16",
-    no_repack: NoRepackOpt = False,
-    lora: LoraOpt = None,
-    batch: PromptBatchOpt = None,
-    temp: TempOpt = 0.8,
-    top_k: TopKOpt = 40,
-    top_p: TopPOpt = 0.95,
-    min_p: MinPOpt = 0.05,
-    repeat_penalty: RepeatOpt = 1.0,
-    seed: SeedOpt = None,
     raw: Annotated[
         bool,
         typer.Option("--raw", help="Feed the prompt as plain text, without the chat template."),
@@ -132,31 +94,19 @@ def run(
             help="Run as in-process stages split at these layers, e.g. 10,20 (checks the pipeline).",
         ),
     ] = None,
-    peer: PeerOpt = None,
-    rpc: RpcOpt = None,
-    tensor_split: SplitOpt = None,
-    mem: HeadMemOpt = None,
-    pool: PoolOpt = DEFAULT_POOL,
-    no_mdns: NoMdnsOpt = False,
-    secret: SecretOpt = None,
-    tls: TlsOpt = False,
-    failover_timeout: FailoverOpt = 5.0,
-    wire_dtype: WireOpt = "f32",
+    *,
+    flags: ModelFlags,
+    net: PoolFlags,
+    sampling: SamplingFlags,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout (over the pool's workers: found on
     mDNS, or --peer)."""
     from potluck.engine.generate import prompt_batch
     from potluck.sampling import Sampler
 
-    params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    params = sampling.params()
     splits = [int(s) for s in split.split(",")] if split else None
-    finder = _peers(peer, rpc, pool, no_mdns or splits is not None)  # --split: in-process check
-    _setup_cache(cache_type, no_repack)
-    _setup_gpu(ngl, device)
-    m = _load(
-        model, ctx, threads, splits, finder, _shares(tensor_split), (secret, tls),
-        _failover(failover_timeout), wire=wire_dtype, mem=_head_mem(mem), lora=lora,
-    )  # fmt: skip
+    m = _load(flags, net, splits=splits)
     if raw:
         ids = m.tokenizer.encode(prompt)
     else:
@@ -164,11 +114,11 @@ def run(
             {"role": "user", "content": prompt}
         ]
         ids = m.tokenizer.encode(m.chat.render(msgs))
-    _stream(m, ids, n_predict, Sampler(params), prompt_batch(m, batch))
+    _stream(m, ids, n_predict, Sampler(params), prompt_batch(m, flags.batch))
 
 
+@takes
 def chat(
-    model: ModelOpt = None,
     n_predict: Annotated[
         int,
         typer.Option(
@@ -178,44 +128,18 @@ def chat(
             help="Tokens per answer at most (-1: until the end of text or a full context).",
         ),
     ] = 512,
-    ctx: CtxOpt = None,
-    threads: ThreadsOpt = None,
-    ngl: NglOpt = 0,
-    device: DeviceOpt = None,
-    cache_type: CacheTypeOpt = "f16",
-    no_repack: NoRepackOpt = False,
-    lora: LoraOpt = None,
-    batch: PromptBatchOpt = None,
-    temp: TempOpt = 0.8,
-    top_k: TopKOpt = 40,
-    top_p: TopPOpt = 0.95,
-    min_p: MinPOpt = 0.05,
-    repeat_penalty: RepeatOpt = 1.0,
-    seed: SeedOpt = None,
     system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
-    peer: PeerOpt = None,
-    rpc: RpcOpt = None,
-    tensor_split: SplitOpt = None,
-    mem: HeadMemOpt = None,
-    pool: PoolOpt = DEFAULT_POOL,
-    no_mdns: NoMdnsOpt = False,
-    secret: SecretOpt = None,
-    tls: TlsOpt = False,
-    failover_timeout: FailoverOpt = 5.0,
-    wire_dtype: WireOpt = "f32",
+    *,
+    flags: ModelFlags,
+    net: PoolFlags,
+    sampling: SamplingFlags,
 ) -> None:
     """Chat interactively with the model's chat template. Ctrl-D or /exit to leave."""
     from potluck.engine.generate import prompt_batch
     from potluck.sampling import Sampler
 
-    params = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
-    finder = _peers(peer, rpc, pool, no_mdns)
-    _setup_cache(cache_type, no_repack)
-    _setup_gpu(ngl, device)
-    m = _load(
-        model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
-        _failover(failover_timeout), wire=wire_dtype, mem=_head_mem(mem), lora=lora,
-    )  # fmt: skip
+    params = sampling.params()
+    m = _load(flags, net)
     sampler = Sampler(params)
     msgs: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     err.print("[dim]type a message; /exit or Ctrl-D to quit, /reset to start over[/]")
@@ -239,7 +163,7 @@ def chat(
             msgs.pop()
             continue
         try:
-            out = _stream(m, ids, n_predict, sampler, prompt_batch(m, batch), chat=True)
+            out = _stream(m, ids, n_predict, sampler, prompt_batch(m, flags.batch), chat=True)
         except PotluckError as exc:  # e.g. a pool node that failed for good: say so, keep going
             err.print(f"[red]error:[/] {exc}")
             msgs.pop()
@@ -284,9 +208,8 @@ def perplexity(
     """Perplexity over a text file, computed as llama-perplexity does (second half of each chunk)."""
     from potluck.engine.perplexity import perplexity as compute
 
-    _setup_cache(cache_type, no_repack)
-    _setup_gpu(ngl, device)
-    m = _load(model, ctx, threads, lora=lora)
+    flags = ModelFlags(model, ctx, threads, ngl, device, cache_type, no_repack, lora)
+    m = _load(flags)
     text = file.read_text(encoding="utf-8", errors="replace")
 
     def on_chunk(i: int, n: int, ppl: float) -> None:

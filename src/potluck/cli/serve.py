@@ -11,55 +11,15 @@ import typer
 
 from potluck import __version__
 from potluck.cli.batch import _idle_replicas, _Recruits
+from potluck.cli.config import ModelFlags, PoolFlags, takes
 from potluck.cli.console import err
 from potluck.cli.load import _load
-from potluck.cli.options import (
-    DEFAULT_PARALLEL,
-    DEFAULT_POOL,
-    CacheTypeOpt,
-    CtxOpt,
-    DeviceOpt,
-    FailoverOpt,
-    HeadMemOpt,
-    LoraOpt,
-    ModelOpt,
-    NglOpt,
-    NoMdnsOpt,
-    NoRepackOpt,
-    ParallelOpt,
-    PeerOpt,
-    PoolOpt,
-    PromptBatchOpt,
-    RpcOpt,
-    SecretOpt,
-    SplitOpt,
-    ThreadsOpt,
-    TlsOpt,
-    WireOpt,
-    _failover,
-    _head_mem,
-    _port,
-    _shares,
-)
-from potluck.cli.peers import _peers
-from potluck.cli.runtime import _setup_cache, _setup_gpu
+from potluck.cli.options import DEFAULT_PARALLEL, ParallelOpt, _port
 from potluck.errors import PotluckError
 
 
+@takes
 def serve(
-    model: ModelOpt = None,
-    ctx: CtxOpt = None,
-    threads: ThreadsOpt = None,
-    ngl: NglOpt = 0,
-    device: DeviceOpt = None,
-    cache_type: CacheTypeOpt = "f16",
-    no_repack: NoRepackOpt = False,
-    lora: LoraOpt = None,
-    batch: PromptBatchOpt = None,
-    peer: PeerOpt = None,
-    rpc: RpcOpt = None,
-    tensor_split: SplitOpt = None,
-    mem: HeadMemOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[
         int, typer.Option("--port", callback=_port, help="Port to listen on (0: any free one).")
@@ -86,12 +46,9 @@ def serve(
         ),
     ] = None,
     parallel: ParallelOpt = DEFAULT_PARALLEL,
-    pool: PoolOpt = DEFAULT_POOL,
-    no_mdns: NoMdnsOpt = False,
-    secret: SecretOpt = None,
-    tls: TlsOpt = False,
-    wire_dtype: WireOpt = "f32",
-    failover_timeout: FailoverOpt = 5.0,
+    *,
+    flags: ModelFlags,
+    net: PoolFlags,
 ) -> None:
     """Serve the model (over a pool with --peer) as an OpenAI-compatible API with a web page."""
     import dataclasses
@@ -107,32 +64,23 @@ def serve(
             f"refusing to listen on {host} without an API key: anyone on the network could use "
             "the model; pass --api-key KEY (or set POTLUCK_API_KEY), or --no-api-key to accept that"
         )
-    failover_s = _failover(failover_timeout)
     try:
         sched_config = SchedulerConfig(  # checked now; n_batch settled once the pool is known
-            n_batch=batch or DEFAULT_N_BATCH, max_queue=max_queue, max_active=parallel
+            n_batch=flags.batch or DEFAULT_N_BATCH, max_queue=max_queue, max_active=parallel
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    finder = _peers(peer, rpc, pool, no_mdns)
-    # many streams at once: stages even in decode time
-    _setup_cache(cache_type, no_repack)
-    _setup_gpu(ngl, device)
     workers: list[str] = []
-    m = _load(
-        model, ctx, threads, None, finder, _shares(tensor_split), (secret, tls),
-        balance="decode", wire=wire_dtype, mem=_head_mem(mem), n_seq=parallel, found=workers,
-        failover_s=failover_s,
-        lora=lora,
-    )  # fmt: skip
-    sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, batch))
+    finder = net.finder()
+    # many streams at once: stages even in decode time
+    m = _load(flags, net, balance="decode", n_seq=parallel, found=workers, finder=finder)
+    sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, flags.batch))
     scheduler = Scheduler(m, sched_config)
     # workers the plan leaves idle run batch jobs, each with the whole model, where they can
     used = {a.node for a in m.pipeline.assignments}
     idle = [a for a in workers if a not in used]
-    extra, reload = (
-        _idle_replicas(m.path, ctx, idle, (secret, tls), parallel) if idle else ([], None)
-    )
+    ctx, auth_flags = flags.ctx, net.auth_flags()
+    extra, reload = _idle_replicas(m.path, ctx, idle, auth_flags, parallel) if idle else ([], None)
     extra_schedulers: list = []
 
     def replica_app(r):
@@ -142,7 +90,7 @@ def serve(
 
     extra_apps = [(label, replica_app(r)) for label, r in extra]
     # ... and so do workers that come back, or are started after the server
-    recruits = _Recruits(m.path, ctx, finder, workers, (secret, tls), parallel, replica_app, extra)
+    recruits = _Recruits(m.path, ctx, finder, workers, auth_flags, parallel, replica_app, extra)
     recruits.add(extra, reload)
 
     from potluck.modelfile.sources import cache_dir
