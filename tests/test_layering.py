@@ -3,11 +3,14 @@ that every pipeline kind implements the whole Pipeline contract (no caller probe
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import potluck
 from potluck.engine.contract import Pipeline
 from potluck.engine.local import LocalPipeline
 from potluck.pool.failover import FailoverPipeline
@@ -77,3 +80,53 @@ def test_every_pipeline_kind_has_the_whole_contract(kind: type) -> None:
         and f"self.{m}:" not in init
     ]  # fmt: skip
     assert not missing, f"{kind.__name__} lacks {missing} of the Pipeline contract"
+
+
+def _wire_constructions(path: Path) -> list[str]:
+    """Where a module calls a protobuf message class (`pb.LoadRequest(...)`, under any name the
+    module gives potluck_pb2, or a class imported from it): "file:line Name"."""
+    tree = ast.parse(path.read_text(), str(path))
+    modules, classes = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "potluck.transport":
+            modules |= {a.asname or a.name for a in node.names if a.name == "potluck_pb2"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "potluck.transport.potluck_pb2":
+            classes |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname for a in node.names if a.name.endswith("potluck_pb2") and a.asname}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if (
+            isinstance(f, ast.Attribute)
+            and isinstance(f.value, ast.Name)
+            and f.value.id in modules
+            and f.attr[:1].isupper()
+        ):
+            found.append((node.lineno, f.attr))
+        elif isinstance(f, ast.Name) and f.id in classes:
+            found.append((node.lineno, f.id))
+    return [f"{path.name}:{line} {name}" for line, name in sorted(found)]
+
+
+@pytest.mark.parametrize("package", ["engine", "pool", "train", "discovery"])
+def test_wire_messages_are_built_only_in_transport(package: str) -> None:
+    """The head's side builds no protobuf message itself: transport/messages.py (or NodeClient's
+    typed methods) does, from plain values; the rest only reads replies (issue 17)."""
+    root = Path(potluck.__file__).parent / package
+    found = [hit for path in sorted(root.rglob("*.py")) for hit in _wire_constructions(path)]
+    assert not found, f"potluck.{package} builds wire messages: {found}"
+
+
+def test_the_wire_check_sees_a_construction(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from potluck.transport import potluck_pb2 as wire\n"
+        "from potluck.transport.potluck_pb2 import DropRequest\n"
+        "a = wire.LoadRequest(plan_id='p')\n"
+        "b = DropRequest()\n"
+        "c = wire.LoadReply.FromString(b'')\n"  # a reply read from bytes: not built here
+    )
+    assert _wire_constructions(sample) == ["sample.py:3 LoadRequest", "sample.py:4 DropRequest"]

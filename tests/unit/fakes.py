@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from potluck.engine.chain import submit_after
-from potluck.engine.contract import Assignment, NodeStatus, Pipeline
+from potluck.engine.contract import Assignment, Held, NodeStatus, Pipeline
 from potluck.errors import NodeError
 from potluck.model.stage import SeqChunk
 from potluck.sampling import Sampler
@@ -104,7 +104,7 @@ class FakePipeline:
     `next_token` instead of a model."""
 
     auth = None
-    held: Mapping[str, pb.LoadReply] = {}
+    held: Mapping[str, Held] = {}
     node_status: Mapping[str, NodeStatus] = {}  # as loaded: the heartbeat (failover) keeps it up
 
     def __init__(

@@ -6,7 +6,8 @@ engine/local.py), RemotePipeline (a plan over nodes, pool/pipeline.py) and Failo
 remote one that re-plans when a node goes away, pool/failover.py). Callers use only this protocol:
 what a kind has nothing for, it gives as an empty value (a local pipeline has no nodes, no clients,
 no plan id) or does as a no-op (close). This module imports no network code: the transport types
-below are for annotations only.
+below are for annotations only, and no wire message appears in the contract (`Held` is what a
+node's LoadReply says, converted by pool/pipeline.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from potluck.model.stage import SeqChunk, Stage
 from potluck.sampling import Sampler
 
 if TYPE_CHECKING:
-    from potluck.transport import potluck_pb2 as pb
     from potluck.transport.auth import PoolAuth
     from potluck.transport.client import NodeClient
 
@@ -51,6 +51,19 @@ class Assignment:
             device += " + output head"
         where = "this machine" if self.node == LOCAL else self.node
         return f"layers {self.start}–{self.stop - 1} → {where} ({device})"
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a remote node reported holding once it loaded its stage of a plan."""
+
+    weight_bytes: int  # the stage's weights in memory
+    kv_bytes: int  # its KV cache for n_seq sequences at the full context
+    rss_bytes: int  # the worker process's resident memory once loaded
+    load_seconds: float
+    pulled_from: str = ""  # the peer it received its tensors from ("" if none)
+    pulled_bytes: int = 0  # how many bytes it received from there
+    pull_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -102,7 +115,7 @@ class Pipeline(Protocol):
         ...
 
     @property
-    def held(self) -> Mapping[str, pb.LoadReply]:
+    def held(self) -> Mapping[str, Held]:
         """Per remote node, what it reported holding once it loaded the plan."""
         ...
 

@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from potluck.engine.chain import submit_after
-from potluck.engine.contract import Assignment, NodeStatus
+from potluck.engine.contract import Assignment, Held, NodeStatus
 from potluck.model.stage import SeqChunk, Stage
 from potluck.sampling import Sampler
 
 if TYPE_CHECKING:
-    from potluck.transport import potluck_pb2 as pb
     from potluck.transport.auth import PoolAuth
     from potluck.transport.client import NodeClient
 
@@ -45,7 +44,7 @@ class LocalPipeline:
         return []
 
     @property
-    def held(self) -> dict[str, pb.LoadReply]:
+    def held(self) -> dict[str, Held]:
         return {}
 
     @property

@@ -37,12 +37,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from potluck.engine.chain import follow_inputs
-from potluck.engine.contract import DEFAULT_TIMEOUT_S, Assignment, NodeStatus, Pipeline
+from potluck.engine.contract import DEFAULT_TIMEOUT_S, Assignment, Held, NodeStatus, Pipeline
 from potluck.errors import PoolLostError, PotluckError
 from potluck.model.stage import SeqChunk, Stage
 from potluck.pool.pipeline import status_of
 from potluck.sampling import Sampler
-from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
 
@@ -160,8 +159,8 @@ class FailoverPipeline:
         return list(self.inner.assignments)
 
     @property
-    def held(self) -> dict[str, pb.LoadReply]:
-        """Per node, the LoadReply of the current plan: what it holds."""
+    def held(self) -> dict[str, Held]:
+        """Per node, what it holds of the current plan."""
         return dict(self.inner.held)
 
     @property

@@ -18,11 +18,12 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from potluck.engine.chain import submit_after
-from potluck.engine.contract import LOCAL, Assignment, NodeStatus
+from potluck.engine.contract import LOCAL, Assignment, Held, NodeStatus
 from potluck.errors import PotluckError
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import SeqChunk, Stage
@@ -32,17 +33,13 @@ from potluck.modelfile.lora import LoraAdapter, adapter_part
 from potluck.node.transfer import PULL_TIMEOUT_S, push_chunks
 from potluck.node.weights import sha256_file, tensor_digests
 from potluck.sampling import Sampler, Token
-from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
-from potluck.transport.codec import (
-    PROTOCOL_VERSION,
-    WIRE_DTYPES,
-    lora_to_wire,
-    sampling_to_proto,
-    tensor_from_proto,
-    tensor_to_proto,
-)
+from potluck.transport.codec import PROTOCOL_VERSION, WIRE_DTYPES, tensor_from_proto
+from potluck.transport.messages import forward_request, load_request, seq_chunks
+
+if TYPE_CHECKING:  # replies are read here; requests are built in transport/messages.py
+    from potluck.transport import potluck_pb2 as pb
 
 # This process as a head: its plans give way to each other on a node, never to another head's
 # live one (node/plans.py); two processes with the same model and split get different plan ids.
@@ -55,6 +52,19 @@ def status_of(address: str, reply: pb.HelloReply) -> NodeStatus:
     """A node's name and memory from its Hello."""
     memory = reply.devices[0].memory_bytes if reply.devices else 0
     return NodeStatus(reply.node_name or address, int(memory), True)
+
+
+def held_of(reply: pb.LoadReply) -> Held:
+    """What a node's LoadReply says it holds."""
+    return Held(
+        weight_bytes=reply.weight_bytes,
+        kv_bytes=reply.kv_bytes,
+        rss_bytes=reply.rss_bytes,
+        load_seconds=reply.load_seconds,
+        pulled_from=reply.pulled_from,
+        pulled_bytes=reply.pulled_bytes,
+        pull_seconds=reply.pull_seconds,
+    )
 
 
 def plan_id_of(
@@ -129,7 +139,7 @@ class RemotePipeline:
         self.auth = auth  # the pool secret and TLS: how this head proves membership to nodes
         self.clients = [NodeClient(a.node, auth) for a in remotes]
         loaded: list[NodeClient] = []
-        self.held: dict[str, pb.LoadReply] = {}  # per node: what it holds once loaded
+        self.held: dict[str, Held] = {}  # per node: what it holds once loaded
         self.node_status: dict[str, NodeStatus] = {}  # per node: its Hello when it was loaded
         try:
             self._load_nodes(file, hp, remotes, n_ctx, wire_dtype, loaded)
@@ -146,14 +156,15 @@ class RemotePipeline:
         # the local first stage computes on one thread, in submission order
         self._local_thread = ThreadPoolExecutor(1, thread_name_prefix="potluck-local-stage")
 
-    def _adapter_parts(self, names: set[str]) -> list[pb.AdapterPart]:
-        """Each adapter cut to a stage's tensors (`names`), as bytes of a small adapter GGUF."""
+    def _adapter_parts(self, names: set[str]) -> list[tuple[str, float, bytes]]:
+        """Each adapter cut to a stage's tensors (`names`): (name, scale, bytes of a small
+        adapter GGUF)."""
         parts = []
         for a in self.adapters:
             with tempfile.TemporaryDirectory(prefix="potluck-lora-") as tmp:
                 path = Path(tmp) / "part.gguf"
                 adapter_part(a, names, path)
-                parts.append(pb.AdapterPart(gguf=path.read_bytes(), scale=a.scale, name=a.name))
+                parts.append((a.name, a.scale, path.read_bytes()))
         return parts
 
     def _load_nodes(
@@ -182,7 +193,7 @@ class RemotePipeline:
             nxt = remotes[i + 1].node if i + 1 < len(remotes) else ""
             names = stage_tensor_names(file.tensors.values(), hp.n_layer, a.start, a.stop)
             digests = tensor_digests(self.model_sha, file.raw, names)
-            req = pb.LoadRequest(
+            req = load_request(
                 plan_id=self.plan_id, model_sha256=self.model_sha, start=a.start, stop=a.stop, n_ctx=n_ctx,
                 next_hop=nxt, metadata_gguf=header, tensor_sha256=digests, wire_dtype=wire_dtype,
                 model_bytes=file.size_bytes, head_id=self.head_id, n_gpu_layers=a.n_gpu_layers,
@@ -201,7 +212,7 @@ class RemotePipeline:
                     raise NodeError(
                         f"node {a.node} still lacks {len(reply.missing)} tensors after the transfer"
                     )
-            self.held[a.node] = reply
+            self.held[a.node] = held_of(reply)
             loaded.append(client)
 
         # every node loads (and receives its tensors) at once: a 14B's halves take seconds each
@@ -246,13 +257,8 @@ class RemotePipeline:
         out: Future[pb.ForwardReply] = Future()
 
         def remote(x: np.ndarray, local_ms: list[float]) -> None:
-            req = pb.ForwardRequest(
-                plan_id=self.plan_id,
-                chunks=wire_chunks,
-                input=tensor_to_proto(x, self.wire if self.local else None),
-                want_logits=want_logits,
-                stop_ids=stop_ids,
-            )
+            wire_dtype = self.wire if self.local else None
+            req = forward_request(self.plan_id, wire_chunks, x, wire_dtype, want_logits, stop_ids)
             t1 = time.perf_counter()
             began = [t1]  # a follow-up batch starts on the pool when the previous reply is out
             if after is not None:
@@ -292,48 +298,6 @@ class RemotePipeline:
         self._local_thread.submit(run_local)
         return out
 
-    def _wire_chunks(
-        self,
-        chunks: Sequence[SeqChunk],
-        samplers: Mapping[int, Sampler],
-        histories: Mapping[int, Sequence[int]],
-        follow: bool = False,
-    ) -> list[pb.SeqChunk]:
-        """follow: follow-up chunks, whose input id (not in `histories` yet) the first node adds
-        to the recent ids itself."""
-        wire = []
-        for c in chunks:
-            s = samplers.get(c.seq_id)
-            if s is None:  # a prompt micro-batch that is not the last: nothing to sample
-                wire.append(
-                    pb.SeqChunk(
-                        seq_id=c.seq_id,
-                        n=c.n,
-                        sample=False,
-                        follow=follow,
-                        lora=lora_to_wire(c.lora),
-                    )
-                )
-                continue
-            recent: list[int] = []
-            if s.params.penalizes:
-                n = s.params.repeat_last_n
-                hist = histories.get(c.seq_id, ())
-                keep = n - 1 if follow else n
-                recent = list(hist[-keep:]) if keep > 0 else [] if n > 0 else list(hist)
-            wire.append(
-                pb.SeqChunk(
-                    seq_id=c.seq_id,
-                    n=c.n,
-                    sampling=sampling_to_proto(s.params, s.seed),
-                    recent=recent,
-                    sample=True,
-                    follow=follow,
-                    lora=lora_to_wire(c.lora),
-                )
-            )
-        return wire
-
     def submit(
         self,
         tokens: np.ndarray,
@@ -344,7 +308,7 @@ class RemotePipeline:
         """Start one forward of the chunks through every stage; its future gives one sampled token
         per chunk (-1 for a chunk whose sequence has no sampler here: an earlier prompt
         micro-batch)."""
-        wire = self._wire_chunks(chunks, samplers, histories)
+        wire = seq_chunks(chunks, samplers, histories)
         return self._tokens_of(self._start(tokens, chunks, wire, False), wire)
 
     @property
@@ -369,7 +333,7 @@ class RemotePipeline:
             return submit_after(self, prev, chunks, samplers, histories, stop_ids)
         if len(chunks) != 1 or chunks[0].n != 1:
             raise ValueError(f"a follow-up step is one chunk of one token, got {list(chunks)}")
-        wire = self._wire_chunks(chunks, samplers, histories, follow=True)
+        wire = seq_chunks(chunks, samplers, histories, follow=True)
         placeholder = np.zeros(1, np.int64)
         return self._tokens_of(
             self._start(placeholder, chunks, wire, False, after=prev, stop_ids=sorted(stop_ids)),
@@ -431,7 +395,7 @@ class RemotePipeline:
         logits_rows: np.ndarray | None = None,
     ) -> np.ndarray:
         """Logits of every row (perplexity), selected by logits_rows (default: last of each chunk)."""
-        wire = [pb.SeqChunk(seq_id=c.seq_id, n=c.n, lora=lora_to_wire(c.lora)) for c in chunks]
+        wire = seq_chunks(chunks, {}, {})
         reply = self._start(tokens, chunks, wire, True).result()
         logits = tensor_from_proto(reply.logits, max_elements=1 << 31)
         if logits_rows is None:
@@ -447,7 +411,7 @@ class RemotePipeline:
             with contextlib.suppress(RuntimeError):
                 self._local_thread.submit(self.local.drop, seq_id).result()
         with contextlib.suppress(PotluckError):  # a node that is gone took its caches with it
-            self.clients[0].drop(pb.DropRequest(plan_id=self.plan_id, seq_ids=[seq_id]))
+            self.clients[0].drop_sequences(self.plan_id, [seq_id])
 
     @property
     def nodes(self) -> list[str]:
@@ -468,7 +432,7 @@ class RemotePipeline:
         """Ask a node to free this plan (best effort, at most RELEASE_WAIT_S: a node that is gone
         frees it by itself after its idle timeout)."""
         with contextlib.suppress(PotluckError):
-            client.drop(pb.DropRequest(plan_id=self.plan_id, release=True), timeout=RELEASE_WAIT_S)
+            client.release(self.plan_id, timeout=RELEASE_WAIT_S)
 
     def abandon(self) -> None:
         """Hang up without a word to the nodes (a failover: the first may be the one that hangs;

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -20,11 +21,12 @@ from potluck.node.probe import (
     usable_memory_bytes,
 )
 from potluck.planner import DEFAULT_LINK, THIS_MACHINE, Link, NodeInfo, Plan
-from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient
-from potluck.transport.codec import matrix_to_proto
 from potluck.transport.linkprobe import quick_link
+
+if TYPE_CHECKING:
+    from potluck.transport import potluck_pb2 as pb
 
 __all__ = ["THIS_MACHINE", "assignments_of", "node_info", "survey", "this_machine"]
 
@@ -48,14 +50,14 @@ def this_machine(mem_limit: int | None = None, matrices: tuple[Matrix, ...] = ()
 
 def node_info(address: str, reply: pb.HelloReply, default_speed: float) -> NodeInfo:
     """What a node's Hello says it offers: its RAM and CPU speed, and a GPU where it offers one."""
-    cpu = next((d for d in reply.devices if d.kind == "cpu"), pb.Device(kind="cpu"))
+    ram = next((d.memory_bytes for d in reply.devices if d.kind == "cpu"), 0)
     speed = reply.decode_bytes_per_s or default_speed
     cores = max(1, reply.physical_cores)
     gpu = next((d for d in reply.devices if d.kind == "gpu" and d.bytes_per_s > 0), None)
     if gpu is None:
-        return NodeInfo(address, "cpu", cpu.memory_bytes, cores, speed)
+        return NodeInfo(address, "cpu", ram, cores, speed)
     return NodeInfo(
-        address, "gpu", cpu.memory_bytes, cores, speed,
+        address, "gpu", ram, cores, speed,
         gpu.memory_bytes, gpu.bytes_per_s, gpu.max_layers or 1 << 30,
     )  # fmt: skip
 
@@ -89,8 +91,7 @@ def survey(
             node = node_info(address, reply, nodes[0].cpu_bytes_per_s)
             if matrices:
                 with contextlib.suppress(PotluckError):  # an older node: its generic figure
-                    probe = pb.ProbeSpeedRequest(matrices=[matrix_to_proto(m) for m in matrices])
-                    speed = client.probe_speed(probe).bytes_per_s
+                    speed = client.decode_speed(matrices)
                     if speed > 0:
                         node = dataclasses.replace(node, cpu_bytes_per_s=speed)
             nodes.append(node)
@@ -102,7 +103,7 @@ def survey(
         for i, a in enumerate(peers):
             for b in peers[i + 1 :]:
                 try:
-                    r = clients[a].probe_link(pb.ProbeLinkRequest(address=b))
+                    r = clients[a].probe_link(b)
                 except PotluckError:
                     continue  # the default stands for this pair
                 link = Link(r.latency_s, max(r.bytes_per_s, 1.0))

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -31,8 +31,11 @@ from potluck.node.transfer import push_chunks
 from potluck.node.weights import sha256_file, tensor_digests
 from potluck.train.data import Example
 from potluck.train.loop import TrainConfig, Trainer, memory_needed
-from potluck.transport import potluck_pb2 as pb
 from potluck.transport.client import NodeClient, NodeError
+from potluck.transport.messages import add_model_file, train_open_request
+
+if TYPE_CHECKING:
+    from potluck.transport import potluck_pb2 as pb
 
 log = logging.getLogger(__name__)
 HEAD = "this machine"
@@ -79,7 +82,7 @@ class PoolTrainer(Trainer):
             )
 
     def _open(self, address: str) -> bool:
-        request = pb.TrainOpenRequest(
+        request = train_open_request(
             session_id=self.session, model_sha256=self.sha, model_bytes=self.f.size_bytes,
             rank=self.config.rank, alpha=self.config.alpha, targets=list(self.config.targets),
             lr=self.config.lr, seed=self.config.seed, step=self.step,
@@ -112,13 +115,10 @@ class PoolTrainer(Trainer):
         """TrainOpen; a node without the model file gets the header and the tensor digests,
         then the tensors it lacks (PutTensors: kept by hash, resumable), then opens again."""
         client = self.nodes[address]
-        reply = client.train("TrainOpen", request, timeout=120.0)
-        assert isinstance(reply, pb.TrainOpenReply)
+        reply = client.train_open(request)
         if reply.need_model:
-            request.metadata_gguf = self.f.header_bytes()
-            request.tensor_sha256.update(self._digests())
-            reply = client.train("TrainOpen", request, timeout=120.0)
-            assert isinstance(reply, pb.TrainOpenReply)
+            add_model_file(request, self.f.header_bytes(), self._digests())
+            reply = client.train_open(request)
         if reply.need_tensors:
             missing = list(reply.missing)
             if unknown := [n for n in missing if n not in self.f.tensors]:
@@ -130,8 +130,7 @@ class PoolTrainer(Trainer):
             )
             digests = self._digests()
             client.put_tensors(push_chunks(self.f, address, missing, digests, dict(reply.partial)))
-            reply = client.train("TrainOpen", request, timeout=120.0)
-            assert isinstance(reply, pb.TrainOpenReply)
+            reply = client.train_open(request)
             if reply.need_tensors:
                 raise NodeError(f"node {address} still lacks {len(reply.missing)} tensors")
 
@@ -161,8 +160,7 @@ class PoolTrainer(Trainer):
     def close(self) -> None:
         for address in self.alive:
             with contextlib.suppress(PotluckError):  # it frees the session when it restarts
-                end = pb.TrainCloseRequest(session_id=self.session)
-                self.nodes[address].train("TrainClose", end, 10.0)
+                self.nodes[address].train_close(self.session)
         self.pool.shutdown(wait=False)
         for client in self.nodes.values():
             client.close()
@@ -211,12 +209,8 @@ class PoolTrainer(Trainer):
     def _remote(
         self, owner: str, part: list[Example], n_learned: int
     ) -> tuple[float, torch.Tensor]:
-        request = pb.TrainGradRequest(
-            session_id=self.session, step=self.step, n_learned=n_learned,
-            sequences=[pb.TrainSequence(ids=list(e.ids), learn=list(e.learn)) for e in part],
-        )  # fmt: skip
-        reply = self.nodes[owner].train("TrainGrad", request)
-        assert isinstance(reply, pb.TrainGradReply)
+        sequences = [(e.ids, e.learn) for e in part]
+        reply = self.nodes[owner].train_grad(self.session, self.step, n_learned, sequences)
         n = sum(p.numel() for p in self.model.parameters())
         if len(reply.grads) != 4 * n:
             raise NodeError(
@@ -226,8 +220,10 @@ class PoolTrainer(Trainer):
         return reply.loss_sum, torch.from_numpy(np.frombuffer(reply.grads, np.float32).copy())
 
     def applied(self) -> None:
-        request = pb.TrainApplyRequest(session_id=self.session, step=self.step, grads=self._total)
-        sent = {a: self.pool.submit(self.nodes[a].train, "TrainApply", request) for a in self.alive}
+        sent = {
+            a: self.pool.submit(self.nodes[a].train_apply, self.session, self.step, self._total)
+            for a in self.alive
+        }
         for address, fut in sent.items():
             try:
                 fut.result()

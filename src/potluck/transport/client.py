@@ -12,12 +12,14 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import grpc
 
 from potluck.errors import NodeError, PotluckError
+from potluck.transport import messages
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.auth import (
@@ -30,7 +32,6 @@ from potluck.transport.auth import (
     explain_refusal,
     handshake,
 )
-from potluck.transport.codec import PROTOCOL_VERSION
 from potluck.transport.dataplane import DataLink, Wait, open_data_link, settle
 from potluck.transport.limits import CLIENT_SIZE_OPTIONS, MAX_REQUEST_BYTES, SERVER_OPTIONS
 from potluck.transport.tls import (
@@ -40,6 +41,9 @@ from potluck.transport.tls import (
     fetch_certificate,
     speaks_tls,
 )
+
+if TYPE_CHECKING:
+    from potluck.modelfile.gguf_file import Matrix
 
 _KEEPALIVE = [
     ("grpc.keepalive_time_ms", 10_000),
@@ -368,9 +372,7 @@ class NodeClient:
         so that a secret mismatch shows up here (authenticate=False: ask a node of another pool).
         head_name: who asks (the node's log); plan_ids: plans this head still uses (a node keeps
         them while the head is idle)."""
-        request = pb.HelloRequest(
-            protocol_version=PROTOCOL_VERSION, head_name=head_name, plan_ids=list(plan_ids)
-        )
+        request = messages.hello_request(head_name, plan_ids)
         if not authenticate:
             try:
                 reply = self._connect().Hello(request, timeout=timeout)
@@ -384,14 +386,21 @@ class NodeClient:
     def probe_speed(
         self, request: pb.ProbeSpeedRequest, timeout: float = 30.0
     ) -> pb.ProbeSpeedReply:
-        """The node's decode speed through one layer of the model being planned."""
+        """A ProbeSpeed as it is (tests send malformed ones); the planner calls decode_speed."""
         return self._call("ProbeSpeed", request, timeout)  # type: ignore[return-value]
 
-    def probe_link(self, request: pb.ProbeLinkRequest, timeout: float = 15.0) -> pb.ProbeLinkReply:
-        """Ask this node to measure its link to another node (transport/linkprobe.py)."""
+    def decode_speed(self, matrices: Iterable[Matrix], timeout: float = 30.0) -> float:
+        """The node's decode speed (weight bytes per second) through `matrices`, one layer of the
+        model being planned."""
+        return self.probe_speed(messages.probe_speed_request(matrices), timeout).bytes_per_s
+
+    def probe_link(self, address: str, timeout: float = 15.0) -> pb.ProbeLinkReply:
+        """Ask this node to measure its link to the node at `address` (transport/linkprobe.py)."""
+        request = messages.probe_link_request(address)
         return self._call("ProbeLink", request, timeout)  # type: ignore[return-value]
 
     def load(self, request: pb.LoadRequest, timeout: float = 300.0) -> pb.LoadReply:
+        """request: messages.load_request (sent again after PutTensors when the node lacked some)."""
         return self._call("Load", request, timeout)  # type: ignore[return-value]
 
     def put_tensors(self, chunks: Iterator[pb.TensorChunk], timeout: float = 3600.0) -> pb.PutReply:
@@ -412,12 +421,41 @@ class NodeClient:
         return self._call("Forward", request, timeout)  # type: ignore[return-value]
 
     def drop(self, request: pb.DropRequest, timeout: float = 10.0) -> pb.DropReply:
+        """A Drop as it is (a node relays its head's down the chain); a head calls
+        drop_sequences or release."""
         return self._call("Drop", request, timeout)  # type: ignore[return-value]
 
-    def train(self, method: str, request: object, timeout: float = 600.0) -> object:
-        """A training call (TrainOpen, TrainGrad, TrainApply, TrainClose: node/training.py)."""
-        assert method in ("TrainOpen", "TrainGrad", "TrainApply", "TrainClose")
-        return self._call(method, request, timeout)
+    def drop_sequences(self, plan_id: str, seq_ids: Sequence[int], timeout: float = 10.0) -> None:
+        """Free these sequences' caches on every stage of the plan (passed down the chain)."""
+        self.drop(messages.drop_request(plan_id, seq_ids), timeout)
+
+    def release(self, plan_id: str, timeout: float = 10.0) -> None:
+        """The head is done with the plan: every stage frees it (passed down the chain)."""
+        self.drop(messages.drop_request(plan_id, release=True), timeout)
+
+    # -- training (node/training.py) -------------------------------------------------------------
+    def train_open(self, request: pb.TrainOpenRequest, timeout: float = 120.0) -> pb.TrainOpenReply:
+        """request: messages.train_open_request (and add_model_file when the node asks)."""
+        return self._call("TrainOpen", request, timeout)  # type: ignore[return-value]
+
+    def train_grad(
+        self,
+        session_id: str,
+        step: int,
+        n_learned: int,
+        sequences: Iterable[tuple[Sequence[int], Sequence[bool]]],
+        timeout: float = 600.0,
+    ) -> pb.TrainGradReply:
+        """The gradient of a share of a batch: (ids, learned per position) per sequence."""
+        request = messages.train_grad_request(session_id, step, n_learned, sequences)
+        return self._call("TrainGrad", request, timeout)  # type: ignore[return-value]
+
+    def train_apply(self, session_id: str, step: int, grads: bytes, timeout: float = 600.0) -> None:
+        """Take the step with the summed gradient (f32 bytes, as TrainGradReply.grads)."""
+        self._call("TrainApply", messages.train_apply_request(session_id, step, grads), timeout)
+
+    def train_close(self, session_id: str, timeout: float = 10.0) -> None:
+        self._call("TrainClose", messages.train_close_request(session_id), timeout)
 
     def close(self) -> None:
         """Hang up for good: later calls and sends fail at once (a freed plan's relay, a pool
