@@ -51,7 +51,12 @@ _KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-CHANNEL_OPTIONS = CLIENT_SIZE_OPTIONS + _KEEPALIVE
+# Each channel keeps its own connections: by default gRPC shares them between channels to the
+# same address, so a fresh client to a node that was just restarted inherited the old
+# connection's "refused" state and its reconnect backoff, and failed at once although the node
+# listened again (a node rejoining a training at a checkpoint was refused that way under load).
+_OWN_CONNECTIONS = [("grpc.use_local_subchannel_pool", 1)]
+CHANNEL_OPTIONS = CLIENT_SIZE_OPTIONS + _KEEPALIVE + _OWN_CONNECTIONS
 # a node's server: the size bounds of transport/limits.py, and it accepts the clients' keepalive
 # pings (else it would send them away after a few minutes, and their sessions with them)
 NODE_SERVER_OPTIONS = SERVER_OPTIONS + [
