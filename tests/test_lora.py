@@ -29,13 +29,13 @@ RANK, ALPHA, SCALE = 4, 8.0, 0.7
 IDS = np.array([1, 5, 9, 2, 7, 3, 11, 4, 6, 8, 10, 12], np.int32)
 
 
-def _adapter(model: GGUFFile, targets: list[str], seed: int = 1) -> dict:
+def _adapter(model: GGUFFile, targets: list[str], seed: int = 1, std: float = 0.2) -> dict:
     rng = np.random.default_rng(seed)
     pairs = {}
     for name in targets:
         n_out, n_in = model.tensors[name].shape
-        a = rng.standard_normal((RANK, n_in)).astype(np.float32) * 0.2
-        b = rng.standard_normal((n_out, RANK)).astype(np.float32) * 0.2
+        a = rng.standard_normal((RANK, n_in)).astype(np.float32) * std
+        b = rng.standard_normal((n_out, RANK)).astype(np.float32) * std
         pairs[name] = (a, b)
     return pairs
 
@@ -154,14 +154,15 @@ def test_run_with_lora_on_smollm2(smollm2_path: Path, tmp_path: Path) -> None:
 def test_serve_picks_the_adapter_per_request(smollm2_path: Path, tmp_path: Path) -> None:
     """`potluck serve --lora A.gguf`: /v1/models lists the base and BASE+A; a request alone
     answers as `potluck run` with and without the adapter; requests for either at once (in the
-    same decode batches) each get their own: the base's rows give the base's tokens (until a
-    near-tie), the adapter's rows the adapter's first token and the same text as each other.
-    Not asserted: adapter rows batched equal to alone beyond the first token. The adapter's
-    products are f32 matmuls, which ggml sums in another order for one row (a dot product) than
-    for several (tinyBLAS): ~1e-7 apart, and this random adapter (A, B ~ 0.2 N(0, 1), alpha 16)
-    multiplies a perturbation ~50× per adapted layer. The base's products (quantized: integer
-    dot products) are bit-identical either way, and with f32 KV the first difference shows deep
-    in the model (EPYC Zen 3, AVX2, 2026-12-02; on AVX-512 the texts happened to be equal)."""
+    same decode batches) each get their own: the base's rows give the base's tokens, the
+    adapter's rows the adapter's, each until a near-tie of the request alone.
+    The adapter is gentle (A, B ~ 0.05 N(0, 1), alpha 16; it still changes the first token): the
+    adapter's products are f32 matmuls, which ggml sums in another order for one row (a dot
+    product) than for several (tinyBLAS), ~1e-7 apart; a strong random adapter (0.2 N(0, 1))
+    multiplied that ~50× per adapted layer, so that batched and alone rows parted by up to 0.2
+    in logprob margins and which rows shared a step decided the text (EPYC Zen 3, AVX2,
+    2026-12-03). The base's products (quantized: integer dot products) are bit-identical either
+    way."""
     import re
     import threading
 
@@ -169,7 +170,7 @@ def test_serve_picks_the_adapter_per_request(smollm2_path: Path, tmp_path: Path)
 
     f = GGUFFile(smollm2_path)
     targets = [f"blk.{i}.ffn_down.weight" for i in range(0, 30, 3)]
-    write_lora(tmp_path / "a.gguf", f.arch, 16.0, _adapter(f, targets))
+    write_lora(tmp_path / "a.gguf", f.arch, 16.0, _adapter(f, targets, std=0.05))
     plain = _run(smollm2_path)
     adapted = _run(smollm2_path, "--lora", str(tmp_path / "a.gguf"))
     assert plain.returncode == 0 and adapted.returncode == 0 and plain.stdout != adapted.stdout
@@ -221,14 +222,14 @@ def test_serve_picks_the_adapter_per_request(smollm2_path: Path, tmp_path: Path)
         proc.wait(timeout=30)
     assert got["plain"] == plain.stdout.strip()
     assert got["a"] == adapted.stdout.strip()
-    for together in ("plain1", "plain2"):
-        want, have = toks["plain"], toks[together]
+    for alone, together in [("plain", "plain1"), ("plain", "plain2"), ("a", "a1"), ("a", "a2")]:
+        want, have = toks[alone], toks[together]
         first = next((i for i, (x, y) in enumerate(zip(want, have, strict=False)) if x != y), None)
         if first is None:
             assert len(want) == len(have), (want, have)
         else:  # they part at a near-tie of the request alone, and only there
-            assert margins["plain"][first] < 0.05, (together, first, want, have)
-    assert got["a1"] == got["a2"] and toks["a1"][0] == toks["a"][0] != toks["plain"][0]
+            assert margins[alone][first] < 0.05, (together, first, want, have)
+    assert toks["a"][0] != toks["plain"][0]
 
 
 def test_adapter_over_a_pool_equals_one_machine(
