@@ -189,7 +189,9 @@ class Progress:
     joined: list[str] = field(default_factory=list)  # replicas new since the job began, in order
 
 
-def _error_line(line: int, cid: str | None, code: str, message: str, response: Any = None) -> dict:
+def _error_line(
+    line: int, cid: str | None, code: str, message: str, response: Any = None
+) -> dict[str, Any]:
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
         "custom_id": cid,

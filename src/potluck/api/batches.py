@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, File, Form, UploadFile
+from fastapi import FastAPI, File, Form, UploadFile, params
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
@@ -71,7 +71,7 @@ class BatchRunner:
         self.store, self.apps, self.lanes, self.headers = store, apps, lanes, headers
         self.recruit = recruit  # replicas back or new while a batch runs (kept for the next ones)
         self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._wake = asyncio.Event()
@@ -141,7 +141,9 @@ class BatchRunner:
 
         def stop() -> bool:
             fresh = self.store.batch(bid) or b
-            return fresh["status"] == "cancelling" or time.time() > fresh["expires_at"]
+            status: str = fresh["status"]
+            expires_at: int = fresh["expires_at"]
+            return status == "cancelling" or time.time() > expires_at
 
         if b["status"] == "in_progress":
             self.store.put({**b, "request_counts": counts()})
@@ -221,7 +223,9 @@ def new_batch(req: BatchCreate) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def add_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner, guarded: list) -> None:
+def add_batch_routes(
+    app: FastAPI, store: BatchStore, runner: BatchRunner, guarded: list[params.Depends]
+) -> None:
     """The Files and Batches endpoints on `app` (guarded: the API key check)."""
 
     @app.post("/v1/files", dependencies=guarded)

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, params
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -23,7 +23,7 @@ from potluck.modelfile.chat import ChatTemplateError
 PRIORITY_HEADER = "X-Potluck-Priority"  # "batch": after interactive requests (a batch job's)
 
 
-def add_completion_routes(app: FastAPI, api: Api, posted: list) -> None:
+def add_completion_routes(app: FastAPI, api: Api, posted: list[params.Depends]) -> None:
     """The two generating endpoints on `app` (posted: the API key and JSON body checks)."""
 
     @app.post("/v1/chat/completions", dependencies=posted)

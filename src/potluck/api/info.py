@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, params
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
@@ -15,7 +15,7 @@ from potluck.api.batch_store import batch_progress
 from potluck.api.state import Api
 
 
-def add_info_routes(app: FastAPI, api: Api, guarded: list) -> None:
+def add_info_routes(app: FastAPI, api: Api, guarded: list[params.Depends]) -> None:
     """The routes on `app` (guarded: the API key check, for all but /health)."""
     config, scheduler = api.config, api.scheduler
 

@@ -14,7 +14,9 @@ llama.cpp's ggml runs prompts with (bench/RESULTS.md: Gemma-3 prompts 9–11 % f
 thread). Every declaration below was checked equal in both versions' headers, as is
 `struct ggml_tensor`.
 
-Tensors, contexts, graphs, backends and buffers are plain ints (addresses) here.
+Tensors, contexts, graphs, backends and buffers are plain ints (addresses) here. `lib`'s
+functions are ctypes' and untyped (Any): a caller names the type of what it keeps,
+`x: int = lib.ggml_add(ctx, a, b)`, or `int | None` where it tests for NULL (ctypes gives None).
 
 Mostly a table of ctypes declarations, one per ggml function Potluck calls; over 400 lines on
 purpose: one place to check them against ggml's headers.
@@ -27,9 +29,13 @@ import functools
 from ctypes import POINTER, c_bool, c_char_p, c_float, c_int, c_int64, c_size_t, c_uint8, c_void_p
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from potluck.errors import PotluckError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 
 class BackendError(PotluckError):
@@ -153,7 +159,9 @@ class _TypeTraits(ctypes.Structure):  # struct ggml_type_traits (the same in 0.1
 _TO_FLOAT = ctypes.CFUNCTYPE(None, c_void_p, c_void_p, c_int64)
 
 
-def dequantize_rows(qtype: int, raw: Any, out: Any, threads: int = 1) -> None:
+def dequantize_rows(
+    qtype: int, raw: npt.NDArray[np.uint8], out: npt.NDArray[np.float32], threads: int = 1
+) -> None:
     """ggml's own dequantization of rows of `qtype` (raw: uint8 [rows, bytes per row], C order)
     into f32 `out` [rows, n] (C order), cut by rows over `threads` threads (the GIL is let go
     during each call)."""
@@ -299,7 +307,7 @@ def context(n_tensors: int, graph_nodes: int = 0) -> int:
     size = n_tensors * lib.ggml_tensor_overhead()
     if graph_nodes:
         size += lib.ggml_graph_overhead_custom(graph_nodes, False)
-    ctx = lib.ggml_init(_InitParams(size, None, True))
+    ctx: int | None = lib.ggml_init(_InitParams(size, None, True))  # None: NULL
     if not ctx:
         raise BackendError(f"ggml_init failed for a context of {size:,} bytes")
     return ctx

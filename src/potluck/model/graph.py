@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from potluck.model.ggml_lib import (
     PREC_F32,
@@ -88,7 +89,7 @@ class StepGraph:
         self.windows = sorted({hp.sliding_window if hp.is_sliding(i) else 0 for i in layers})
         n_nodes = len(layers) * (40 + 16 * len(self.sizes) + 28 * len(loras)) + 64
         self.ctx = new_context(2 * n_nodes + 16, n_nodes)
-        self.gf = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
+        self.gf: int = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
         self._inputs: list[int] = []
         self.out = self._build(caches)
         lib.ggml_set_output(self.out)
@@ -103,7 +104,7 @@ class StepGraph:
     # -- inputs ------------------------------------------------------------------------------
     def _input(self, qtype: int, *ne: int) -> int:
         new = {1: lib.ggml_new_tensor_1d, 2: lib.ggml_new_tensor_2d}[len(ne)]
-        t = new(self.ctx, qtype, *ne)
+        t: int = new(self.ctx, qtype, *ne)
         lib.ggml_set_input(t)
         self._inputs.append(t)
         return t
@@ -111,6 +112,7 @@ class StepGraph:
     # -- the graph ---------------------------------------------------------------------------
     def _build(self, caches: Sequence[SeqCache]) -> int:
         hp, ctx, T, D = self.hp, self.ctx, self.total, self.hp.n_embd
+        x: int  # the hidden states [D, T]
         if self.is_first:
             self.inp_ids = self._input(TYPE_I32, T)
             x = lib.ggml_get_rows(ctx, self.w.tensor("token_embd.weight"), self.inp_ids)  # [D, T]
@@ -142,9 +144,9 @@ class StepGraph:
         return self._adapted(head, x, lib.ggml_mul_mat(ctx, self.w.tensor(head), x))  # [V, R]
 
     def _norm(self, x: int, weight: str) -> int:
-        return lib.ggml_mul(
-            self.ctx, lib.ggml_rms_norm(self.ctx, x, self.hp.rms_eps), self.w.tensor(weight)
-        )
+        x = lib.ggml_rms_norm(self.ctx, x, self.hp.rms_eps)
+        x = lib.ggml_mul(self.ctx, x, self.w.tensor(weight))
+        return x
 
     def _linear(self, name: str, x: int) -> int:
         w = name + ".weight"
@@ -180,7 +182,8 @@ class StepGraph:
         f = self._linear(p + "ffn_down", glu(ctx, gate, up))  # [D, T]
         if hp.rules.post_norms:
             f = self._norm(f, p + "post_ffw_norm.weight")
-        return lib.ggml_add(ctx, x, f)
+        x = lib.ggml_add(ctx, x, f)
+        return x
 
     def _attention(self, i: int, h: int, caches: Sequence[SeqCache]) -> int:
         hp, ctx, p, T = self.hp, self.ctx, f"blk.{i}.", self.total
@@ -193,7 +196,8 @@ class StepGraph:
             k = self._norm(k, p + "attn_k_norm.weight")
         q, k = self._rope(i, q), self._rope(i, k)
         window = hp.sliding_window if hp.is_sliding(i) else 0
-        outs, t0 = [], 0
+        outs: list[int] = []
+        t0 = 0
         for c, (cache, n, n_kv) in enumerate(zip(caches, self.sizes, self.n_kv, strict=True)):
             ct = cache.cache_type
             row_k, row_v = Hkv * hd, Hkv * hdv
@@ -224,19 +228,20 @@ class StepGraph:
         hp = self.hp
         mode = ROPE_NEOX if hp.rules.rope_style == "neox" else ROPE_NORMAL
         freqs = self.w.tensor("rope_freqs.weight") if "rope_freqs.weight" in self.w else None
-        return lib.ggml_rope_ext(
+        x = lib.ggml_rope_ext(
             self.ctx, x, self.inp_pos, freqs, hp.rope_dim, mode, hp.n_ctx_train,
             hp.rope_base_for(i), 1.0 / hp.rope_scale, 0.0, 1.0, 32.0, 1.0,
         )  # fmt: skip
+        return x
 
     # -- running -----------------------------------------------------------------------------
     def run(
         self,
-        x: np.ndarray,
+        x: npt.NDArray[np.generic],
         starts: Sequence[int],
-        rows: np.ndarray | None,
-        lora_on: Sequence[np.ndarray] = (),
-    ) -> np.ndarray:
+        rows: npt.NDArray[np.int32] | None,
+        lora_on: Sequence[npt.NDArray[np.float32]] = (),
+    ) -> npt.NDArray[np.float32]:
         """x: int ids [T] (first stage) or f32 hidden states [T, D]; starts: each chunk's first
         position; lora_on: per adapter, f32 [T] 1/0 (which tokens it applies to). Returns f32
         [T, D] hidden states, or [R, V] logits on the last stage."""
@@ -279,7 +284,7 @@ class StepGraph:
             self.ctx = 0
 
 
-def causal_mask(start: int, n: int, n_kv: int, window: int) -> np.ndarray:
+def causal_mask(start: int, n: int, n_kv: int, window: int) -> npt.NDArray[np.float16]:
     """f16 [n, n_kv]: 0 where token t (at position start + t) may attend to cache row j, -inf
     elsewhere: j ≤ its position, and with a sliding window, its position - j < window."""
     pos = np.arange(start, start + n)[:, None]
@@ -290,5 +295,5 @@ def causal_mask(start: int, n: int, n_kv: int, window: int) -> np.ndarray:
     return np.where(ok, np.float16(0), np.float16(-np.inf))
 
 
-def _set(t: int, a: np.ndarray) -> None:
+def _set(t: int, a: npt.NDArray[np.generic]) -> None:
     lib.ggml_backend_tensor_set(t, a.ctypes.data_as(ctypes.c_void_p), 0, a.nbytes)

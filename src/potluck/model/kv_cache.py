@@ -59,16 +59,17 @@ class SeqCache:
     def _allocate(self, capacity: int) -> None:
         old = (self.k, self.v, self._ctx, self._buffers)
         ctx = new_context(2 * len(self.layers))
-        k, v = {}, {}
+        k: dict[int, int] = {}
+        v: dict[int, int] = {}
         by_buft: dict[int, list[int]] = {}
         for i in self.layers:
             k[i] = lib.ggml_new_tensor_2d(ctx, self.cache_type, self.row_k, capacity)
             v[i] = lib.ggml_new_tensor_2d(ctx, self.cache_type, self.row_v, capacity)
             by_buft.setdefault(self._buffer_type(i), []).append(i)
-        buffers = []
+        buffers: list[int] = []
         if len(by_buft) == 1:
             buft = next(iter(by_buft))
-            buf = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+            buf: int | None = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
             if not buf:
                 lib.ggml_free(ctx)
                 raise ContextError(
@@ -105,12 +106,12 @@ class SeqCache:
     ) -> list[int]:
         """Tensors of several devices in one context: allocate each device's tensors in a buffer
         of its own (ggml_backend_alloc_ctx_tensors_from_buft takes a whole context)."""
-        buffers = []
+        buffers: list[int] = []
         for buft, layers in by_buft.items():
             size = sum(
                 lib.ggml_nbytes(t) + 256 for i in layers for t in (k[i], v[i])
             )  # 256: alignment slack per tensor
-            buf = lib.ggml_backend_buft_alloc_buffer(buft, size)
+            buf: int | None = lib.ggml_backend_buft_alloc_buffer(buft, size)
             if not buf:
                 raise ContextError(
                     f"no memory for a KV cache of {cap} positions on a device "

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 
 import numpy as np
+import numpy.typing as npt
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from potluck.model.ggml_lib import TYPE_F32, BackendError, lib
@@ -21,7 +22,9 @@ from potluck.modelfile.gguf_file import Matrix, TensorInfo
 _SCALE = 0.01  # every block's fp16 d: finite, like a real weight's
 
 
-def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0) -> np.ndarray:
+def random_blocks(
+    qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0
+) -> npt.NDArray[np.uint8]:
     """Bytes of an (n, k) matrix of `qtype` (Q4_0/Q4_1/Q8_0-like: fp16 d first in each block)."""
     block, type_size = GGML_QUANT_SIZES[qtype]
     n_blocks = n * k // block
@@ -48,7 +51,7 @@ class MatVec:
         self._raw = [random_blocks(qtype, n_out, n_in, seed=i) for i in range(layers)]
         self.nbytes = self._raw[0].nbytes  # weight bytes of one layer
         self._bufs: list[int] = []
-        self.backend = (
+        self.backend: int | None = (
             lib.ggml_backend_cpu_init()
             if device is None
             else lib.ggml_backend_dev_init(device, None)
@@ -57,9 +60,9 @@ class MatVec:
             raise BackendError("ggml's backend could not start for the speed probe")
         if device is None:
             lib.ggml_backend_cpu_set_n_threads(self.backend, threads)
-        self.x = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, n_in, 1)
-        self.graphs = []
-        ws = []
+        self.x: int = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, n_in, 1)
+        self.graphs: list[int] = []
+        ws: list[int] = []
         wctx = new_context(layers + 1) if device is not None else 0
         for raw in self._raw:
             if device is None:
@@ -80,7 +83,8 @@ class MatVec:
             self._raw = []
         self._wctx = wctx
         outs = [lib.ggml_mul_mat(self._ctx, w, self.x) for w in ws]
-        self._act = lib.ggml_backend_alloc_ctx_tensors(self._ctx, self.backend)  # x and the outputs
+        # x and the outputs
+        self._act: int | None = lib.ggml_backend_alloc_ctx_tensors(self._ctx, self.backend)
         if not self._act:
             raise BackendError("ggml could not allocate the probe's activations")
         x = np.random.default_rng(0).standard_normal(n_in).astype(np.float32)
@@ -131,7 +135,7 @@ class _Synthetic:
             for i, (name, m) in enumerate(named.items())
         }
 
-    def raw(self, name: str) -> np.ndarray:
+    def raw(self, name: str) -> npt.NDArray[np.uint8]:
         return self._raw[name]
 
 
@@ -154,18 +158,18 @@ class LayerProbe:
              for j, m in enumerate(matrices)]
             for c in range(copies)
         ]  # fmt: skip
-        self.backend = lib.ggml_backend_cpu_init()
+        self.backend: int | None = lib.ggml_backend_cpu_init()
         if not self.backend:
             raise BackendError("ggml's CPU backend could not start for the speed probe")
         lib.ggml_backend_cpu_set_n_threads(self.backend, threads)
-        self._act = lib.ggml_backend_alloc_ctx_tensors(self._ctx, self.backend)
+        self._act: int | None = lib.ggml_backend_alloc_ctx_tensors(self._ctx, self.backend)
         if not self._act:
             raise BackendError("ggml could not allocate the probe's activations")
         for k, x in xs.items():
             v = np.random.default_rng(k).standard_normal(k).astype(np.float32)
             lib.ggml_backend_tensor_set(x, v.ctypes.data_as(ctypes.c_void_p), 0, v.nbytes)
         self._gctx = new_context(8 * len(named) + 8, 8 * len(named) + 8)
-        self.graphs = []
+        self.graphs: list[int] = []
         for ys in outs:
             gf = lib.ggml_new_graph_custom(self._gctx, 4 * len(ys) + 8, False)
             for y in ys:

@@ -20,9 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from potluck.errors import UnsupportedError
-from potluck.model.ggml_lib import BackendError, gpu_device, lib
+from potluck.model.ggml_lib import BackendError, Device, gpu_device, lib
 from potluck.model.graph import Lora, StepGraph, StepShape
 from potluck.model.kv_cache import CACHE_TYPES, SeqCache, cache_bytes
 from potluck.model.weights import SUPPORTED_TYPES, Weights, WeightSource, check
@@ -195,10 +196,11 @@ class Stage:
             raise ValueError(f"-ngl must be 0 or more, got {n_gpu_layers}")
         self.gpu_layers = range(max(start, stop - n_gpu_layers), stop) if n_gpu_layers else range(0)
         self.head_on_gpu = self.is_last and n_gpu_layers > stop - start
-        self.gpu, self.gpu_device = None, None
-        self._gpu_buft: int | None = None  # ggml handles (pointers as ints)
-        self.cpu = None
-        self.sched = None
+        self.gpu: int | None = None  # ggml handles (pointers as ints)
+        self.gpu_device: Device | None = None
+        self._gpu_buft: int | None = None
+        self.cpu: int | None = None
+        self.sched: int | None = None
         self.caches: dict[int, SeqCache] = {}
         self._graph: StepGraph | None = None
         if n_gpu_layers:
@@ -223,7 +225,7 @@ class Stage:
         if not self.cpu:
             raise BackendError("ggml's CPU backend could not start")
         lib.ggml_backend_cpu_set_n_threads(self.cpu, self.threads)
-        self._cpu_buft = lib.ggml_backend_get_default_buffer_type(self.cpu)
+        self._cpu_buft: int = lib.ggml_backend_get_default_buffer_type(self.cpu)
         order = [b for b in (self.gpu, self.cpu) if b]  # the CPU last: ggml's scheduler wants it
         backends = (ctypes.c_void_p * len(order))(*order)
         self.sched = lib.ggml_backend_sched_new(
@@ -356,7 +358,7 @@ class Stage:
         x: np.ndarray,
         chunks: Sequence[SeqChunk],
         logits_rows: np.ndarray | Sequence[int] | None = None,
-    ) -> np.ndarray:
+    ) -> npt.NDArray[np.float32]:
         x = np.asarray(x)
         total = sum(c.n for c in chunks)
         if x.shape[0] != total:
@@ -371,7 +373,7 @@ class Stage:
         caches = [self.cache(c.seq_id) for c in chunks]
         for c, cache in zip(chunks, caches, strict=True):
             cache.reserve(c.n)
-        rows: np.ndarray | None = None
+        rows: npt.NDArray[np.int32] | None = None
         n_rows = -1
         if self.is_last:
             if logits_rows is not None:

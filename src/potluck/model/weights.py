@@ -284,15 +284,19 @@ def cpu_buffer_over(addr: int, nbytes: int) -> int:
     at the page boundary below `addr`: a buffer is only a range to ggml (it never frees or clears
     one made from a pointer), and the tensor's own bytes are the only ones read."""
     base = addr & ~4095
-    return lib.ggml_backend_cpu_buffer_from_ptr(base, addr + nbytes - base)
+    buf: int = lib.ggml_backend_cpu_buffer_from_ptr(base, addr + nbytes - base)
+    return buf
 
 
 def _new_tensor(ctx: int, qtype: int, shape: tuple[int, ...]) -> int:
     ne = list(reversed(shape))  # ggml: innermost dimension first
+    t: int
     if len(ne) == 1:
-        return lib.ggml_new_tensor_1d(ctx, qtype, *ne)
-    if len(ne) == 2:
-        return lib.ggml_new_tensor_2d(ctx, qtype, *ne)
-    if len(ne) == 3:
-        return lib.ggml_new_tensor_3d(ctx, qtype, *ne)
-    return lib.ggml_new_tensor_4d(ctx, qtype, *ne)
+        t = lib.ggml_new_tensor_1d(ctx, qtype, *ne)
+    elif len(ne) == 2:
+        t = lib.ggml_new_tensor_2d(ctx, qtype, *ne)
+    elif len(ne) == 3:
+        t = lib.ggml_new_tensor_3d(ctx, qtype, *ne)
+    else:
+        t = lib.ggml_new_tensor_4d(ctx, qtype, *ne)
+    return t
