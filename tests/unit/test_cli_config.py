@@ -11,7 +11,11 @@ import typer
 from typer.testing import CliRunner
 
 from potluck.cli import app
-from potluck.cli.config import ModelFlags, PoolFlags, SamplingFlags, takes
+from potluck.cli.batch import batch
+from potluck.cli.bench import bench
+from potluck.cli.config import ModelFlags, PeersFlags, PoolFlags, SamplingFlags, takes
+from potluck.cli.finetune import finetune
+from potluck.cli.pool import doctor, nodes, plan
 from potluck.cli.run import chat, run
 from potluck.cli.serve import serve
 
@@ -23,7 +27,8 @@ def _flags(group: type) -> set[str]:
 @pytest.mark.parametrize(
     ("command", "groups"),
     [(run, (ModelFlags, PoolFlags, SamplingFlags)), (chat, (ModelFlags, PoolFlags, SamplingFlags)),
-     (serve, (ModelFlags, PoolFlags))],
+     (serve, (ModelFlags, PoolFlags)), *[(c, (PeersFlags,)) for c in (plan, nodes, doctor, batch,
+     bench, finetune)]],
 )  # fmt: skip
 def test_each_command_offers_every_flag_of_its_groups(command, groups) -> None:
     params = inspect.signature(command).parameters
@@ -45,7 +50,9 @@ def test_a_command_receives_one_frozen_config_per_group() -> None:
     probe = typer.Typer()
     probe.command()(cmd)
     probe.command("other")(lambda: None)  # two commands: typer then takes the name
-    r = CliRunner().invoke(probe, ["cmd", "--word", "y", "-c", "256", "--peer", "h:1", "-ts", "1,2"])
+    r = CliRunner().invoke(
+        probe, ["cmd", "--word", "y", "-c", "256", "--peer", "h:1", "-ts", "1,2"]
+    )
     assert r.exit_code == 0, r.output
     word, flags, net = got
     assert word == "y" and flags == ModelFlags(ctx=256) and net.peer == ["h:1"]

@@ -17,29 +17,24 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from potluck.cli.config import PeersFlags, takes
 from potluck.cli.console import err
 from potluck.cli.options import (
     DEFAULT_PARALLEL,
-    DEFAULT_POOL,
     CtxOpt,
     HeadMemOpt,
     ModelOpt,
-    NoMdnsOpt,
     ParallelOpt,
-    PeerOpt,
-    PoolOpt,
-    RpcOpt,
-    SecretOpt,
     ThreadsOpt,
-    TlsOpt,
     _head_mem,
     no_workers_for,
 )
-from potluck.cli.peers import _auth, _found, _peers
+from potluck.cli.peers import _auth, _found
 from potluck.cli.runtime import _setup_threads
 from potluck.errors import PotluckError
 
 
+@takes
 def batch(
     input_file: Annotated[
         Path, typer.Argument(help="OpenAI Batch API input: one request per line (JSONL).")
@@ -57,13 +52,9 @@ def batch(
     ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
     parallel: ParallelOpt = DEFAULT_PARALLEL,
-    peer: PeerOpt = None,
-    rpc: RpcOpt = None,
     mem: HeadMemOpt = None,
-    pool: PoolOpt = DEFAULT_POOL,
-    no_mdns: NoMdnsOpt = False,
-    secret: SecretOpt = None,
-    tls: TlsOpt = False,
+    *,
+    net: PeersFlags,
 ) -> None:
     """Run a file of OpenAI batch requests (chat or text completions) and write OpenAI's output
     lines; with workers, every machine that holds the model runs requests of its own (replicas).
@@ -90,10 +81,10 @@ def batch(
     if already == len(items):
         err.print(f"every request is done: {output}")
         return
-    finder = _peers(peer, rpc, pool, no_mdns)
+    finder = net.finder()
     workers: list[str] = []
     replicas, reload = _replicas(
-        model, ctx, threads, finder, (secret, tls), _head_mem(mem), parallel, workers
+        model, ctx, threads, finder, net.auth_flags(), _head_mem(mem), parallel, workers
     )  # fmt: skip
     schedulers: list = []
 
@@ -104,7 +95,7 @@ def batch(
 
     apps = [(label, app_of(m)) for label, m in replicas]
     path = replicas[0][1].path
-    recruits = _Recruits(path, ctx, finder, workers, (secret, tls), parallel, app_of, replicas)
+    recruits = _Recruits(path, ctx, finder, workers, net.auth_flags(), parallel, app_of, replicas)
     recruits.add(replicas, reload)
 
     bar = Progress(

@@ -9,31 +9,25 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from potluck.cli.config import PeersFlags, takes
 from potluck.cli.console import err
 from potluck.cli.options import (
-    DEFAULT_POOL,
     WIRE_DTYPES,
     CtxOpt,
     HeadMemOpt,
     ModelOpt,
-    NoMdnsOpt,
-    PeerOpt,
-    PoolOpt,
-    RpcOpt,
-    SecretOpt,
     SplitOpt,
     ThreadsOpt,
-    TlsOpt,
     WireOpt,
     _at_least,
     _head_mem,
     _shares,
 )
-from potluck.cli.peers import _auth, _found, _peers
 from potluck.cli.runtime import _setup_threads
 from potluck.errors import PotluckError
 
 
+@takes
 def bench(
     model: ModelOpt = None,
     ctx: CtxOpt = None,
@@ -45,19 +39,15 @@ def bench(
         int,
         typer.Option("-p", "--n-prompt", callback=_at_least(1), help="Prompt tokens to process."),
     ] = 128,
-    peer: PeerOpt = None,
-    rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
     mem: HeadMemOpt = None,
-    pool: PoolOpt = DEFAULT_POOL,
-    no_mdns: NoMdnsOpt = False,
-    secret: SecretOpt = None,
-    tls: TlsOpt = False,
     wire_dtype: WireOpt = "f32",
     json_out: Annotated[
         bool,
         typer.Option("--json", help="Print the predicted and measured figures as JSON."),
     ] = False,
+    *,
+    net: PeersFlags,
 ) -> None:
     """Measure the model on the best single machine and on the pool, side by side: tokens/s,
     compute per stage and time on each link, and whether pooling is worth it (measured)."""
@@ -70,13 +60,13 @@ def bench(
 
     _setup_threads(threads)
     path = resolve_model(model)
-    addresses = _found(_peers(peer, rpc, pool, no_mdns))
+    addresses = net.found()
     if not addresses:
         raise PotluckError(
             "no workers to compare with: start `potluck worker` on another machine of the pool, "
             "or name one with --peer HOST:PORT"
         )
-    auth = _auth(secret, tls)
+    auth = net.auth()
     shares = _shares(tensor_split)
     head_mem = _head_mem(mem)
     plan_ = plan_to_compare(PlanInputs(path, ctx, auth, mem=head_mem), addresses, shares)

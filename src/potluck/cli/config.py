@@ -9,7 +9,9 @@ one instance, checked in `__post_init__` (a one-line usage error that names the 
     @takes
     def run(prompt: ..., *, flags: ModelFlags, net: PoolFlags, sampling: SamplingFlags) -> None
 
-run, chat and serve share ModelFlags and PoolFlags; run and chat share SamplingFlags.
+run, chat and serve share ModelFlags and PoolFlags; run and chat share SamplingFlags; the other
+commands that find workers (plan, nodes, doctor, batch, bench, finetune) take PeersFlags, the
+part of PoolFlags they all need.
 """
 
 from __future__ import annotations
@@ -80,19 +82,46 @@ class ModelFlags:
 
 
 @dataclass(frozen=True)
-class PoolFlags:
-    """Which workers, how this machine joins them, and how the layers are shared."""
+class PeersFlags:
+    """Which workers, and how this machine proves it belongs to their pool."""
 
     PANEL: ClassVar[str] = "The pool"
 
     peer: PeerOpt = None
     rpc: RpcOpt = None
-    tensor_split: SplitOpt = None
-    mem: HeadMemOpt = None
     pool: PoolOpt = DEFAULT_POOL
     no_mdns: NoMdnsOpt = False
     secret: SecretOpt = None
     tls: TlsOpt = False
+
+    def auth_flags(self) -> tuple[str | None, bool]:
+        return self.secret, self.tls
+
+    def auth(self) -> PoolAuth:
+        from potluck.cli.peers import _auth
+
+        return _auth(self.secret, self.tls)
+
+    def finder(self, no_mdns: bool = False) -> PeerFinder:
+        """The static peers and (unless --no-mdns or no_mdns) an mDNS browse that starts now."""
+        from potluck.cli.peers import _peers
+
+        return _peers(self.peer, self.rpc, self.pool, self.no_mdns or no_mdns)
+
+    def found(self, finder: PeerFinder | None = None) -> list[str]:
+        """The workers of the pool that answer and admit this machine (said on stderr)."""
+        from potluck.cli.peers import _found
+
+        return _found(finder or self.finder(), self.auth)
+
+
+@dataclass(frozen=True)
+class PoolFlags(PeersFlags):
+    """The pool's flags for a command that runs a model over it: also how its layers are shared
+    and carried (run, chat, serve)."""
+
+    tensor_split: SplitOpt = None
+    mem: HeadMemOpt = None
     failover_timeout: FailoverOpt = 5.0
     wire_dtype: WireOpt = "f32"
 
@@ -108,20 +137,6 @@ class PoolFlags:
     def mem_bytes(self) -> int | None:
         """--mem in bytes (0: no layers on this machine); None: what is free."""
         return _head_mem(self.mem)
-
-    def auth_flags(self) -> tuple[str | None, bool]:
-        return self.secret, self.tls
-
-    def auth(self) -> PoolAuth:
-        from potluck.cli.peers import _auth
-
-        return _auth(self.secret, self.tls)
-
-    def finder(self, no_mdns: bool = False) -> PeerFinder:
-        """The static peers and (unless --no-mdns or no_mdns) an mDNS browse that starts now."""
-        from potluck.cli.peers import _peers
-
-        return _peers(self.peer, self.rpc, self.pool, self.no_mdns or no_mdns)
 
 
 @dataclass(frozen=True)
@@ -146,7 +161,7 @@ class SamplingFlags:
         )
 
 
-GROUPS = (ModelFlags, PoolFlags, SamplingFlags)
+GROUPS = (ModelFlags, PeersFlags, PoolFlags, SamplingFlags)
 
 
 def _in_panel(flag: Any, panel: str) -> Any:

@@ -14,27 +14,21 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from potluck.cli.config import PeersFlags, takes
 from potluck.cli.console import err
 from potluck.cli.options import (
-    DEFAULT_POOL,
     HeadMemOpt,
     ModelOpt,
-    NoMdnsOpt,
-    PeerOpt,
-    PoolOpt,
-    RpcOpt,
-    SecretOpt,
     SeedOpt,
     ThreadsOpt,
-    TlsOpt,
     _head_mem,
     no_workers_for,
 )
-from potluck.cli.peers import _auth, _found, _peers
 from potluck.cli.runtime import _physical_cores
 from potluck.errors import PotluckError
 
 
+@takes
 def finetune(
     data: Annotated[
         Path, typer.Option("--data", help='Training lines (JSONL): chats or {"text": ...}.')
@@ -76,13 +70,9 @@ def finetune(
         ),
     ] = None,
     threads: ThreadsOpt = None,
-    peer: PeerOpt = None,
-    rpc: RpcOpt = None,
     mem: HeadMemOpt = None,
-    pool: PoolOpt = DEFAULT_POOL,
-    no_mdns: NoMdnsOpt = False,
-    secret: SecretOpt = None,
-    tls: TlsOpt = False,
+    *,
+    net: PeersFlags,
 ) -> None:
     """Train a LoRA adapter (needs PyTorch: pip install potluck[train]), on this machine and,
     data parallel, on the pool's workers (each takes a share of every batch); the adapter is a
@@ -145,14 +135,13 @@ def finetune(
             f"(the longest example{', with --recompute' if recompute else ''}), this machine has "
             f"{free / 2**30:.1f} GiB free: lower --batch or shorten the examples"
         )
-    finder = _peers(peer, rpc, pool, no_mdns)
-    addresses = _found(finder, lambda: _auth(secret, tls))
+    addresses = net.found()
     from potluck.train.pool import PoolTrainer
 
     if addresses:
         from potluck.transport.client import NodeClient
 
-        auth = _auth(secret, tls)
+        auth = net.auth()
 
         def on_event(text: str) -> None:
             err.print(f"[yellow]{text}[/]")

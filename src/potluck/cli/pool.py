@@ -10,34 +10,27 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from potluck.cli.config import PeersFlags, takes
 from potluck.cli.console import err
 from potluck.cli.options import (
-    DEFAULT_POOL,
     CtxOpt,
     HeadMemOpt,
     JsonOpt,
     ModelOpt,
-    NoMdnsOpt,
     ParallelOpt,
-    PeerOpt,
-    PoolOpt,
-    RpcOpt,
-    SecretOpt,
     SplitOpt,
     ThreadsOpt,
-    TlsOpt,
     _head_mem,
     _positive,
     _shares,
 )
-from potluck.cli.peers import _auth, _config_dir, _dialer, _found, _mdns_on, _peers, _static_peers
+from potluck.cli.peers import _config_dir, _dialer, _mdns_on, _static_peers
 from potluck.cli.runtime import _backends_check, _setup_threads
 
 
+@takes
 def plan(
     model: ModelOpt = None,
-    peer: PeerOpt = None,
-    rpc: RpcOpt = None,
     ctx: CtxOpt = None,
     tensor_split: SplitOpt = None,
     mem: HeadMemOpt = None,
@@ -51,10 +44,8 @@ def plan(
     item_tokens: Annotated[
         int, typer.Option("--item-tokens", min=1, help="--batch: tokens generated per item.")
     ] = 256,
-    pool: PoolOpt = DEFAULT_POOL,
-    no_mdns: NoMdnsOpt = False,
-    secret: SecretOpt = None,
-    tls: TlsOpt = False,
+    *,
+    net: PeersFlags,
 ) -> None:
     """Dry run: who would get which layers, memory per node, predicted tok/s, and whether pooling
     beats the best single machine at all (--batch: the replicas of a batch job)."""
@@ -62,14 +53,14 @@ def plan(
     from potluck.planner import PLAN_COLUMNS, format_plan, format_summary
     from potluck.pool.planning import PlanInputs, plan_model, survey_model
 
-    finder = _peers(peer, rpc, pool, no_mdns)
+    finder = net.finder()
     _setup_threads(None)
     path = resolve_model(model)
-    found = _found(finder, lambda: _auth(secret, tls))
+    found = net.found(finder)
+    auth = net.auth() if found else None
     if batch_plan:
         from potluck.planner.replicas import REPLICA_COLUMNS, format_replicas, plan_replicas
 
-        auth = _auth(secret, tls) if found else None
         inputs = PlanInputs(path, ctx, auth, mem=_head_mem(mem), n_seq=parallel)
         nodes, links, fp = survey_model(inputs, found)
         rows, lines = format_replicas(plan_replicas(fp, nodes, links), item_tokens)
@@ -81,9 +72,7 @@ def plan(
         for line in lines:
             print(line)
         return
-    inputs = PlanInputs(
-        path, ctx, _auth(secret, tls) if found else None, mem=_head_mem(mem), n_seq=parallel
-    )
+    inputs = PlanInputs(path, ctx, auth, mem=_head_mem(mem), n_seq=parallel)
     p = plan_model(inputs, found, _shares(tensor_split))
     seqs = f" × {parallel} sequences at once" if parallel > 1 else ""
     table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}{seqs}")
@@ -95,18 +84,15 @@ def plan(
         print(line)
 
 
+@takes
 def nodes(
-    peer: PeerOpt = None,
-    rpc: RpcOpt = None,
-    pool: PoolOpt = DEFAULT_POOL,
-    no_mdns: NoMdnsOpt = False,
     timeout: Annotated[
         float,
         typer.Option("--timeout", callback=_positive, help="Seconds to wait for each node."),
     ] = 3.0,
     as_json: JsonOpt = False,
-    secret: SecretOpt = None,
-    tls: TlsOpt = False,
+    *,
+    net: PeersFlags,
 ) -> None:
     """Every node seen (mDNS, --peer, the peers file): devices, free memory, round trip,
     bandwidth, version, and whether this head can use it (and if not, why)."""
@@ -123,24 +109,24 @@ def nodes(
     from potluck.discovery.static import MDNS, Peer, dedupe
     from potluck.node.probe import default_threads, physical_cores, usable_memory_bytes
 
-    static = _static_peers(peer, rpc)
+    static = _static_peers(net.peer, net.rpc)
     adverts = []
-    if _mdns_on(no_mdns):
+    if _mdns_on(net.no_mdns):
         try:  # every pool: a worker of another pool is listed, with the reason it is not used
             adverts = Browser(None, window_s=2.0).results()
         except DiscoveryError as exc:
             err.print(f"[yellow]mDNS unavailable:[/] {exc}; static peers only")
     peers = dedupe([*static, *(Peer(a.address, MDNS, a) for a in adverts)])
-    dial = _dialer(secret, tls)
+    dial = _dialer(net.secret, net.tls)
     reports = [local_report(usable_memory_bytes(), physical_cores(), default_threads())]
     with err.status("measuring") as status:
         for p in peers:
             status.update(f"measuring {p.address}")
-            reports.append(inspect(p, pool, dial, timeout))
+            reports.append(inspect(p, net.pool, dial, timeout))
     if as_json:
         print(json.dumps([report_json(r) for r in reports], indent=1))
     else:
-        table = Table(*NODE_COLUMNS, title=f"pool {pool!r}")
+        table = Table(*NODE_COLUMNS, title=f"pool {net.pool!r}")
         for r in reports:
             table.add_row(*format_row(r))
         Console(width=max(160, Console().width)).print(table)
@@ -151,11 +137,8 @@ def nodes(
         )
 
 
+@takes
 def doctor(
-    peer: PeerOpt = None,
-    rpc: RpcOpt = None,
-    pool: PoolOpt = DEFAULT_POOL,
-    no_mdns: NoMdnsOpt = False,
     model: Annotated[
         str | None, typer.Option("-m", "--model", help="Check that this model fits the pool.")
     ] = None,
@@ -177,8 +160,8 @@ def doctor(
         ),
     ] = 3.0,
     as_json: JsonOpt = False,
-    secret: SecretOpt = None,
-    tls: TlsOpt = False,
+    *,
+    net: PeersFlags,
 ) -> None:
     """Check the pool for what users trip over and say what to do: ports, firewalls, versions,
     the pool secret, memory for the model and its context, threads, slow links, throttling."""
@@ -193,13 +176,13 @@ def doctor(
     from potluck.node.probe import physical_cores
     from potluck.pool.survey import this_machine
 
-    finder = _peers(peer, rpc, pool, no_mdns)
+    finder = net.finder()
     found = finder.find(lambda peer: "")  # check even those that do not answer
     if finder.error:
         err.print(f"[yellow]mDNS unavailable:[/] {finder.error}; static peers only")
     _setup_threads(threads)
     cfg = DoctorConfig(
-        pool=pool,
+        pool=net.pool,
         threads=threads,
         model=resolve_model(model) if model else None,
         ctx=ctx,
@@ -214,7 +197,7 @@ def doctor(
     cores = (physical_cores(), psutil.cpu_count(logical=True) or physical_cores())
     with err.status("checking") as status:
         checks = run_doctor(
-            list(found.peers) + [p for p, _ in found.skipped], cfg, _dialer(secret, tls),
+            list(found.peers) + [p for p, _ in found.skipped], cfg, _dialer(net.secret, net.tls),
             this_machine, cores,
             local_load, on_progress=status.update, backends=_backends_check(),
         )  # fmt: skip
