@@ -23,17 +23,17 @@ from potluck.errors import ContextError, PotluckError
 from potluck.model.stage import SeqChunk, Stage
 from potluck.node.followup import FollowUps
 from potluck.node.plans import LoadedStage, PlanStore, Refused
-from potluck.sampling import Sampler, Token
+from potluck.sampling import Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.codec import (
     WireError,
     lora_from_wire,
     sampling_from_proto,
     tensor_from_proto,
-    tensor_to_proto,
 )
 from potluck.transport.dataplane import Answer
 from potluck.transport.limits import check_message
+from potluck.transport.messages import error_reply, forward_request, logits_reply, tokens_reply
 from potluck.transport.spin import computing
 
 REHEARSE_MAX_BYTES = 64 << 10  # largest input rehearsed while waiting (Forwarder.rehearse)
@@ -134,11 +134,8 @@ class Forwarder:
     def downstream(
         self, loaded: LoadedStage, request: pb.ForwardRequest, y: np.ndarray
     ) -> pb.ForwardRequest:
-        return pb.ForwardRequest(
-            plan_id=request.plan_id,
-            chunks=request.chunks,
-            input=tensor_to_proto(y, loaded.wire_dtype),
-            want_logits=request.want_logits,
+        return forward_request(
+            request.plan_id, request.chunks, y, loaded.wire_dtype, request.want_logits
         )
 
     @staticmethod
@@ -157,9 +154,9 @@ class Forwarder:
     ) -> pb.ForwardReply:
         """The last stage's answer: logits of every row, or one sampled token per chunk."""
         if request.want_logits:
-            return pb.ForwardReply(logits=tensor_to_proto(y), stage_ms=[stage_ms])
+            return logits_reply(y, stage_ms)
         if y.shape[0] == 0:  # nothing to sample in this batch (the output head was skipped)
-            return pb.ForwardReply(tokens=[-1] * len(request.chunks), stage_ms=[stage_ms])
+            return tokens_reply([-1] * len(request.chunks), stage_ms)
         tokens = []
         for row, chunk in zip(y, request.chunks, strict=True):
             if not chunk.sample:
@@ -174,14 +171,7 @@ class Forwarder:
                 except WireError as exc:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             tokens.append(sampler.sample(row, list(chunk.recent)))
-        reply = pb.ForwardReply(tokens=tokens, stage_ms=[stage_ms])
-        if any(isinstance(t, Token) for t in tokens):  # logprobs asked: one entry per chunk
-            for t in tokens:
-                lp = t.logprob if isinstance(t, Token) else 0.0
-                top = t.top if isinstance(t, Token) else ()
-                reply.logprobs.append(lp)
-                reply.top.add(ids=[i for i, _ in top], logprobs=[v for _, v in top])
-        return reply
+        return tokens_reply(tokens, stage_ms)
 
     def serve_forward(self, request: pb.ForwardRequest, answer: Answer) -> None:
         """Compute one request (in the calling thread) and answer it: the last stage answers at
@@ -203,7 +193,7 @@ class Forwarder:
                     self.follow.run_ready(self.follow.took(request, list(reply.tokens), ""), "")
                 return
         except Refused as exc:
-            answer(pb.ForwardReply(request_id=rid, error=exc.message, error_code=exc.code.name))
+            answer(error_reply(rid, exc.message, exc.code.name))
             return
         t1 = time.perf_counter()
         first = loaded.stage.is_first
@@ -211,7 +201,7 @@ class Forwarder:
         def relay(f: Future[pb.ForwardReply]) -> None:
             exc = f.exception()
             if exc is not None:
-                answer(pb.ForwardReply(request_id=rid, error=str(exc), error_code="UNAVAILABLE"))
+                answer(error_reply(rid, str(exc), "UNAVAILABLE"))
                 if first:
                     self.follow.run_ready(self.follow.took(request, None, str(exc)), str(exc))
                 return

@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 
 from potluck.node.plans import PlanStore, Refused
 from potluck.transport import potluck_pb2 as pb
-from potluck.transport.codec import penalizes
+from potluck.transport.codec import id_tensor, penalizes
 from potluck.transport.dataplane import Answer
+from potluck.transport.messages import error_reply, skipped_reply
 
 
 class FollowUps:
@@ -40,7 +41,7 @@ class FollowUps:
         try:
             loaded = self.plans.loaded(request.plan_id)
         except Refused as exc:
-            answer(pb.ForwardReply(request_id=rid, error=exc.message, error_code=exc.code.name))
+            answer(error_reply(rid, exc.message, exc.code.name))
             return
         why = ""
         if len(request.chunks) != 1 or c.n != 1:
@@ -50,7 +51,7 @@ class FollowUps:
         elif not loaded.stage.is_first:
             why = f"a follow-up batch came to layers {loaded.stage.start}–{loaded.stage.stop - 1}; only the first stage takes one"
         if why:
-            answer(pb.ForwardReply(request_id=rid, error=why, error_code="INVALID_ARGUMENT"))
+            answer(error_reply(rid, why, "INVALID_ARGUMENT"))
             return
         with self.lock:
             got = self.sampled.get((request.plan_id, c.seq_id))
@@ -62,7 +63,7 @@ class FollowUps:
                     self.parked[key] = (request, answer)
                     return
         if why or got is None:
-            answer(pb.ForwardReply(request_id=rid, error=why, error_code="INVALID_ARGUMENT"))
+            answer(error_reply(rid, why, "INVALID_ARGUMENT"))
             return
         self._run_follow_up(request, answer, got[1])
 
@@ -70,14 +71,11 @@ class FollowUps:
         """The follow-up batch with its input id filled in (and added to its recent ids for the
         penalties), computed like any other; skipped if the id ends the generation."""
         if token in request.stop_ids:
-            answer(pb.ForwardReply(request_id=request.request_id, tokens=[-1], skipped=True))
+            answer(skipped_reply(request.request_id))
             return
         c = request.chunks[0]
         c.follow = False
-        # (tensor_to_proto's layout: one little-endian int64)
-        request.input.CopyFrom(
-            pb.Tensor(data=token.to_bytes(8, "little", signed=True), shape=[1], dtype="int64")
-        )
+        request.input.CopyFrom(id_tensor(token))
         if c.sample and penalizes(c.sampling):  # the head sent the recent ids before this one
             c.recent.append(token)
             if c.sampling.repeat_last_n > 0:
@@ -109,13 +107,8 @@ class FollowUps:
             if token >= 0:
                 self._run_follow_up(req, ans, token)
             else:
-                ans(
-                    pb.ForwardReply(
-                        request_id=req.request_id,
-                        error=f"the batch before this follow-up failed: {error or 'no token'}",
-                        error_code="UNAVAILABLE",
-                    )
-                )
+                why = f"the batch before this follow-up failed: {error or 'no token'}"
+                ans(error_reply(req.request_id, why, "UNAVAILABLE"))
 
     def forget(self, plan_id: str, seq_ids: Sequence[int] | None = None) -> None:
         """Drop the follow-up state of a plan (or of some of its sequences); a batch still waiting
@@ -129,11 +122,8 @@ class FollowUps:
                 del self.sampled[k]
             parked = [self.parked.pop(k) for k in [k for k in self.parked if mine(k)]]
         for req, ans in parked:
-            ans(
-                pb.ForwardReply(
-                    request_id=req.request_id,
-                    error=f"sequence {req.chunks[0].seq_id} was dropped while this follow-up batch "
-                    "waited for its token",
-                    error_code="CANCELLED",
-                )
+            why = (
+                f"sequence {req.chunks[0].seq_id} was dropped while this follow-up batch waited "
+                "for its token"
             )
+            ans(error_reply(req.request_id, why, "CANCELLED"))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.node.weights import BlobStore
+from potluck.transport import messages
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
@@ -115,12 +116,9 @@ def push_chunks(
             if on_sent is not None:
                 on_sent(sent, total)
             if off == start:
-                yield pb.TensorChunk(
-                    name=name, sha256=digests[name], total_bytes=len(data), data=piece,
-                    offset=start,
-                )  # fmt: skip
+                yield messages.tensor_chunk(name, piece, digests[name], len(data), start)
             else:
-                yield pb.TensorChunk(name=name, data=piece)
+                yield messages.tensor_chunk(name, piece)
 
 
 def send_tensors(file: GGUFFile, ranges: list[pb.TensorRange], to: str) -> Iterator[pb.TensorChunk]:
@@ -140,10 +138,10 @@ def send_tensors(file: GGUFFile, ranges: list[pb.TensorRange], to: str) -> Itera
         data = file.raw(r.name).reshape(-1).data
         for off in range(r.offset, len(data), TENSOR_CHUNK_BYTES):
             piece = bytes(data[off : off + TENSOR_CHUNK_BYTES])
-            if off == r.offset:
-                yield pb.TensorChunk(name=r.name, total_bytes=len(data), data=piece, offset=off)
+            if off == r.offset:  # no sha256: the receiver has its head's
+                yield messages.tensor_chunk(r.name, piece, total_bytes=len(data), offset=off)
             else:
-                yield pb.TensorChunk(name=r.name, data=piece)
+                yield messages.tensor_chunk(r.name, piece)
     dt = time.perf_counter() - t0
     log.info(
         "sent %.1f MiB to %s in %.1f s, %.0f MB/s",
@@ -167,10 +165,8 @@ def pull(
     client = NodeClient(source, auth)
     try:
         client.hello("peer")
-        ask = pb.GetTensorsRequest(
-            model_sha256=request.model_sha256, model_bytes=request.model_bytes,
-            tensors=[pb.TensorRange(name=n, offset=partial.get(n, 0)) for n in missing],
-        )  # fmt: skip
+        ranges = {n: partial.get(n, 0) for n in missing}
+        ask = messages.get_tensors_request(request.model_sha256, request.model_bytes, ranges)
         wanted = set(missing)
 
         def chunks() -> Iterator[pb.TensorChunk]:

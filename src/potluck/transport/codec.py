@@ -59,6 +59,12 @@ def tensor_to_proto(t: np.ndarray, wire_dtype: str | None = None) -> pb.Tensor:
     return pb.Tensor(data=np.ascontiguousarray(raw).tobytes(), shape=list(t.shape), dtype=name)
 
 
+def id_tensor(token: int) -> pb.Tensor:
+    """One token id as tensor_to_proto writes it (one little-endian int64), without numpy: a
+    follow-up batch's input, filled in on the first node."""
+    return pb.Tensor(data=token.to_bytes(8, "little", signed=True), shape=[1], dtype="int64")
+
+
 def tensor_from_proto(msg: pb.Tensor, max_elements: int = MAX_TENSOR_ELEMENTS) -> np.ndarray:
     """Check dtype, shape and byte count, then build the array (a copy; fp32 for floats)."""
     dtype = _DTYPES.get(msg.dtype)

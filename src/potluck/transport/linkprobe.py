@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.client import NodeClient
+from potluck.transport.messages import echo_request
 
 PINGS = 5
 PAYLOAD_BYTES = 1 << 20
@@ -27,7 +28,7 @@ class LinkMeasure:
 def quick_link(client: NodeClient, timeout: float = 10.0) -> LinkMeasure:
     """Raises NodeError (via the client) when the node does not answer."""
     md = client.metadata()
-    empty = pb.EchoRequest()
+    empty = echo_request()
 
     def timed(req: pb.EchoRequest) -> float:
         t0 = time.perf_counter()
@@ -36,5 +37,5 @@ def quick_link(client: NodeClient, timeout: float = 10.0) -> LinkMeasure:
 
     timed(empty)  # opens the connection
     rtt = statistics.median(timed(empty) for _ in range(PINGS))
-    t = timed(pb.EchoRequest(payload=bytes(PAYLOAD_BYTES)))
+    t = timed(echo_request(payload_bytes=PAYLOAD_BYTES))
     return LinkMeasure(rtt / 2, PAYLOAD_BYTES / max(t - rtt, t / 10, 1e-6))

@@ -1,8 +1,11 @@
-"""The requests a head sends to its nodes, built from plain values.
+"""The wire messages Potluck builds, from plain values: the requests a head sends its nodes, and
+the answers a node builds outside its servicer (node/service.py, the node's wire edge, builds its
+own replies).
 
-Outside transport/, no module constructs a wire message (tests/test_layering.py): the pool, the
-trainer and discovery call these (or NodeClient's typed methods, which call them) and read the
-replies. codec.py converts the values inside messages (tensors, sampling, probe matrices).
+Outside transport/ and node/service.py, no module constructs a wire message
+(tests/test_layering.py): the pool, the trainer, discovery and the node's handlers call these (or
+NodeClient's typed methods, which call them) and read what comes back. codec.py converts the
+values inside messages (tensors, sampling, probe matrices).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from potluck.modelfile.gguf_file import Matrix
-from potluck.sampling import Sampler
+from potluck.sampling import Sampler, Token
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.codec import (
     PROTOCOL_VERSION,
@@ -134,8 +137,9 @@ def forward_request(
     want_logits: bool,
     stop_ids: Sequence[int] = (),
 ) -> pb.ForwardRequest:
-    """One batch for the first node: token ids [T] or hidden states [T, d] (floats cast to
-    wire_dtype), one chunk per sequence. The per-step path: nothing here but the message."""
+    """One batch for the next node (from the head, or a stage's output relayed down the chain):
+    token ids [T] or hidden states [T, d] (floats cast to wire_dtype), one chunk per sequence.
+    The per-step path: nothing here but the message."""
     return pb.ForwardRequest(
         plan_id=plan_id,
         chunks=chunks,
@@ -204,3 +208,104 @@ def train_apply_request(session_id: str, step: int, grads: bytes) -> pb.TrainApp
 
 def train_close_request(session_id: str) -> pb.TrainCloseRequest:
     return pb.TrainCloseRequest(session_id=session_id)
+
+
+# -- a node's answers to a forward request (node/compute.py, node/followup.py) ---------------------
+def error_reply(request_id: int, error: str, code: str) -> pb.ForwardReply:
+    """A forward request that failed: why, and the grpc.StatusCode name the head raises it as."""
+    return pb.ForwardReply(request_id=request_id, error=error, error_code=code)
+
+
+def skipped_reply(request_id: int) -> pb.ForwardReply:
+    """A follow-up batch not computed: its input id was one of its stop ids."""
+    return pb.ForwardReply(request_id=request_id, tokens=[-1], skipped=True)
+
+
+def logits_reply(logits: np.ndarray, stage_ms: float) -> pb.ForwardReply:
+    """The last stage's logits of every row [T, V] (perplexity)."""
+    return pb.ForwardReply(logits=tensor_to_proto(logits), stage_ms=[stage_ms])
+
+
+def tokens_reply(tokens: Sequence[int], stage_ms: float) -> pb.ForwardReply:
+    """One sampled id per chunk (-1: none sampled); with each one's logprobs and alternatives
+    when any of them is a `Token` (its sampling asked for logprobs)."""
+    reply = pb.ForwardReply(tokens=tokens, stage_ms=[stage_ms])
+    if any(isinstance(t, Token) for t in tokens):  # logprobs asked: one entry per chunk
+        for t in tokens:
+            lp = t.logprob if isinstance(t, Token) else 0.0
+            top = t.top if isinstance(t, Token) else ()
+            reply.logprobs.append(lp)
+            reply.top.add(ids=[i for i, _ in top], logprobs=[v for _, v in top])
+    return reply
+
+
+# -- weights (node/loading.py, node/transfer.py) ---------------------------------------------------
+def need_tensors_reply(missing: Sequence[str], partial: Mapping[str, int]) -> pb.LoadReply:
+    """Load's answer when the node lacks tensors: their names, and what it kept of each."""
+    return pb.LoadReply(need_tensors=True, missing=missing, partial=partial)
+
+
+def loaded_reply(
+    *,
+    weight_bytes: int,
+    load_seconds: float,
+    kv_bytes: int,
+    rss_bytes: int,
+    pulled_from: str = "",
+    pulled_bytes: int = 0,
+    pull_seconds: float = 0.0,
+) -> pb.LoadReply:
+    """Load's answer once the stage is loaded: what the node holds (the head's `Held`)."""
+    return pb.LoadReply(
+        weight_bytes=weight_bytes, load_seconds=load_seconds, kv_bytes=kv_bytes,
+        rss_bytes=rss_bytes, pulled_from=pulled_from, pulled_bytes=pulled_bytes,
+        pull_seconds=pull_seconds,
+    )  # fmt: skip
+
+
+def tensor_chunk(
+    name: str, data: bytes, sha256: str = "", total_bytes: int = 0, offset: int = 0
+) -> pb.TensorChunk:
+    """A piece of a tensor's bytes; a tensor's first chunk carries its size and the offset it
+    starts at (and, from a head, its sha256), the rest only data."""
+    return pb.TensorChunk(
+        name=name, sha256=sha256, total_bytes=total_bytes, data=data, offset=offset
+    )
+
+
+def get_tensors_request(
+    model_sha256: str, model_bytes: int, ranges: Mapping[str, int]
+) -> pb.GetTensorsRequest:
+    """Ask a peer for tensors of a model file (by hash), each from the byte `ranges` names."""
+    return pb.GetTensorsRequest(
+        model_sha256=model_sha256, model_bytes=model_bytes,
+        tensors=[pb.TensorRange(name=n, offset=off) for n, off in ranges.items()],
+    )  # fmt: skip
+
+
+# -- a node's answers to the training calls (node/training.py) ------------------------------------
+def train_opened_reply(n_params: int) -> pb.TrainOpenReply:
+    return pb.TrainOpenReply(n_params=n_params)
+
+
+def train_need_model_reply() -> pb.TrainOpenReply:
+    """No model file here: the head opens again with its header and digests."""
+    return pb.TrainOpenReply(need_model=True)
+
+
+def train_need_tensors_reply(
+    missing: Sequence[str], partial: Mapping[str, int]
+) -> pb.TrainOpenReply:
+    return pb.TrainOpenReply(need_tensors=True, missing=missing, partial=partial)
+
+
+def train_grad_reply(loss_sum: float, grads: bytes, compute_ms: float) -> pb.TrainGradReply:
+    return pb.TrainGradReply(loss_sum=loss_sum, grads=grads, compute_ms=compute_ms)
+
+
+def train_apply_reply() -> pb.TrainApplyReply:
+    return pb.TrainApplyReply()
+
+
+def train_close_reply() -> pb.TrainCloseReply:
+    return pb.TrainCloseReply()
