@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.progress import (
@@ -32,6 +32,17 @@ from potluck.cli.options import (
 from potluck.cli.peers import _auth, _found
 from potluck.cli.runtime import _setup_threads
 from potluck.errors import PotluckError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from potluck.api.batch import Progress as BatchProgress
+    from potluck.api.batch import Recruit
+    from potluck.discovery.pool import PeerFinder
+    from potluck.engine.generate import Model
+
+AuthFlags = tuple[str | None, bool]  # --secret, --tls (cli/peers._auth)
+Reload = Callable[[str], "Model | None"]  # a failed replica loaded again (pool/replicas.py)
 
 
 @takes
@@ -86,9 +97,9 @@ def batch(
     replicas, reload = _replicas(
         model, ctx, threads, finder, net.auth_flags(), _head_mem(mem), parallel, workers
     )  # fmt: skip
-    schedulers: list = []
+    schedulers: list[Scheduler] = []
 
-    def app_of(m):
+    def app_of(m: Model) -> FastAPI:
         config = SchedulerConfig(n_batch=prompt_batch(m), max_active=parallel, max_queue=len(items))
         schedulers.append(Scheduler(m, config))
         return create_app(m, schedulers[-1], ServerConfig(model_id=model_id_of(m), api_key=None))
@@ -109,7 +120,7 @@ def batch(
         with bar:
             task = bar.add_task("batch", total=len(items) - already, rate="")
 
-            def on_progress(p) -> None:
+            def on_progress(p: BatchProgress) -> None:
                 dt = max(time.perf_counter() - p.t0, 1e-9)
                 failed = f", {p.failed} failed" if p.failed else ""
                 each = (
@@ -147,7 +158,9 @@ def batch(
     )
 
 
-def _idle_replicas(path: Path, ctx, idle: list[str], auth_flags, n_seq: int):
+def _idle_replicas(
+    path: Path, ctx: int | None, idle: list[str], auth_flags: AuthFlags, n_seq: int
+) -> tuple[list[tuple[str, Model]], Reload | None]:
     """Batch replicas for `serve` on the workers its plan leaves idle (each that can hold the
     whole model): ([(label, Model)], reload) as `_replicas`; none when none can."""
     from potluck.planner import THIS_MACHINE
@@ -178,23 +191,27 @@ class _Recruits:
     that can hold the whole model, loaded as a replica of its own. make_app(model) -> ASGI app;
     `replicas` ([(label, Model)]) gets each model loaded, for closing."""
 
-    def __init__(self, path, ctx, finder, known, auth_flags, n_seq, make_app, replicas) -> None:
+    def __init__(
+        self, path: Path, ctx: int | None, finder: PeerFinder, known: list[str],
+        auth_flags: AuthFlags, n_seq: int, make_app: Callable[[Model], FastAPI],
+        replicas: list[tuple[str, Model]],
+    ) -> None:  # fmt: skip
         self.path, self.ctx, self.finder, self.n_seq = path, ctx, finder, n_seq
         self.known: set[str] = set(known)  # workers used or tried already
         self.auth_flags, self.make_app, self.replicas = auth_flags, make_app, replicas
-        self.reloads: dict[str, Callable] = {}  # label -> reload(label) (pool/replicas.py)
+        self.reloads: dict[str, Reload] = {}  # label -> reload(label) (pool/replicas.py)
 
-    def add(self, loaded, reload) -> None:
+    def add(self, loaded: list[tuple[str, Model]], reload: Reload | None) -> None:
         for label, _ in loaded:
             if reload is not None:
                 self.reloads[label] = reload
 
-    def recruit(self):
+    def recruit(self) -> Recruit:
         from potluck.api.batch import Recruit
 
         return Recruit(self.revive, self.join)
 
-    async def revive(self, label: str):
+    async def revive(self, label: str) -> FastAPI | None:
         import asyncio
 
         reload = self.reloads.get(label)
@@ -204,7 +221,7 @@ class _Recruits:
         self.replicas.append((label, m))
         return self.make_app(m)
 
-    async def join(self) -> list:
+    async def join(self) -> list[tuple[str, FastAPI]]:
         import asyncio
 
         new = await asyncio.to_thread(self._newcomers)
@@ -232,7 +249,10 @@ class _Recruits:
         return [p.address for p in found.peers if p.address not in self.known]
 
 
-def _replicas(model, ctx, threads, finder, auth_flags, mem, n_seq, found: list[str]):
+def _replicas(
+    model: str | None, ctx: int | None, threads: int | None, finder: PeerFinder,
+    auth_flags: AuthFlags, mem: int | None, n_seq: int, found: list[str],
+) -> tuple[list[tuple[str, Model]], Reload | None]:  # fmt: skip
     """The batch job's replicas, loaded: ([(label, Model)], reload). Alone: this machine. With
     workers: each machine that holds the whole model is a replica, the others one pipeline
     (planner). reload(label): a failed single-machine replica loaded again if its machine

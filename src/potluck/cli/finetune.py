@@ -93,7 +93,14 @@ def finetune(
     from potluck.modelfile.tokenizer import Tokenizer
     from potluck.node.probe import usable_memory_bytes
     from potluck.train.data import read_examples
-    from potluck.train.loop import CHECKPOINT_SUFFIX, TrainConfig, Trainer, memory_needed, run
+    from potluck.train.loop import (
+        CHECKPOINT_SUFFIX,
+        StepReport,
+        TrainConfig,
+        Trainer,
+        memory_needed,
+        run,
+    )
     from potluck.train.model import DEFAULT_TARGETS
 
     torch.set_num_threads(threads or _physical_cores())
@@ -184,7 +191,7 @@ def finetune(
         last_eval: list[float] = []
         done = [0, 0, 0.0]  # steps, tokens, seconds (this run's)
 
-        def on_step(r) -> None:
+        def on_step(r: StepReport) -> None:
             done[:] = [done[0] + 1, done[1] + r.tokens, done[2] + r.seconds]
             if r.eval_loss is not None:
                 last_eval.append(r.eval_loss)

@@ -23,6 +23,8 @@ from potluck.errors import PotluckError
 
 if TYPE_CHECKING:
     from potluck.discovery.pool import PeerFinder
+    from potluck.engine.generate import Model
+    from potluck.pool.failover import FailoverEvent
 
 
 def _load(
@@ -35,7 +37,7 @@ def _load(
     n_seq: int = 1,
     found: list[str] | None = None,
     finder: PeerFinder | None = None,
-):
+) -> Model:
     """Set up this machine's compute (threads, cache, GPU), find the pool's workers (net; None:
     this machine alone), plan, load with a progress bar, and print the one-line summary and the
     plan. splits: in-process stages split at these layers (run --split; finds no workers).
@@ -104,7 +106,7 @@ def _load(
             err.print(f"[dim]{plan.verdict}[/]")
             replan = replanner(inputs, addresses, shares)
 
-        def on_failover(ev) -> None:
+        def on_failover(ev: FailoverEvent) -> None:
             err.print(
                 f"[yellow]{', '.join(ev.gone) or 'a node'} went away ({ev.reason}); re-planned and "
                 f"replayed {ev.replayed_tokens} tokens in {ev.recover_s:.1f} s:[/]"

@@ -7,11 +7,15 @@ Flags keep llama.cpp's meaning: -m model, -n tokens to generate, -c context, -t 
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from potluck.errors import PotluckError
+
+if TYPE_CHECKING:
+    from potluck.sampling import SamplingParams
 
 ModelOpt = Annotated[
     str | None,
@@ -31,7 +35,9 @@ CtxOpt = Annotated[
 ]
 
 
-def _at_least(low: float, special: tuple[int, str] | None = None):
+def _at_least(
+    low: float, special: tuple[int, str] | None = None
+) -> Callable[[typer.CallbackParam, float | None], float | None]:
     """An option callback: the value (None: not given) must be ≥ low, or special[0], which means
     special[1]; else a one-line usage error with the flag and the number."""
 
@@ -327,7 +333,7 @@ SeedOpt = Annotated[
 
 def _sampling(
     temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None
-):
+) -> SamplingParams:
     from potluck.sampling import SamplingParams
 
     try:

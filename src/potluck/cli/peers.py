@@ -5,13 +5,22 @@ credentials made from it, the static peers (--peer, --rpc, the peers file), the 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from potluck import __version__
 from potluck.cli.console import err
 from potluck.cli.options import DEFAULT_POOL
+
+if TYPE_CHECKING:
+    from potluck.discovery.mdns import Advertiser
+    from potluck.discovery.pool import PeerFinder
+    from potluck.discovery.static import Peer
+    from potluck.transport.auth import PoolAuth
+    from potluck.transport.client import NodeClient
 
 
 def _config_dir() -> Path:
@@ -26,7 +35,7 @@ def _mdns_on(no_mdns: bool) -> bool:
     return not no_mdns and os.environ.get("POTLUCK_MDNS", "1").lower() not in ("0", "off", "no")
 
 
-def _static_peers(peer: list[str] | None, rpc: str | None):
+def _static_peers(peer: list[str] | None, rpc: str | None) -> list[Peer]:
     """--peer / --rpc as typed, then the peers file in the config folder."""
     from potluck.discovery.static import (
         PEERS_FILE,
@@ -43,7 +52,9 @@ def _static_peers(peer: list[str] | None, rpc: str | None):
     return dedupe(flags + read_peers_file(_config_dir() / PEERS_FILE))
 
 
-def _peers(peer: list[str] | None, rpc: str | None, pool: str = DEFAULT_POOL, no_mdns: bool = True):
+def _peers(
+    peer: list[str] | None, rpc: str | None, pool: str = DEFAULT_POOL, no_mdns: bool = True
+) -> PeerFinder:
     """The static peers and, unless no_mdns, an mDNS browse for workers of `pool` that starts now
     (it overlaps loading the model); `_found` ends it."""
     from potluck.discovery.mdns import DEFAULT_BROWSE_S
@@ -53,7 +64,7 @@ def _peers(peer: list[str] | None, rpc: str | None, pool: str = DEFAULT_POOL, no
     return PeerFinder(_static_peers(peer, rpc), pool, browse_s)
 
 
-def _found(finder, auth_of=None) -> list[str]:
+def _found(finder: PeerFinder, auth_of: Callable[[], PoolAuth] | None = None) -> list[str]:
     """End the browse; say which nodes were found and how, and which were left out and why.
     auth_of() gives the pool credentials: announced workers that refuse them are left out."""
     from potluck.discovery.pool import describe_peer, member, reachable
@@ -89,7 +100,7 @@ def _secret(secret: str | None) -> tuple[str | None, str]:
     return found, (str(path) if found else "none")
 
 
-def _auth(secret: str | None, tls: bool, worker: bool = False):
+def _auth(secret: str | None, tls: bool, worker: bool = False) -> PoolAuth:
     """How this process proves pool membership (transport/auth.py); a worker with --tls also gets
     its certificate, made once in the config folder."""
     from potluck.transport.auth import PoolAuth
@@ -101,7 +112,7 @@ def _auth(secret: str | None, tls: bool, worker: bool = False):
     return auth
 
 
-def _dialer(secret: str | None, tls: bool):
+def _dialer(secret: str | None, tls: bool) -> Callable[[str], NodeClient]:
     """address -> a client with the pool's credentials, for `potluck nodes` / `doctor`."""
     from potluck.transport.client import NodeClient
 
@@ -109,7 +120,7 @@ def _dialer(secret: str | None, tls: bool):
     return lambda address: NodeClient(address, auth)
 
 
-def _announce(host: str, port: int, pool: str, no_mdns: bool):
+def _announce(host: str, port: int, pool: str, no_mdns: bool) -> Advertiser | None:
     """Announce the worker on mDNS (see discovery/mdns.py for where); None when off or it cannot
     (said on stderr: heads can still use --peer). SIGTERM (systemd, docker stop) then ends the
     worker like Ctrl-C, so it says goodbye."""

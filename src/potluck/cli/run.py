@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -28,8 +28,14 @@ from potluck.cli.options import (
 )
 from potluck.errors import PotluckError
 
+if TYPE_CHECKING:
+    from potluck.engine.generate import Model
+    from potluck.sampling import Sampler
 
-def _stream(m, ids: list[int], n: int, sampler, n_batch: int, chat: bool = False) -> list[int]:
+
+def _stream(
+    m: Model, ids: list[int], n: int, sampler: Sampler, n_batch: int, chat: bool = False
+) -> list[int]:
     """Generate up to n tokens (-1: until the end of text or a full context) and print text as it
     comes; timing on stderr, and a line when the context filled (what to do: in a chat, /reset).
     Returns the generated ids."""
@@ -172,14 +178,14 @@ def chat(
         msgs.append({"role": "assistant", "content": reply})
 
 
-def _more_ctx(m) -> str:
+def _more_ctx(m: Model) -> str:
     """What raising -c can still give ('' when the context is already the model's longest)."""
     if m.n_ctx >= m.hp.n_ctx_train:
         return ""
     return f"raise -c (the model allows up to {m.hp.n_ctx_train})"
 
 
-def _too_long(n_tokens: int, m, history: bool) -> str:
+def _too_long(n_tokens: int, m: Model, history: bool) -> str:
     """Why a chat turn cannot be answered: the conversation, or this message alone, fills the
     context."""
     more = f", or {_more_ctx(m)}" if _more_ctx(m) else ""

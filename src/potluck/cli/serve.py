@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -16,6 +16,9 @@ from potluck.cli.console import err
 from potluck.cli.load import _load
 from potluck.cli.options import DEFAULT_PARALLEL, ParallelOpt, _port
 from potluck.errors import PotluckError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 @takes
@@ -55,7 +58,7 @@ def serve(
 
     from potluck.api.server import ServerConfig, create_app, is_loopback, model_id_of
     from potluck.api.server import serve as run_server
-    from potluck.engine.generate import DEFAULT_N_BATCH, prompt_batch
+    from potluck.engine.generate import DEFAULT_N_BATCH, Model, prompt_batch
     from potluck.engine.scheduler import Scheduler, SchedulerConfig
 
     key = api_key or os.environ.get("POTLUCK_API_KEY") or None
@@ -81,9 +84,9 @@ def serve(
     idle = [a for a in workers if a not in used]
     ctx, auth_flags = flags.ctx, net.auth_flags()
     extra, reload = _idle_replicas(m.path, ctx, idle, auth_flags, parallel) if idle else ([], None)
-    extra_schedulers: list = []
+    extra_schedulers: list[Scheduler] = []
 
-    def replica_app(r):
+    def replica_app(r: Model) -> FastAPI:
         config = dataclasses.replace(sched_config, n_batch=prompt_batch(r))
         extra_schedulers.append(Scheduler(r, config))
         return create_app(r, extra_schedulers[-1], ServerConfig(model_id=model_id_of(r)))
