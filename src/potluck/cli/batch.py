@@ -4,7 +4,6 @@ leaves idle): loaded at the start, and recruited while a job runs."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -40,9 +39,9 @@ if TYPE_CHECKING:
     from potluck.api.batch import Recruit
     from potluck.discovery.pool import PeerFinder
     from potluck.engine.generate import Model
+    from potluck.pool.replicas import Recruiter, Reload
 
 AuthFlags = tuple[str | None, bool]  # --secret, --tls (cli/peers._auth)
-Reload = Callable[[str], "Model | None"]  # a failed replica loaded again (pool/replicas.py)
 
 
 @takes
@@ -106,7 +105,9 @@ def batch(
 
     apps = [(label, app_of(m)) for label, m in replicas]
     path = replicas[0][1].path
-    recruits = _Recruits(path, ctx, finder, workers, net.auth_flags(), parallel, app_of, replicas)
+    from potluck.pool.replicas import Recruiter
+
+    recruits = Recruiter(path, ctx, finder, workers, net.auth(), parallel, app_of, replicas, _say)
     recruits.add(replicas, reload)
 
     bar = Progress(
@@ -144,7 +145,7 @@ def batch(
                     err.print(f"[green]replica {label} joins: a worker found since the start[/]")
 
             done = asyncio.run(
-                run_batch(apps, items, journal, parallel, on_progress, recruit=recruits.recruit())
+                run_batch(apps, items, journal, parallel, on_progress, recruit=_recruit(recruits))
             )
     finally:
         for sch in schedulers:
@@ -158,95 +159,15 @@ def batch(
     )
 
 
-def _idle_replicas(
-    path: Path, ctx: int | None, idle: list[str], auth_flags: AuthFlags, n_seq: int
-) -> tuple[list[tuple[str, Model]], Reload | None]:
-    """Batch replicas for `serve` on the workers its plan leaves idle (each that can hold the
-    whole model): ([(label, Model)], reload) as `_replicas`; none when none can."""
-    from potluck.planner import THIS_MACHINE
-    from potluck.planner.errors import NotEnoughMemoryError
-    from potluck.planner.replicas import plan_replicas
-    from potluck.pool.planning import PlanInputs, survey_model
-    from potluck.pool.replicas import load_replicas, reloader
-
-    auth = _auth(*auth_flags)
-    # this machine serves: it offers no memory for a replica
-    nodes, links, fp = survey_model(PlanInputs(path, ctx, auth, mem=0, n_seq=n_seq), idle)
-    try:
-        plan = plan_replicas(fp, nodes, links)
-    except NotEnoughMemoryError as exc:
-        err.print(f"[dim]no batch replicas on the idle workers: {exc}[/]")
-        return [], None
-    usable = [r for r in plan.replicas if r.plan is None and r.nodes[0] != THIS_MACHINE]
-    for r in usable:
-        err.print(f"[dim]batch replica {r.label}: the whole model, for batch jobs[/]")
-    names = [n.name for n in nodes]
-    reload = reloader(path, ctx, usable, names, links, auth, n_seq)
-    return load_replicas(path, ctx, usable, names, links, auth, n_seq), reload
+def _say(text: str, notable: bool = False) -> None:
+    """pool/replicas.py's lines for the user."""
+    err.print(f"[yellow]{text}[/]" if notable else f"[dim]{text}[/]")
 
 
-class _Recruits:
-    """Batch replicas a running job gains (api.batch.Recruit): a failed one whose worker is back,
-    loaded again; each worker found since the start (a peers-file or mDNS worker started later)
-    that can hold the whole model, loaded as a replica of its own. make_app(model) -> ASGI app;
-    `replicas` ([(label, Model)]) gets each model loaded, for closing."""
+def _recruit(recruiter: Recruiter[FastAPI]) -> Recruit:
+    from potluck.api.batch import Recruit
 
-    def __init__(
-        self, path: Path, ctx: int | None, finder: PeerFinder, known: list[str],
-        auth_flags: AuthFlags, n_seq: int, make_app: Callable[[Model], FastAPI],
-        replicas: list[tuple[str, Model]],
-    ) -> None:  # fmt: skip
-        self.path, self.ctx, self.finder, self.n_seq = path, ctx, finder, n_seq
-        self.known: set[str] = set(known)  # workers used or tried already
-        self.auth_flags, self.make_app, self.replicas = auth_flags, make_app, replicas
-        self.reloads: dict[str, Reload] = {}  # label -> reload(label) (pool/replicas.py)
-
-    def add(self, loaded: list[tuple[str, Model]], reload: Reload | None) -> None:
-        for label, _ in loaded:
-            if reload is not None:
-                self.reloads[label] = reload
-
-    def recruit(self) -> Recruit:
-        from potluck.api.batch import Recruit
-
-        return Recruit(self.revive, self.join)
-
-    async def revive(self, label: str) -> FastAPI | None:
-        import asyncio
-
-        reload = self.reloads.get(label)
-        m = await asyncio.to_thread(reload, label) if reload is not None else None
-        if m is None:
-            return None
-        self.replicas.append((label, m))
-        return self.make_app(m)
-
-    async def join(self) -> list[tuple[str, FastAPI]]:
-        import asyncio
-
-        new = await asyncio.to_thread(self._newcomers)
-        if not new:
-            return []
-        self.known.update(new)
-        try:
-            loaded, reload = await asyncio.to_thread(
-                _idle_replicas, self.path, self.ctx, new, self.auth_flags, self.n_seq
-            )
-        except PotluckError as exc:
-            err.print(f"[yellow]worker {', '.join(new)} found, but not used: {exc}[/]")
-            return []
-        self.add(loaded, reload)
-        self.replicas.extend(loaded)
-        return [(label, self.make_app(m)) for label, m in loaded]
-
-    def _newcomers(self) -> list[str]:
-        from potluck.discovery.pool import member
-        from potluck.transport.client import NodeClient
-
-        auth = _auth(*self.auth_flags)
-        admit = member(lambda a: NodeClient(a, auth))
-        found = self.finder.again(lambda p: "" if p.address in self.known else admit(p))
-        return [p.address for p in found.peers if p.address not in self.known]
+    return Recruit(recruiter.revive, recruiter.join)
 
 
 def _replicas(
@@ -254,14 +175,11 @@ def _replicas(
     auth_flags: AuthFlags, mem: int | None, n_seq: int, found: list[str],
 ) -> tuple[list[tuple[str, Model]], Reload | None]:  # fmt: skip
     """The batch job's replicas, loaded: ([(label, Model)], reload). Alone: this machine. With
-    workers: each machine that holds the whole model is a replica, the others one pipeline
-    (planner). reload(label): a failed single-machine replica loaded again if its machine
-    answers, else None (blocking)."""
+    workers: pool/replicas.batch_replicas (reload(label): a failed single-machine replica loaded
+    again if its machine answers, else None; blocking)."""
     from potluck.engine.generate import load_model
     from potluck.modelfile.sources import resolve_model
-    from potluck.planner.replicas import plan_replicas
-    from potluck.pool.planning import PlanInputs, survey_model
-    from potluck.pool.replicas import load_replicas, reloader
+    from potluck.pool.replicas import batch_replicas
 
     _setup_threads(threads)
     path = resolve_model(model)
@@ -273,14 +191,4 @@ def _replicas(
         m = load_model(path, ctx, n_seq=n_seq)
         err.print(f"[dim]{m.summary()}[/]")
         return [("this machine", m)], lambda label: None
-    auth = _auth(*auth_flags)
-    nodes, links, fp = survey_model(PlanInputs(path, ctx, auth, mem=mem, n_seq=n_seq), addresses)
-    plan = plan_replicas(fp, nodes, links)
-    for r in plan.replicas:
-        how = "a pipeline" if r.plan is not None else "the whole model"
-        err.print(f"[dim]replica {r.label}: {how}, {r.tokens_per_s:.1f} tok/s per stream[/]")
-    for node, why in plan.left_out:
-        err.print(f"[dim]  left out {node}: {why}[/]")
-    names = [n.name for n in nodes]
-    reload = reloader(path, ctx, plan.replicas, names, links, auth, n_seq)
-    return load_replicas(path, ctx, plan.replicas, names, links, auth, n_seq), reload
+    return batch_replicas(path, ctx, addresses, _auth(*auth_flags), mem, n_seq, _say)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from potluck import __version__
-from potluck.cli.batch import _idle_replicas, _Recruits
+from potluck.cli.batch import _recruit, _say
 from potluck.cli.config import ModelFlags, PoolFlags, takes
 from potluck.cli.console import err
 from potluck.cli.load import _load
@@ -82,8 +82,11 @@ def serve(
     # workers the plan leaves idle run batch jobs, each with the whole model, where they can
     used = {a.node for a in m.pipeline.assignments}
     idle = [a for a in workers if a not in used]
-    ctx, auth_flags = flags.ctx, net.auth_flags()
-    extra, reload = _idle_replicas(m.path, ctx, idle, auth_flags, parallel) if idle else ([], None)
+    ctx = flags.ctx
+    from potluck.pool.replicas import Recruiter, idle_replicas
+
+    auth = net.auth()
+    extra, reload = idle_replicas(m.path, ctx, idle, auth, parallel, _say) if idle else ([], None)
     extra_schedulers: list[Scheduler] = []
 
     def replica_app(r: Model) -> FastAPI:
@@ -93,14 +96,14 @@ def serve(
 
     extra_apps = [(label, replica_app(r)) for label, r in extra]
     # ... and so do workers that come back, or are started after the server
-    recruits = _Recruits(m.path, ctx, finder, workers, auth_flags, parallel, replica_app, extra)
+    recruits = Recruiter(m.path, ctx, finder, workers, auth, parallel, replica_app, extra, _say)
     recruits.add(extra, reload)
 
     from potluck.modelfile.sources import cache_dir
 
     batches = batch_dir or cache_dir() / "batches"
     config = ServerConfig(model_id=model_id_of(m), api_key=key, batch_dir=batches)
-    app_ = create_app(m, scheduler, config, extra_apps, recruits.recruit())
+    app_ = create_app(m, scheduler, config, extra_apps, _recruit(recruits))
 
     def on_listen(url: str) -> None:
         auth = "API key required" if key else "no API key"
