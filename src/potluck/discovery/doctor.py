@@ -42,9 +42,11 @@ from potluck.discovery.measure import (
 from potluck.discovery.nodes import Dial, fmt_rate
 from potluck.discovery.static import Peer
 from potluck.errors import PotluckError
-from potluck.planner import THIS_MACHINE, Link, NodeInfo, NotEnoughMemoryError
+from potluck.planner import THIS_MACHINE, Link, ModelFootprint, NodeInfo, NotEnoughMemoryError
 from potluck.planner.errors import fmt_bytes
+from potluck.planner.nodes import Links
 from potluck.transport import potluck_pb2 as pb
+from potluck.transport.client import NodeClient
 from potluck.transport.codec import PROTOCOL_VERSION
 from potluck.transport.tls import speaks_tls
 
@@ -259,7 +261,7 @@ def load_check(node: str, samples: Sequence[tuple[float, float]], error: str = "
 
 
 # -- the model -----------------------------------------------------------------------------------------
-def model_checks(path: Path, ctx: int | None, nodes: Sequence[NodeInfo], links: dict) -> Check:
+def model_checks(path: Path, ctx: int | None, nodes: Sequence[NodeInfo], links: Links) -> Check:
     """Does the model at this context fit the pool's free memory (KV cache counted)? When not,
     the longest context that would."""
     from potluck.engine.generate import DEFAULT_CTX
@@ -277,7 +279,7 @@ def model_checks(path: Path, ctx: int | None, nodes: Sequence[NodeInfo], links: 
             f"use -c {hp.n_ctx_train} or less",
         )  # fmt: skip
 
-    def footprint(n: int):
+    def footprint(n: int) -> ModelFootprint:
         return footprint_from_gguf(f.tensors, hp, n, held=held_bytes)
 
     def fits(n: int) -> bool:
@@ -407,7 +409,7 @@ def run_doctor(
 
 
 def _session_checks(
-    peer: Peer, client, cfg: DoctorConfig, alive: list[_Node], r: pb.HelloReply
+    peer: Peer, client: NodeClient, cfg: DoctorConfig, alive: list[_Node], r: pb.HelloReply
 ) -> list[Check]:
     """The checks that need a call beyond Hello, so the pool secret (every call but Hello needs a
     session once the node has one): secret, threads, link."""

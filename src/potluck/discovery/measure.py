@@ -94,7 +94,7 @@ def hello(client: NodeClient, timeout: float, head_name: str = "potluck doctor")
     """Hello is open to anyone (no pool secret needed): what the node is, and its version."""
     t0 = time.perf_counter()
     try:
-        reply = client.stub.Hello(messages.hello_request(head_name), timeout=timeout)
+        reply: pb.HelloReply = client.stub.Hello(messages.hello_request(head_name), timeout=timeout)
     except grpc.RpcError as exc:
         code, detail = rpc_code(exc)
         return Hello(None, code, detail, time.perf_counter() - t0)
@@ -119,13 +119,14 @@ def describe(client: NodeClient, timeout: float) -> pb.DescribeReply | None:
     """What the node says about its threads, cores and OS; None if it cannot (an older worker).
     Raises grpc.RpcError when the node refuses (no session)."""
     try:
-        return client.stub.Describe(
+        reply: pb.DescribeReply = client.stub.Describe(
             messages.describe_request(), timeout=timeout, metadata=client.metadata()
         )
     except grpc.RpcError as exc:
         if rpc_code(exc)[0] == "UNIMPLEMENTED":
             return None
         raise
+    return reply
 
 
 @dataclass(frozen=True)

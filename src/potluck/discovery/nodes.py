@@ -128,7 +128,7 @@ def format_row(r: NodeReport) -> tuple[str, ...]:
     )
 
 
-def report_json(r: NodeReport) -> dict:
+def report_json(r: NodeReport) -> dict[str, Any]:
     """A NodeReport as plain JSON values (the link with its summary figures)."""
     out = dataclasses.asdict(r)
     if r.link is not None:

@@ -46,7 +46,9 @@ def describe(threads: int | None) -> SelfDescription:
 
 
 def load_samples(
-    seconds: float, interval: float, lock: AbstractContextManager | threading.Lock | None = None
+    seconds: float,
+    interval: float,
+    lock: AbstractContextManager[object] | threading.Lock | None = None,
 ) -> Iterator[tuple[float, float]]:
     """Run the decode kernel for `seconds`; yield (seconds since start, weight bytes/s) once per
     `interval`. `lock` is held for each interval only (a node's compute lock: a stage's forward

@@ -114,7 +114,7 @@ class FollowUps:
         """Drop the follow-up state of a plan (or of some of its sequences); a batch still waiting
         for its token is answered with an error."""
 
-        def mine(key: tuple) -> bool:
+        def mine(key: tuple[str, int] | tuple[str, int, int]) -> bool:
             return key[0] == plan_id and (seq_ids is None or key[1] in seq_ids)
 
         with self.lock:

@@ -23,7 +23,7 @@ import psutil
 from potluck.errors import PotluckError
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import Stage, WeightSource
-from potluck.modelfile.gguf_file import GGUFFile, read_header
+from potluck.modelfile.gguf_file import GGUFFile, TensorInfo, read_header
 from potluck.modelfile.hparams import HParams, hparams_from_metadata
 from potluck.modelfile.lora import LoraAdapter, open_lora
 from potluck.node.plans import LoadedStage, NodeBusyError, NodeMemoryError, PlanStore
@@ -166,7 +166,9 @@ class Loader:
         )  # fmt: skip
         return reply
 
-    def _adapter(self, part: pb.AdapterPart, hp: HParams, tensors: dict) -> LoraAdapter:
+    def _adapter(
+        self, part: pb.AdapterPart, hp: HParams, tensors: dict[str, TensorInfo]
+    ) -> LoraAdapter:
         """A LoRA adapter the head sent (its tensors for this stage), kept by content hash beside
         the received weights and checked against the model as a local file is."""
         data = bytes(part.gguf)  # (bounded by the message size limit)
@@ -186,12 +188,16 @@ class Loader:
         return min(request.n_gpu_layers, self.gpu.max_layers)
 
     def _lacking(
-        self, names: list[str], digests: dict[str, str], tensors: dict
+        self, names: list[str], digests: dict[str, str], tensors: dict[str, TensorInfo]
     ) -> tuple[list[str], dict[str, int], int]:
         return lacking(self.store, names, digests, tensors)
 
     def _pull_from_peers(
-        self, request: pb.LoadRequest, names: list[str], digests: dict[str, str], tensors: dict
+        self,
+        request: pb.LoadRequest,
+        names: list[str],
+        digests: dict[str, str],
+        tensors: dict[str, TensorInfo],
     ) -> tuple[str, Received | None]:
         """Ask the request's tensor sources, in order, for the stage's tensors this node lacks,
         until it has them all: (the peer that sent the last of them, what came from peers). A

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -17,6 +18,7 @@ import grpc
 from potluck.errors import PotluckError
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import Stage
+from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import HParams
 from potluck.sampling import Sampler
 from potluck.transport import potluck_pb2 as pb
@@ -79,7 +81,9 @@ class PlanStore:
             )
         return loaded
 
-    def check_memory(self, tensors: dict, hp: HParams, request: pb.LoadRequest) -> int:
+    def check_memory(
+        self, tensors: Mapping[str, TensorInfo], hp: HParams, request: pb.LoadRequest
+    ) -> int:
         """Bytes the stage reserves (its tensors + the KV caches of the plan's n_seq sequences at
         full context); with
         --mem, refuse a stage that does not fit beside the plan kept from before."""

@@ -16,11 +16,15 @@ import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 from gguf import GGMLQuantizationType
 
 from potluck.modelfile.gguf_file import Matrix
+
+if TYPE_CHECKING:
+    from potluck.model.matvec import LayerProbe, MatVec
 
 OS_HEADROOM_BYTES = 1 << 30  # left to the OS and other programs when a node reports its memory
 # Left free inside a memory cgroup (the OS lives outside it): the process's own growth while it
@@ -146,7 +150,7 @@ def decode_bytes_per_s(seconds: float = 0.3, threads: int | None = None) -> floa
         probe.close()
 
 
-def _median_seconds(probe, seconds: float, per_layer: bool) -> float:
+def _median_seconds(probe: MatVec | LayerProbe, seconds: float, per_layer: bool) -> float:
     """Median seconds of one call (per_layer: `probe.run(i)`) or one pass over every layer,
     timed for `seconds` (at least 5 samples) after one warm-up pass (pages touched, threads
     started). probe: a MatVec or LayerProbe."""

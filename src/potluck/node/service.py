@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import grpc
 
@@ -45,6 +45,9 @@ from potluck.transport.client import NodeClient
 from potluck.transport.codec import PROTOCOL_VERSION, WireError, matrix_from_proto
 from potluck.transport.linkprobe import quick_link
 from potluck.transport.spin import DEFAULT_SPIN_S, spin_wait
+
+_Request = TypeVar("_Request")
+_Reply = TypeVar("_Reply")
 
 ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
 log = logging.getLogger("potluck.worker")
@@ -250,7 +253,9 @@ class NodeService(pb_grpc.NodeServicer):
         return self._training(context, self.training.close, request)
 
     @staticmethod
-    def _training(context: grpc.ServicerContext, call: Callable, request: Any) -> Any:
+    def _training(
+        context: grpc.ServicerContext, call: Callable[[_Request], _Reply], request: _Request
+    ) -> _Reply:
         try:
             return call(request)
         except TrainingError as exc:

@@ -12,10 +12,11 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from potluck.errors import ModelFileError, PotluckError
 from potluck.modelfile.gguf_file import TensorInfo
@@ -40,6 +41,7 @@ def sha256_file(path: Path) -> str:
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     memo = cache_dir() / "file-hashes.json"
+    known: dict[str, str]  # path|size|mtime -> sha256 hex (this function's own file)
     try:
         known = json.loads(memo.read_text())
     except (OSError, ValueError):
@@ -61,7 +63,9 @@ def sha256_file(path: Path) -> str:
 _memo_lock = threading.Lock()
 
 
-def tensor_digests(model_sha256: str, raw, names: Iterable[str]) -> dict[str, str]:
+def tensor_digests(
+    model_sha256: str, raw: Callable[[str], npt.NDArray[np.uint8]], names: Iterable[str]
+) -> dict[str, str]:
     """sha256 of each named tensor (raw(name): its bytes), remembered in the cache per model
     hash: a 14B's tensors take seconds to hash, and the same file always gives the same ones.
     Threads (one per node being loaded) may call it at once: each merges what it hashed."""
@@ -70,9 +74,10 @@ def tensor_digests(model_sha256: str, raw, names: Iterable[str]) -> dict[str, st
 
     def known() -> dict[str, str]:
         try:
-            return json.loads(memo.read_text())
+            digests: dict[str, str] = json.loads(memo.read_text())  # tensor name -> sha256 hex
         except (OSError, ValueError):
             return {}
+        return digests
 
     out = known()
     fresh = {name: sha256_bytes(raw(name)) for name in names if name not in out}

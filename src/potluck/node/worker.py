@@ -65,8 +65,10 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
     service = NodeService(
         name or f"{host}:{port}", threads, model_dirs, auth, mem_limit, idle_s, spin_s
     )
-    pb_grpc.add_NodeServicer_to_server(service, server)
-    pb_grpc.add_NodeAuthServicer_to_server(AuthService(Handshakes(auth, sessions)), server)
+    # the generated gRPC module is unannotated (grpc's plugin writes no type hints)
+    pb_grpc.add_NodeServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    auth_service = AuthService(Handshakes(auth, sessions))
+    pb_grpc.add_NodeAuthServicer_to_server(auth_service, server)  # type: ignore[no-untyped-call]
     if auth.tls and auth.identity is None:
         raise PotluckError("a worker with --tls needs its certificate (auth.identity)")
     try:

@@ -128,7 +128,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         ids, learn = collate(batch)
         loss = self.model.loss_sum(ids, learn) / max(n_learned, 1)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         return float(loss.detach())
 
     def applied(self) -> None:
@@ -152,7 +152,7 @@ class Trainer:
         return total / max(n, 1)
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def identity(self) -> dict:
+    def identity(self) -> dict[str, object]:
         """What a checkpoint must match to be resumed by this run."""
         return {
             "model": str(self.f.path.resolve()),

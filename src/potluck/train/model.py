@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,13 +55,20 @@ class _Frozen(torch.autograd.Function):
     input's gradient); W itself is never saved."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, f: WeightSource, name: str) -> torch.Tensor:
-        ctx.f, ctx.name = f, name
+    def forward(ctx: Any, x: torch.Tensor, f: WeightSource, name: str) -> torch.Tensor:
+        ctx.f, ctx.name = f, name  # ctx: Any as in torch's own signature (attributes set freely)
         return x @ dequantized(f, name).T
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return g @ dequantized(ctx.f, ctx.name), None, None
+
+
+def _frozen_matmul(x: torch.Tensor, f: WeightSource, name: str) -> torch.Tensor:
+    """x @ W.T through `_Frozen` (W = the tensor `name` of `f`, dequantized when needed)."""
+    # torch leaves Function.apply unannotated
+    y: torch.Tensor = _Frozen.apply(x, f, name)  # type: ignore[no-untyped-call]
+    return y
 
 
 class Adapter(nn.Module):
@@ -117,7 +125,7 @@ class LoraModel(nn.Module):
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """W x (+ the adapter) (+ the bias), x (..., n_in) -> (..., n_out)."""
         w = name + ".weight"
-        y = _Frozen.apply(x, self.f, w)
+        y = _frozen_matmul(x, self.f, w)
         if _key(w) in self.adapters:
             ad = self.adapter(w)
             y = y + self.scaling * ((x @ ad.a.T) @ ad.b.T)
@@ -197,7 +205,7 @@ class LoraModel(nn.Module):
         x = self.norm(x, "output_norm.weight")
         if _key(self.head) in self.adapters:
             raise UnsupportedError("an adapter on the output head is not trained yet")
-        return _Frozen.apply(x, self.f, self.head)
+        return _frozen_matmul(x, self.f, self.head)
 
     def loss_sum(self, ids: torch.Tensor, learn: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy of each next token where learn (B, T) is 1 (learn[:, 0] unused)."""

@@ -314,7 +314,7 @@ def handshake(
     """Prove membership to the node at `address` and check its proof: the session token, or None
     when neither side has a secret. Raises AuthError with what to do."""
     cn = os.urandom(NONCE_BYTES)
-    reply = stub.Challenge(
+    reply: pb.ChallengeReply = stub.Challenge(
         pb.ChallengeRequest(protocol_version=PROTOCOL_VERSION, client_nonce=cn), timeout=timeout
     )
     key = auth.key
@@ -331,7 +331,7 @@ def handshake(
             f"{MISMATCH_HINT})"
         )
     ch = bytes(reply.challenge)
-    proved = stub.Prove(
+    proved: pb.ProveReply = stub.Prove(
         pb.ProveRequest(
             client_nonce=cn,
             challenge=ch,

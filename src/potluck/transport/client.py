@@ -14,7 +14,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -281,7 +281,8 @@ class NodeClient:
                     )
                 else:
                     self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-                self._stub = pb_grpc.NodeStub(self._channel)
+                # the generated gRPC module is unannotated (grpc's plugin writes no type hints)
+                self._stub = pb_grpc.NodeStub(self._channel)  # type: ignore[no-untyped-call]
             return self._stub
 
     @property
@@ -309,9 +310,9 @@ class NodeClient:
             self._session_used = now
             if self._metadata is None:
                 assert self._channel is not None
-                try:
+                try:  # (NodeAuthStub: generated and unannotated, as NodeStub)
                     session = handshake(
-                        pb_grpc.NodeAuthStub(self._channel),
+                        pb_grpc.NodeAuthStub(self._channel),  # type: ignore[no-untyped-call]
                         self.auth,
                         self.address,
                         self._cert_sha256,
@@ -355,7 +356,9 @@ class NodeClient:
             self._metadata = None
         return had
 
-    def _call(self, method: str, request: object, timeout: float, retry: bool = True) -> object:
+    def _call(self, method: str, request: object, timeout: float, retry: bool = True) -> Any:
+        """The stub's `method` called with the session's metadata; Any: the generated stub is
+        unannotated, so each caller names the reply type the method returns."""
         for attempt in range(2):
             md = self.metadata(timeout)
             try:
@@ -378,6 +381,7 @@ class NodeClient:
         head_name: who asks (the node's log); plan_ids: plans this head still uses (a node keeps
         them while the head is idle)."""
         request = messages.hello_request(head_name, plan_ids)
+        reply: pb.HelloReply
         if not authenticate:
             try:
                 reply = self._connect().Hello(request, timeout=timeout)
@@ -392,7 +396,8 @@ class NodeClient:
         self, request: pb.ProbeSpeedRequest, timeout: float = 30.0
     ) -> pb.ProbeSpeedReply:
         """A ProbeSpeed as it is (tests send malformed ones); the planner calls decode_speed."""
-        return self._call("ProbeSpeed", request, timeout)  # type: ignore[return-value]
+        reply: pb.ProbeSpeedReply = self._call("ProbeSpeed", request, timeout)
+        return reply
 
     def decode_speed(self, matrices: Iterable[Matrix], timeout: float = 30.0) -> float:
         """The node's decode speed (weight bytes per second) through `matrices`, one layer of the
@@ -402,33 +407,38 @@ class NodeClient:
     def probe_link(self, address: str, timeout: float = 15.0) -> pb.ProbeLinkReply:
         """Ask this node to measure its link to the node at `address` (transport/linkprobe.py)."""
         request = messages.probe_link_request(address)
-        return self._call("ProbeLink", request, timeout)  # type: ignore[return-value]
+        reply: pb.ProbeLinkReply = self._call("ProbeLink", request, timeout)
+        return reply
 
     def load(self, request: pb.LoadRequest, timeout: float = 300.0) -> pb.LoadReply:
         """request: messages.load_request (sent again after PutTensors when the node lacked some)."""
-        return self._call("Load", request, timeout)  # type: ignore[return-value]
+        reply: pb.LoadReply = self._call("Load", request, timeout)
+        return reply
 
     def put_tensors(self, chunks: Iterator[pb.TensorChunk], timeout: float = 3600.0) -> pb.PutReply:
-        return self._call("PutTensors", chunks, timeout, retry=False)  # type: ignore[return-value]
+        reply: pb.PutReply = self._call("PutTensors", chunks, timeout, retry=False)
+        return reply
 
     def get_tensors(
         self, request: pb.GetTensorsRequest, timeout: float = 3600.0
     ) -> Iterator[pb.TensorChunk]:
         """A peer's tensors of a model file it has (node/transfer.py); NodeError when it lacks
         the file or the link breaks, also midway."""
-        replies = self._call("GetTensors", request, timeout, retry=False)
+        replies: Iterator[pb.TensorChunk] = self._call("GetTensors", request, timeout, retry=False)
         try:
-            yield from replies  # type: ignore[misc]
+            yield from replies
         except grpc.RpcError as exc:
             raise _explain(self.address, exc, timeout) from None
 
     def forward(self, request: pb.ForwardRequest, timeout: float = 120.0) -> pb.ForwardReply:
-        return self._call("Forward", request, timeout)  # type: ignore[return-value]
+        reply: pb.ForwardReply = self._call("Forward", request, timeout)
+        return reply
 
     def drop(self, request: pb.DropRequest, timeout: float = 10.0) -> pb.DropReply:
         """A Drop as it is (a node relays its head's down the chain); a head calls
         drop_sequences or release."""
-        return self._call("Drop", request, timeout)  # type: ignore[return-value]
+        reply: pb.DropReply = self._call("Drop", request, timeout)
+        return reply
 
     def drop_sequences(self, plan_id: str, seq_ids: Sequence[int], timeout: float = 10.0) -> None:
         """Free these sequences' caches on every stage of the plan (passed down the chain)."""
@@ -441,7 +451,8 @@ class NodeClient:
     # -- training (node/training.py) -------------------------------------------------------------
     def train_open(self, request: pb.TrainOpenRequest, timeout: float = 120.0) -> pb.TrainOpenReply:
         """request: messages.train_open_request (and add_model_file when the node asks)."""
-        return self._call("TrainOpen", request, timeout)  # type: ignore[return-value]
+        reply: pb.TrainOpenReply = self._call("TrainOpen", request, timeout)
+        return reply
 
     def train_grad(
         self,
@@ -453,7 +464,8 @@ class NodeClient:
     ) -> pb.TrainGradReply:
         """The gradient of a share of a batch: (ids, learned per position) per sequence."""
         request = messages.train_grad_request(session_id, step, n_learned, sequences)
-        return self._call("TrainGrad", request, timeout)  # type: ignore[return-value]
+        reply: pb.TrainGradReply = self._call("TrainGrad", request, timeout)
+        return reply
 
     def train_apply(self, session_id: str, step: int, grads: bytes, timeout: float = 600.0) -> None:
         """Take the step with the summed gradient (f32 bytes, as TrainGradReply.grads)."""

@@ -170,7 +170,8 @@ class DataServer:
             raise
         self._listener = sock
         threading.Thread(target=self._accept, name="potluck-data-accept", daemon=True).start()
-        return sock.getsockname()[1]
+        bound: int = sock.getsockname()[1]  # (host, port) for IPv4, 4 items for IPv6
+        return bound
 
     def stop(self) -> None:
         with self._lock:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -28,6 +28,9 @@ from potluck.transport.codec import WireError
 from potluck.transport.limits import StreamCounter, check_message
 
 OPEN_THREADS = 2
+# A handler of any of the node's methods: the guard sees them all, whatever their message types
+# (a string: grpc's classes are generic only in its type stubs).
+_Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 
 class Guard(grpc.ServerInterceptor):
@@ -38,9 +41,9 @@ class Guard(grpc.ServerInterceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], _Handler | None],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> _Handler | None:
         method = details.method
         is_open = method in OPEN_METHODS
         if is_open or not self.protected:
@@ -60,7 +63,7 @@ class Guard(grpc.ServerInterceptor):
 
         return _wrap(continuation(details), session_ok, None)
 
-    def _refuse(self, why: str) -> grpc.RpcMethodHandler:
+    def _refuse(self, why: str) -> _Handler:
         """A handler that answers UNAUTHENTICATED without reading the request: as a client-stream
         handler it never asks for the message, whatever the method's real shape."""
 
@@ -92,10 +95,10 @@ def _checked(
 
 
 def _wrap(
-    handler: grpc.RpcMethodHandler | None,
+    handler: _Handler | None,
     session_ok: Callable[[grpc.ServicerContext], None] | None,
     pool: ThreadPoolExecutor | None,
-) -> grpc.RpcMethodHandler | None:
+) -> _Handler | None:
     if handler is None:
         return None
     kind = (
@@ -123,7 +126,7 @@ def _wrap(
     )
     if pool is not None:
         behavior.experimental_thread_pool = pool  # type: ignore[attr-defined]
-    make = getattr(grpc, f"{kind[0]}_{kind[1]}_rpc_method_handler")
+    make: Callable[..., _Handler] = getattr(grpc, f"{kind[0]}_{kind[1]}_rpc_method_handler")
     return make(
         behavior,
         request_deserializer=handler.request_deserializer,
