@@ -28,7 +28,6 @@ from potluck.cli.options import (
     _head_mem,
     no_workers_for,
 )
-from potluck.cli.peers import _auth, _found
 from potluck.cli.runtime import _setup_threads
 from potluck.errors import PotluckError
 
@@ -40,8 +39,6 @@ if TYPE_CHECKING:
     from potluck.discovery.pool import PeerFinder
     from potluck.engine.generate import Model
     from potluck.pool.replicas import Recruiter, Reload
-
-AuthFlags = tuple[str | None, bool]  # --secret, --tls (cli/peers._auth)
 
 
 @takes
@@ -94,7 +91,7 @@ def batch(
     finder = net.finder()
     workers: list[str] = []
     replicas, reload = _replicas(
-        model, ctx, threads, finder, net.auth_flags(), _head_mem(mem), parallel, workers
+        model, ctx, threads, finder, net, _head_mem(mem), parallel, workers
     )  # fmt: skip
     schedulers: list[Scheduler] = []
 
@@ -172,7 +169,7 @@ def _recruit(recruiter: Recruiter[FastAPI]) -> Recruit:
 
 def _replicas(
     model: str | None, ctx: int | None, threads: int | None, finder: PeerFinder,
-    auth_flags: AuthFlags, mem: int | None, n_seq: int, found: list[str],
+    net: PeersFlags, mem: int | None, n_seq: int, found: list[str],
 ) -> tuple[list[tuple[str, Model]], Reload | None]:  # fmt: skip
     """The batch job's replicas, loaded: ([(label, Model)], reload). Alone: this machine. With
     workers: pool/replicas.batch_replicas (reload(label): a failed single-machine replica loaded
@@ -183,7 +180,7 @@ def _replicas(
 
     _setup_threads(threads)
     path = resolve_model(model)
-    addresses = _found(finder, lambda: _auth(*auth_flags))
+    addresses = net.found(finder)
     found.extend(addresses)
     if not addresses:
         if mem == 0:
@@ -191,4 +188,4 @@ def _replicas(
         m = load_model(path, ctx, n_seq=n_seq)
         err.print(f"[dim]{m.summary()}[/]")
         return [("this machine", m)], lambda label: None
-    return batch_replicas(path, ctx, addresses, _auth(*auth_flags), mem, n_seq, _say)
+    return batch_replicas(path, ctx, addresses, net.auth(), mem, n_seq, _say)

@@ -94,9 +94,6 @@ class PeersFlags:
     secret: SecretOpt = None
     tls: TlsOpt = False
 
-    def auth_flags(self) -> tuple[str | None, bool]:
-        return self.secret, self.tls
-
     def auth(self) -> PoolAuth:
         from potluck.cli.peers import _auth
 

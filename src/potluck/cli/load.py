@@ -17,7 +17,6 @@ from rich.progress import (
 from potluck.cli.config import ModelFlags, PoolFlags
 from potluck.cli.console import err
 from potluck.cli.options import WIRE_DTYPES, no_workers_for
-from potluck.cli.peers import _auth, _found
 from potluck.cli.runtime import _backends, _setup_cache, _setup_gpu, _setup_threads
 from potluck.errors import PotluckError
 
@@ -64,7 +63,6 @@ def _load(
     mem = net.mem_bytes() if net is not None else None
     failover_s = net.failover_timeout if net is not None else 5.0  # checked by PoolFlags
     wire = net.wire_dtype if net is not None else "f32"
-    auth_flags = net.auth_flags() if net is not None else (None, False)
     path = resolve_model(flags.model)
     loras = [parse_lora_arg(x) for x in flags.lora or []]
     t0 = time.perf_counter()
@@ -86,7 +84,7 @@ def _load(
 
         bar.update(task, total=hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer)
         assignments, auth, plan = [], None, None
-        addresses = _found(peers, lambda: _auth(*auth_flags)) if peers is not None else []
+        addresses = net.found(peers) if net is not None and peers is not None else []
         if found is not None:
             found += addresses
         if mem == 0 and not addresses:
@@ -99,7 +97,8 @@ def _load(
         replan = None
         if addresses:
             bar.update(task, description=f"{path.name} (asking {len(addresses)} peers, planning)")
-            auth = _auth(*auth_flags)
+            assert net is not None  # the workers come from its finder
+            auth = net.auth()
             inputs = PlanInputs(path, ctx, auth, balance, mem, n_seq)
             plan = plan_model(inputs, addresses, shares)
             assignments = assignments_of(plan)
