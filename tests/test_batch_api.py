@@ -54,6 +54,14 @@ def batch_dir(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "batches"
 
 
+def _submit(c: openai.OpenAI, inp: Path):
+    """The file uploaded and a chat batch over it created, as a client does."""
+    f = c.files.create(file=inp.open("rb"), purpose="batch")
+    return c.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
+
 def _follow(proc: subprocess.Popen) -> list[str]:
     """The lines a server logs from now on, collected by a thread (never a full pipe)."""
     lines: list[str] = []
@@ -195,10 +203,7 @@ def test_idle_workers_take_batch_requests_and_a_killed_one_hands_them_back(
     proc, url = _serve(smollm2_path, batch_dir, *args)
     try:
         c = _client(url)
-        f = c.files.create(file=inp.open("rb"), purpose="batch")
-        batch = c.batches.create(
-            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = _submit(c, inp)
         _wait(c, batch.id, lambda x: x.request_counts and x.request_counts.completed >= 30)
         b.kill()  # the batch replica's machine goes away ...
         _wait(c, batch.id, lambda x: x.request_counts.completed >= 60)
@@ -243,10 +248,7 @@ def test_a_worker_started_after_the_server_joins_a_running_batch(
     server_said = _follow(proc)
     try:
         c = _client(url)
-        f = c.files.create(file=inp.open("rb"), purpose="batch")
-        batch = c.batches.create(
-            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = _submit(c, inp)
         _wait(c, batch.id, lambda x: x.request_counts and x.request_counts.completed >= 5)
         back = spawn_worker(port=b.port)  # started now
         assert back.address == addr_b
