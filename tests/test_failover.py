@@ -212,6 +212,51 @@ def test_failover_off_a_hung_worker_ends_the_request(
     assert _failover(0) == 0  # the CLI's --failover-timeout 0 is this mode, not a bare pipeline
 
 
+def test_a_drop_queued_behind_the_local_stage_survives_the_hang_up(
+    spawn_worker: Spawn, smollm2_path: Path
+) -> None:
+    """The race that ended a failover-off request with CancelledError instead of PoolLostError:
+    the request's `drop` (generate's cleanup) waits in the local stage's queue while the heartbeat
+    hangs up on the lost pool, which cancels what is queued. The drop must return quietly, so that
+    the caller sees the pool's error. Made deterministic here: the local stage's thread is held
+    busy while the drop is queued and the pipeline is abandoned."""
+    import threading
+
+    worker = spawn_worker()
+    n_layer = load_model(smollm2_path, n_ctx=64).hp.n_layer
+    m = load_model(
+        smollm2_path, n_ctx=64, failover_s=0,
+        assignments=[Assignment(LOCAL, 0, 2), Assignment(worker.address, 2, n_layer)],
+    )  # fmt: skip
+    inner = m.pipeline.inner
+    busy, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        busy.set()
+        release.wait(30)
+
+    inner._local_thread.submit(hold)
+    assert busy.wait(30)
+    errors: list[BaseException] = []
+
+    def drop() -> None:
+        try:
+            m.pipeline.drop(7)
+        except BaseException as e:  # noqa: BLE001 - the test reports what escaped
+            errors.append(e)
+
+    dropper = threading.Thread(target=drop)
+    dropper.start()
+    deadline = time.monotonic() + 30
+    while inner._local_thread._work_queue.qsize() == 0:  # the drop is queued behind `hold`
+        assert time.monotonic() < deadline, "the drop never reached the local stage's queue"
+        time.sleep(0.01)
+    m.pipeline.abandon()  # what the heartbeat does when the pool is lost
+    release.set()
+    dropper.join(30)
+    assert not dropper.is_alive() and errors == []
+
+
 def test_failover_onto_this_machine_alone_then_a_long_generation(
     spawn_worker: Spawn, smollm2_path: Path
 ) -> None:

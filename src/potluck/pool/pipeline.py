@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,10 +35,16 @@ from potluck.node.weights import sha256_file, tensor_digests
 from potluck.sampling import Sampler, Token
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
-from potluck.transport.codec import PROTOCOL_VERSION, WIRE_DTYPES, tensor_from_proto
-from potluck.transport.messages import forward_request, load_request, seq_chunks
+from potluck.transport.codec import (
+    PROTOCOL_VERSION,
+    WIRE_DTYPES,
+    forward_request,
+    load_request,
+    seq_chunks,
+    tensor_from_proto,
+)
 
-if TYPE_CHECKING:  # replies are read here; requests are built in transport/messages.py
+if TYPE_CHECKING:  # replies are read here; requests are built in transport/codec.py
     from potluck.transport import potluck_pb2 as pb
 
 # This process as a head: its plans give way to each other on a node, never to another head's
@@ -406,9 +412,11 @@ class RemotePipeline:
         with self._lock:
             self._pos.pop(seq_id, None)
         if self.local is not None:
-            # abandoned (a failover): the stage goes with this pipeline; a forward may still be
-            # running on it, so it is not touched from here
-            with contextlib.suppress(RuntimeError):
+            # abandoned (a failover, or the pool lost with failover off): the stage goes with this
+            # pipeline; a forward may still be running on it, so it is not touched from here. The
+            # hang-up may come before this call (RuntimeError: shut down) or while it waits in the
+            # queue (CancelledError): either way there is nothing left to free
+            with contextlib.suppress(RuntimeError, CancelledError):
                 self._local_thread.submit(self.local.drop, seq_id).result()
         with contextlib.suppress(PotluckError):  # a node that is gone took its caches with it
             self.clients[0].drop_sequences(self.plan_id, [seq_id])
