@@ -113,7 +113,7 @@ def _wire_constructions(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("package", ["engine", "pool", "train", "discovery", "node", "api", "cli"])
 def test_wire_messages_are_built_only_in_transport(package: str) -> None:
-    """No package builds a protobuf message itself: transport/messages.py (or NodeClient's typed
+    """No package builds a protobuf message itself: transport/codec.py (or NodeClient's typed
     methods) does, from plain values; the rest only reads what comes back (issue 17). The one
     exception is node/service.py, the node's gRPC servicer: its wire edge builds its replies."""
     src = Path(potluck.__file__).parent

@@ -1,26 +1,158 @@
-"""POST /v1/chat/completions and POST /v1/completions: a body's prompts → token ids, its choices
-submitted to the scheduler, and the answer as one JSON object or as server-sent events (sse.py)."""
+"""POST /v1/chat/completions and POST /v1/completions: the bodies they take (pydantic models), a
+body's prompts → token ids, its choices submitted to the scheduler, and the answer as one JSON
+object or as server-sent events (sse.py).
+
+The bodies' fields follow OpenAI's API reference; a few llama.cpp / vLLM extensions (`top_k`,
+`min_p`, `repeat_penalty`) are accepted too. Unknown fields are ignored, as OpenAI's own server does
+for fields a model does not use.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, params
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from potluck import __version__
 from potluck.api import errors
-from potluck.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from potluck.api.sse import SSE_HEADERS, chat_stream, completion_stream
 from potluck.api.state import Api
 from potluck.engine.scheduler import BATCH, INTERACTIVE
 from potluck.modelfile.chat import ChatTemplateError
+from potluck.sampling import (
+    MAX_LOGPROBS,
+    REPEAT_PENALTY_MAX,
+    REPEAT_PENALTY_MIN,
+    SamplingParams,
+)
 
 PRIORITY_HEADER = "X-Potluck-Priority"  # "batch": after interactive requests (a batch job's)
+MAX_STOPS = 4  # stop sequences per request (OpenAI's limit)
+MAX_N = 16  # choices per request
+# Seeds: OpenAI's are int64, the sampler's generator (numpy PCG64) and the wire's SamplingConfig.seed are uint64; a
+# negative seed is its uint64 twin (seed mod 2**64), as the sampler reads it (seed % 2**64).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+TOP_K_ALL = 2**31 - 1  # a top_k past the vocabulary keeps every token; the wire's top_k is int32
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share."""
+
+    prompt_field: ClassVar[str]  # the body's field that holds the prompt
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # JSON's NaN / Infinity: 400
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    # extensions (llama.cpp server / vLLM names)
+    top_k: int = Field(default=40, ge=0)
+    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(default=1.0, ge=REPEAT_PENALTY_MIN, le=REPEAT_PENALTY_MAX)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not SEED_MIN <= v <= SEED_MAX:
+            raise ValueError(
+                f"{v} is out of range: give an integer from {SEED_MIN} to {SEED_MAX} "
+                f"(64 bits, signed or unsigned)"
+            )
+        return v
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def seed_of(self, j: int) -> int | None:
+        """Choice j's seed: seed + j, as a uint64 (wrapping past 2**64 - 1)."""
+        return None if self.seed is None else (self.seed + j) % 2**64
+
+    def sampling(self, j: int) -> SamplingParams:
+        """Choice j's sampling (a temperature below GREEDY_BELOW is greedy: Sampler)."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=min(self.top_k, TOP_K_ALL),
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed_of(j),
+            logprobs=self.logprob_k(),
+        )
+
+    def logprob_k(self) -> int | None:
+        """None: no logprobs; k: logprobs with k alternatives."""
+        raise NotImplementedError
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... go to the template as given
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    prompt_field: ClassVar[str] = "messages"  # what a too-long prompt's error points at
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprob_k(self) -> int | None:
+        """None: no logprobs; k: logprobs with k alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Sampling):
+    """(Without max_tokens: 16, OpenAI's default here, or what is left of the context.)"""
+
+    # a text, several texts, token ids, or several lists of token ids
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    prompt_field: ClassVar[str] = "prompt"
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+    def logprob_k(self) -> int | None:
+        return self.logprobs
 
 
 def add_completion_routes(app: FastAPI, api: Api, posted: list[params.Depends]) -> None:

@@ -11,11 +11,12 @@ The modules of api/, one concern each:
   state.py        `Api`, what the routes share (checks, submitting a request's choices, text
                   pieces from the scheduler's events, logprobs); `ServerConfig`, `model_id_of`
   job.py          `Job`, `Choice`, `Piece`: one request's choices on the scheduler
-  completions.py  POST /v1/chat/completions and /v1/completions; sse.py: their streaming form
+  completions.py  POST /v1/chat/completions and /v1/completions and their bodies; sse.py: their
+                  streaming form
   info.py         GET /health, /v1/models, /api/pool, /metrics
   errors.py       `ApiError` (OpenAI's error JSON) and the one mapping of every error onto it
-  schemas.py, text.py, metrics.py, pool.py: request bodies, detokenizing with stop strings,
-                  /metrics, /api/pool's figures; batches.py, batch_store.py, batch.py: batch jobs
+  text.py, metrics.py, pool.py: detokenizing with stop strings, /metrics, /api/pool's figures;
+                  batches.py, batch_store.py, batch.py: batch jobs
 `create_app`, `ServerConfig` and `model_id_of` are importable from here too (cli/serve.py and
 cli/batch.py import them from here).
 

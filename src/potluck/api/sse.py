@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from potluck import __version__
 from potluck.api.errors import ApiError
 from potluck.api.job import Job
-from potluck.api.schemas import CompletionRequest
 from potluck.api.state import Api
+
+if TYPE_CHECKING:  # (completions.py imports this module)
+    from potluck.api.completions import CompletionRequest
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

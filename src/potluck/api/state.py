@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request as HttpRequest
 
@@ -23,7 +23,6 @@ from potluck.api.errors import Disconnected, api_error
 from potluck.api.job import Choice, Job, Piece
 from potluck.api.metrics import Metrics, RequestTiming
 from potluck.api.pool import PoolInfo
-from potluck.api.schemas import TOP_K_ALL, ChatCompletionRequest, CompletionRequest
 from potluck.api.text import StopText
 from potluck.engine.generate import Model
 from potluck.engine.scheduler import (
@@ -35,7 +34,10 @@ from potluck.engine.scheduler import (
     Scheduler,
     TokenEvent,
 )
-from potluck.sampling import SamplingParams, Token
+from potluck.sampling import Token
+
+if TYPE_CHECKING:  # the bodies are the routes' (completions.py imports this module)
+    from potluck.api.completions import ChatCompletionRequest, CompletionRequest
 
 MAX_CHOICES = 64  # prompts × n in one request
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks that its client is still there
@@ -143,24 +145,14 @@ class Api:
             raise errors.bad_request(
                 f"{len(prompts)} prompts × n={body.n} is more than {MAX_CHOICES} choices", "n"
             )
-        what = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        what = body.prompt_field
         budgets = [self.budget(len(p), body.limit(), default_tokens, what) for p in prompts]
         loop = asyncio.get_running_loop()
         job = Job(prompt_tokens=sum(len(p) for p in prompts))
         try:
             for p_i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
                 for j in range(body.n):
-                    params = SamplingParams(
-                        temperature=body.temperature,  # below GREEDY_BELOW: greedy (Sampler)
-                        top_k=min(body.top_k, TOP_K_ALL),
-                        top_p=body.top_p,
-                        min_p=body.min_p,
-                        repeat_penalty=body.repeat_penalty,
-                        presence_penalty=body.presence_penalty,
-                        frequency_penalty=body.frequency_penalty,
-                        seed=body.seed_of(j),
-                        logprobs=body.logprob_k(),
-                    )
+                    params = body.sampling(j)
                     index = p_i * body.n + j
                     timing = self.metrics.timing()
 

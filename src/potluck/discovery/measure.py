@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from potluck.errors import PotluckError
-from potluck.transport import messages
+from potluck.transport import codec
 from potluck.transport.client import AuthError, NodeClient
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def hello(client: NodeClient, timeout: float, head_name: str = "potluck doctor")
     """Hello is open to anyone (no pool secret needed): what the node is, and its version."""
     t0 = time.perf_counter()
     try:
-        reply: pb.HelloReply = client.stub.Hello(messages.hello_request(head_name), timeout=timeout)
+        reply: pb.HelloReply = client.stub.Hello(codec.hello_request(head_name), timeout=timeout)
     except grpc.RpcError as exc:
         code, detail = rpc_code(exc)
         return Hello(None, code, detail, time.perf_counter() - t0)
@@ -120,7 +120,7 @@ def describe(client: NodeClient, timeout: float) -> pb.DescribeReply | None:
     Raises grpc.RpcError when the node refuses (no session)."""
     try:
         reply: pb.DescribeReply = client.stub.Describe(
-            messages.describe_request(), timeout=timeout, metadata=client.metadata()
+            codec.describe_request(), timeout=timeout, metadata=client.metadata()
         )
     except grpc.RpcError as exc:
         if rpc_code(exc)[0] == "UNIMPLEMENTED":
@@ -156,7 +156,7 @@ def _timed(call: Callable[[], object]) -> float:
 
 def ping_ms(client: NodeClient, pings: int, timeout: float) -> list[float]:
     """Round trips of an empty Echo, after one warm-up (which opens the connection)."""
-    echo, md = messages.echo_request(), client.metadata()
+    echo, md = codec.echo_request(), client.metadata()
     client.stub.Echo(echo, timeout=timeout, metadata=md)
     return [
         _timed(lambda: client.stub.Echo(echo, timeout=timeout, metadata=md)) * 1e3
@@ -171,7 +171,7 @@ def bandwidth(client: NodeClient, up: bool, rtt_s: float, timeout: float) -> flo
     n, md = BANDWIDTH_START_BYTES, client.metadata()
 
     def once(n: int) -> float:
-        req = messages.echo_request(payload_bytes=n) if up else messages.echo_request(reply_bytes=n)
+        req = codec.echo_request(payload_bytes=n) if up else codec.echo_request(reply_bytes=n)
         return _timed(lambda: client.stub.Echo(req, timeout=timeout, metadata=md))
 
     t = once(n)
@@ -198,7 +198,7 @@ def stress(
     samples: list[tuple[float, float]] = []
     try:
         for s in client.stub.Stress(
-            messages.stress_request(seconds, interval),
+            codec.stress_request(seconds, interval),
             timeout=seconds + 30,
             metadata=client.metadata(),
         ):

@@ -27,13 +27,16 @@ from potluck.sampling import Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.codec import (
     WireError,
+    error_reply,
+    forward_request,
+    logits_reply,
     lora_from_wire,
     sampling_from_proto,
     tensor_from_proto,
+    tokens_reply,
 )
 from potluck.transport.dataplane import Answer
 from potluck.transport.limits import check_message
-from potluck.transport.messages import error_reply, forward_request, logits_reply, tokens_reply
 from potluck.transport.spin import computing
 
 REHEARSE_MAX_BYTES = 64 << 10  # largest input rehearsed while waiting (Forwarder.rehearse)

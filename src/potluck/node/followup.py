@@ -13,9 +13,8 @@ from collections.abc import Callable, Sequence
 
 from potluck.node.plans import PlanStore, Refused
 from potluck.transport import potluck_pb2 as pb
-from potluck.transport.codec import id_tensor, penalizes
+from potluck.transport.codec import error_reply, id_tensor, penalizes, skipped_reply
 from potluck.transport.dataplane import Answer
-from potluck.transport.messages import error_reply, skipped_reply
 
 
 class FollowUps:

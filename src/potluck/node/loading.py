@@ -30,7 +30,7 @@ from potluck.node.plans import LoadedStage, NodeBusyError, NodeMemoryError, Plan
 from potluck.node.probe import GpuOffer, trim_heap
 from potluck.node.transfer import Received, pull
 from potluck.node.weights import BlobSource, BlobStore, find_local_model, lacking, sha256_bytes
-from potluck.transport import messages
+from potluck.transport import codec
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient
@@ -108,7 +108,7 @@ class Loader:
                             "resuming %d tensors of a broken transfer (%.1f MiB kept)",
                             len(partial), sum(partial.values()) / 2**20,
                         )  # fmt: skip
-                    return messages.need_tensors_reply(missing, partial)
+                    return codec.need_tensors_reply(missing, partial)
                 src = BlobSource(tensors, digests, self.store)
             adapters = [self._adapter(part, hp, tensors) for part in request.adapters]
             with self.compute:
@@ -148,7 +148,7 @@ class Loader:
         for plan_id in evicted:
             self.free(plan_id, "room for a new plan")
         trim_heap()  # the replaced plan's stage and the load's buffers go back to the OS
-        reply = messages.loaded_reply(
+        reply = codec.loaded_reply(
             weight_bytes=stage.weight_bytes(), load_seconds=time.perf_counter() - t0,
             kv_bytes=stage.full_kv_bytes() * max(1, request.n_seq),
             rss_bytes=psutil.Process().memory_info().rss,

@@ -22,7 +22,7 @@ import numpy as np
 
 from potluck.errors import PotluckError
 from potluck.node.weights import BlobStore
-from potluck.transport import messages
+from potluck.transport import codec
 from potluck.transport import potluck_pb2 as pb
 
 
@@ -117,14 +117,14 @@ class TrainSessions:
             f = GGUFFile(path)
             src, metadata = f, f.metadata
         elif not request.metadata_gguf:
-            return messages.train_need_model_reply()  # the head sends the header and digests
+            return codec.train_need_model_reply()  # the head sends the header and digests
         else:
             header = bytes(request.metadata_gguf)
             meta, tensors, _ = read_header(io.BytesIO(header), len(header), "the head's header")
             digests = dict(request.tensor_sha256)
             missing, partial, _ = lacking(self.store, list(tensors), digests, tensors)
             if missing:
-                return messages.train_need_tensors_reply(missing, partial)
+                return codec.train_need_tensors_reply(missing, partial)
             src, metadata = BlobSource(tensors, digests, self.store), meta
         torch.set_num_threads(self.threads)
         big_blocks_to_the_os()
@@ -137,7 +137,7 @@ class TrainSessions:
         load_state(model, opt, request.state)
         with self.lock:
             self.sessions[request.session_id] = _Session(model, opt, request.step)
-        return messages.train_opened_reply(sum(p.numel() for p in model.parameters()))
+        return codec.train_opened_reply(sum(p.numel() for p in model.parameters()))
 
     def _session(self, sid: str, step: int) -> _Session:
         s = self.sessions.get(sid)
@@ -163,7 +163,7 @@ class TrainSessions:
             s.opt.zero_grad(set_to_none=True)
             loss = s.model.loss_sum(ids, learn) / max(request.n_learned, 1)
             loss.backward()
-            return messages.train_grad_reply(
+            return codec.train_grad_reply(
                 float(loss.detach()), flat_grads(s.params), (time.perf_counter() - t0) * 1e3
             )
 
@@ -173,9 +173,9 @@ class TrainSessions:
             set_grads(s.params, request.grads)
             s.opt.step()
             s.step += 1
-        return messages.train_apply_reply()
+        return codec.train_apply_reply()
 
     def close(self, request: pb.TrainCloseRequest) -> pb.TrainCloseReply:
         with self.lock:
             self.sessions.pop(request.session_id, None)
-        return messages.train_close_reply()
+        return codec.train_close_reply()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.node.weights import BlobStore
-from potluck.transport import messages
+from potluck.transport import codec
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
@@ -116,9 +116,9 @@ def push_chunks(
             if on_sent is not None:
                 on_sent(sent, total)
             if off == start:
-                yield messages.tensor_chunk(name, piece, digests[name], len(data), start)
+                yield codec.tensor_chunk(name, piece, digests[name], len(data), start)
             else:
-                yield messages.tensor_chunk(name, piece)
+                yield codec.tensor_chunk(name, piece)
 
 
 def send_tensors(file: GGUFFile, ranges: list[pb.TensorRange], to: str) -> Iterator[pb.TensorChunk]:
@@ -139,9 +139,9 @@ def send_tensors(file: GGUFFile, ranges: list[pb.TensorRange], to: str) -> Itera
         for off in range(r.offset, len(data), TENSOR_CHUNK_BYTES):
             piece = bytes(data[off : off + TENSOR_CHUNK_BYTES])
             if off == r.offset:  # no sha256: the receiver has its head's
-                yield messages.tensor_chunk(r.name, piece, total_bytes=len(data), offset=off)
+                yield codec.tensor_chunk(r.name, piece, total_bytes=len(data), offset=off)
             else:
-                yield messages.tensor_chunk(r.name, piece)
+                yield codec.tensor_chunk(r.name, piece)
     dt = time.perf_counter() - t0
     log.info(
         "sent %.1f MiB to %s in %.1f s, %.0f MB/s",
@@ -166,7 +166,7 @@ def pull(
     try:
         client.hello("peer")
         ranges = {n: partial.get(n, 0) for n in missing}
-        ask = messages.get_tensors_request(request.model_sha256, request.model_bytes, ranges)
+        ask = codec.get_tensors_request(request.model_sha256, request.model_bytes, ranges)
         wanted = set(missing)
 
         def chunks() -> Iterator[pb.TensorChunk]:

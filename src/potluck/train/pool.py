@@ -32,7 +32,7 @@ from potluck.node.weights import sha256_file, tensor_digests
 from potluck.train.data import Example
 from potluck.train.loop import TrainConfig, Trainer, memory_needed
 from potluck.transport.client import NodeClient, NodeError
-from potluck.transport.messages import add_model_file, train_open_request
+from potluck.transport.codec import add_model_file, train_open_request
 
 if TYPE_CHECKING:
     from potluck.transport import potluck_pb2 as pb

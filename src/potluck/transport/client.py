@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from potluck.errors import NodeError, PotluckError
-from potluck.transport import messages
+from potluck.transport import codec
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.auth import (
@@ -380,7 +380,7 @@ class NodeClient:
         so that a secret mismatch shows up here (authenticate=False: ask a node of another pool).
         head_name: who asks (the node's log); plan_ids: plans this head still uses (a node keeps
         them while the head is idle)."""
-        request = messages.hello_request(head_name, plan_ids)
+        request = codec.hello_request(head_name, plan_ids)
         reply: pb.HelloReply
         if not authenticate:
             try:
@@ -402,16 +402,16 @@ class NodeClient:
     def decode_speed(self, matrices: Iterable[Matrix], timeout: float = 30.0) -> float:
         """The node's decode speed (weight bytes per second) through `matrices`, one layer of the
         model being planned."""
-        return self.probe_speed(messages.probe_speed_request(matrices), timeout).bytes_per_s
+        return self.probe_speed(codec.probe_speed_request(matrices), timeout).bytes_per_s
 
     def probe_link(self, address: str, timeout: float = 15.0) -> pb.ProbeLinkReply:
         """Ask this node to measure its link to the node at `address` (transport/linkprobe.py)."""
-        request = messages.probe_link_request(address)
+        request = codec.probe_link_request(address)
         reply: pb.ProbeLinkReply = self._call("ProbeLink", request, timeout)
         return reply
 
     def load(self, request: pb.LoadRequest, timeout: float = 300.0) -> pb.LoadReply:
-        """request: messages.load_request (sent again after PutTensors when the node lacked some)."""
+        """request: codec.load_request (sent again after PutTensors when the node lacked some)."""
         reply: pb.LoadReply = self._call("Load", request, timeout)
         return reply
 
@@ -442,15 +442,15 @@ class NodeClient:
 
     def drop_sequences(self, plan_id: str, seq_ids: Sequence[int], timeout: float = 10.0) -> None:
         """Free these sequences' caches on every stage of the plan (passed down the chain)."""
-        self.drop(messages.drop_request(plan_id, seq_ids), timeout)
+        self.drop(codec.drop_request(plan_id, seq_ids), timeout)
 
     def release(self, plan_id: str, timeout: float = 10.0) -> None:
         """The head is done with the plan: every stage frees it (passed down the chain)."""
-        self.drop(messages.drop_request(plan_id, release=True), timeout)
+        self.drop(codec.drop_request(plan_id, release=True), timeout)
 
     # -- training (node/training.py) -------------------------------------------------------------
     def train_open(self, request: pb.TrainOpenRequest, timeout: float = 120.0) -> pb.TrainOpenReply:
-        """request: messages.train_open_request (and add_model_file when the node asks)."""
+        """request: codec.train_open_request (and add_model_file when the node asks)."""
         reply: pb.TrainOpenReply = self._call("TrainOpen", request, timeout)
         return reply
 
@@ -463,16 +463,16 @@ class NodeClient:
         timeout: float = 600.0,
     ) -> pb.TrainGradReply:
         """The gradient of a share of a batch: (ids, learned per position) per sequence."""
-        request = messages.train_grad_request(session_id, step, n_learned, sequences)
+        request = codec.train_grad_request(session_id, step, n_learned, sequences)
         reply: pb.TrainGradReply = self._call("TrainGrad", request, timeout)
         return reply
 
     def train_apply(self, session_id: str, step: int, grads: bytes, timeout: float = 600.0) -> None:
         """Take the step with the summed gradient (f32 bytes, as TrainGradReply.grads)."""
-        self._call("TrainApply", messages.train_apply_request(session_id, step, grads), timeout)
+        self._call("TrainApply", codec.train_apply_request(session_id, step, grads), timeout)
 
     def train_close(self, session_id: str, timeout: float = 10.0) -> None:
-        self._call("TrainClose", messages.train_close_request(session_id), timeout)
+        self._call("TrainClose", codec.train_close_request(session_id), timeout)
 
     def close(self) -> None:
         """Hang up for good: later calls and sends fail at once (a freed plan's relay, a pool

@@ -1,18 +1,33 @@
-"""Conversions between protobuf messages and tensors / dataclasses, checking everything received.
+"""The one codec between Potluck and the wire: every protobuf message Potluck builds, and every
+conversion between protobuf and tensors / dataclasses, checking everything received.
 
-Every size and shape from the network is checked before use (no unpickling, no paths).
+The first half converts the values inside messages (tensors, sampling, probe matrices, adapters);
+every size and shape from the network is checked before use (no unpickling, no paths). The second
+half builds the messages themselves from plain values: the requests a head sends its nodes, and the
+answers a node builds outside its servicer (node/service.py, the node's wire edge, builds its own
+replies). Outside transport/ and node/service.py no module constructs a wire message
+(tests/test_layering.py): the pool, the trainer, discovery and the node's handlers call these (or
+NodeClient's typed methods, which call them) and read what comes back.
+
+Over 400 lines on purpose: one file is the whole of what crosses the wire, so that a change of the
+protocol (PROTOCOL_VERSION) is read and reviewed in one place.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from potluck.errors import PotluckError
 from potluck.modelfile.gguf_file import Matrix
-from potluck.sampling import SamplingParams
+from potluck.sampling import Sampler, SamplingParams, Token
 from potluck.transport import potluck_pb2 as pb
+
+if TYPE_CHECKING:
+    from potluck.model.stage import SeqChunk
 
 PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = (
@@ -159,3 +174,284 @@ def lora_to_wire(lora: int | None) -> int:
 
 def lora_from_wire(value: int) -> int | None:
     return None if value == 0 else -1 if value < 0 else value - 1
+
+
+# -- what a node is, and its links ----------------------------------------------------------------
+def hello_request(head_name: str = "", plan_ids: Sequence[str] = ()) -> pb.HelloRequest:
+    """head_name: who asks (the node's log); plan_ids: plans this head still uses."""
+    return pb.HelloRequest(
+        protocol_version=PROTOCOL_VERSION, head_name=head_name, plan_ids=list(plan_ids)
+    )
+
+
+def describe_request() -> pb.DescribeRequest:
+    return pb.DescribeRequest()
+
+
+def echo_request(payload_bytes: int = 0, reply_bytes: int = 0) -> pb.EchoRequest:
+    """payload_bytes zero bytes to the node (head -> node), reply_bytes asked back (node -> head)."""
+    return pb.EchoRequest(payload=bytes(payload_bytes), reply_bytes=reply_bytes)
+
+
+def stress_request(seconds: float, interval: float) -> pb.StressRequest:
+    return pb.StressRequest(seconds=seconds, interval=interval)
+
+
+def probe_speed_request(matrices: Iterable[Matrix]) -> pb.ProbeSpeedRequest:
+    return pb.ProbeSpeedRequest(matrices=[matrix_to_proto(m) for m in matrices])
+
+
+def probe_link_request(address: str) -> pb.ProbeLinkRequest:
+    return pb.ProbeLinkRequest(address=address)
+
+
+# -- a plan: load, forward, drop --------------------------------------------------------------------
+def load_request(
+    *,
+    plan_id: str,
+    model_sha256: str,
+    start: int,
+    stop: int,
+    n_ctx: int,
+    next_hop: str,
+    metadata_gguf: bytes,
+    tensor_sha256: Mapping[str, str],
+    wire_dtype: str,
+    model_bytes: int,
+    head_id: str,
+    n_gpu_layers: int,
+    tensor_sources: Sequence[str],
+    n_seq: int,
+    adapters: Sequence[tuple[str, float, bytes]] = (),
+) -> pb.LoadRequest:
+    """Layers [start, stop) of the model (by hash; its GGUF header and each tensor's digest) for
+    a plan; adapters: (name, scale, the bytes of an adapter GGUF cut to this stage's tensors)."""
+    return pb.LoadRequest(
+        plan_id=plan_id, model_sha256=model_sha256, start=start, stop=stop, n_ctx=n_ctx,
+        next_hop=next_hop, metadata_gguf=metadata_gguf, tensor_sha256=tensor_sha256,
+        wire_dtype=wire_dtype, model_bytes=model_bytes, head_id=head_id,
+        n_gpu_layers=n_gpu_layers, tensor_sources=list(tensor_sources), n_seq=n_seq,
+        adapters=[pb.AdapterPart(gguf=gguf, scale=scale, name=name) for name, scale, gguf in adapters],
+    )  # fmt: skip
+
+
+def seq_chunks(
+    chunks: Sequence[SeqChunk],
+    samplers: Mapping[int, Sampler],
+    histories: Mapping[int, Sequence[int]],
+    follow: bool = False,
+) -> list[pb.SeqChunk]:
+    """A batch's chunks on the wire, each with its sampling and the recent ids its penalties need
+    (none for a chunk without a sampler: a prompt micro-batch that is not the last). follow:
+    follow-up chunks, whose input id (not in `histories` yet) the first node adds to the recent
+    ids itself. The sender sets each chunk's `pos`."""
+    wire = []
+    for c in chunks:
+        s = samplers.get(c.seq_id)
+        if s is None:
+            wire.append(
+                pb.SeqChunk(
+                    seq_id=c.seq_id, n=c.n, sample=False, follow=follow, lora=lora_to_wire(c.lora)
+                )
+            )
+            continue
+        recent: list[int] = []
+        if s.params.penalizes:
+            n = s.params.repeat_last_n
+            hist = histories.get(c.seq_id, ())
+            keep = n - 1 if follow else n
+            recent = list(hist[-keep:]) if keep > 0 else [] if n > 0 else list(hist)
+        wire.append(
+            pb.SeqChunk(
+                seq_id=c.seq_id,
+                n=c.n,
+                sampling=sampling_to_proto(s.params, s.seed),
+                recent=recent,
+                sample=True,
+                follow=follow,
+                lora=lora_to_wire(c.lora),
+            )
+        )
+    return wire
+
+
+def forward_request(
+    plan_id: str,
+    chunks: Sequence[pb.SeqChunk],
+    x: np.ndarray,
+    wire_dtype: str | None,
+    want_logits: bool,
+    stop_ids: Sequence[int] = (),
+) -> pb.ForwardRequest:
+    """One batch for the next node (from the head, or a stage's output relayed down the chain):
+    token ids [T] or hidden states [T, d] (floats cast to wire_dtype), one chunk per sequence.
+    The per-step path: nothing here but the message."""
+    return pb.ForwardRequest(
+        plan_id=plan_id,
+        chunks=chunks,
+        input=tensor_to_proto(x, wire_dtype),
+        want_logits=want_logits,
+        stop_ids=stop_ids,
+    )
+
+
+def drop_request(
+    plan_id: str, seq_ids: Sequence[int] = (), release: bool = False
+) -> pb.DropRequest:
+    """Free these sequences' caches, or (release) the whole plan, down the chain."""
+    return pb.DropRequest(plan_id=plan_id, seq_ids=list(seq_ids), release=release)
+
+
+# -- training (node/training.py) --------------------------------------------------------------------
+def train_open_request(
+    *,
+    session_id: str,
+    model_sha256: str,
+    model_bytes: int,
+    rank: int,
+    alpha: float,
+    targets: Sequence[str],
+    lr: float,
+    seed: int,
+    step: int,
+    state: bytes,
+    recompute: bool,
+    need_bytes: int,
+) -> pb.TrainOpenRequest:
+    """A training session at `step` with the adapters' and optimizer's `state`."""
+    return pb.TrainOpenRequest(
+        session_id=session_id, model_sha256=model_sha256, model_bytes=model_bytes, rank=rank,
+        alpha=alpha, targets=list(targets), lr=lr, seed=seed, step=step, state=state,
+        recompute=recompute, need_bytes=need_bytes,
+    )  # fmt: skip
+
+
+def add_model_file(
+    request: pb.TrainOpenRequest, metadata_gguf: bytes, tensor_sha256: Mapping[str, str]
+) -> None:
+    """For a node without the model file (TrainOpenReply.need_model): its header and digests."""
+    request.metadata_gguf = metadata_gguf
+    request.tensor_sha256.update(tensor_sha256)
+
+
+def train_grad_request(
+    session_id: str,
+    step: int,
+    n_learned: int,
+    sequences: Iterable[tuple[Sequence[int], Sequence[bool]]],
+) -> pb.TrainGradRequest:
+    """A share of a batch: (ids, learned per position) per sequence; n_learned: the whole
+    batch's learned tokens (the loss's denominator)."""
+    return pb.TrainGradRequest(
+        session_id=session_id, step=step, n_learned=n_learned,
+        sequences=[pb.TrainSequence(ids=list(ids), learn=list(learn)) for ids, learn in sequences],
+    )  # fmt: skip
+
+
+def train_apply_request(session_id: str, step: int, grads: bytes) -> pb.TrainApplyRequest:
+    return pb.TrainApplyRequest(session_id=session_id, step=step, grads=grads)
+
+
+def train_close_request(session_id: str) -> pb.TrainCloseRequest:
+    return pb.TrainCloseRequest(session_id=session_id)
+
+
+# -- a node's answers to a forward request (node/compute.py, node/followup.py) ---------------------
+def error_reply(request_id: int, error: str, code: str) -> pb.ForwardReply:
+    """A forward request that failed: why, and the grpc.StatusCode name the head raises it as."""
+    return pb.ForwardReply(request_id=request_id, error=error, error_code=code)
+
+
+def skipped_reply(request_id: int) -> pb.ForwardReply:
+    """A follow-up batch not computed: its input id was one of its stop ids."""
+    return pb.ForwardReply(request_id=request_id, tokens=[-1], skipped=True)
+
+
+def logits_reply(logits: np.ndarray, stage_ms: float) -> pb.ForwardReply:
+    """The last stage's logits of every row [T, V] (perplexity)."""
+    return pb.ForwardReply(logits=tensor_to_proto(logits), stage_ms=[stage_ms])
+
+
+def tokens_reply(tokens: Sequence[int], stage_ms: float) -> pb.ForwardReply:
+    """One sampled id per chunk (-1: none sampled); with each one's logprobs and alternatives
+    when any of them is a `Token` (its sampling asked for logprobs)."""
+    reply = pb.ForwardReply(tokens=tokens, stage_ms=[stage_ms])
+    if any(isinstance(t, Token) for t in tokens):  # logprobs asked: one entry per chunk
+        for t in tokens:
+            lp = t.logprob if isinstance(t, Token) else 0.0
+            top = t.top if isinstance(t, Token) else ()
+            reply.logprobs.append(lp)
+            reply.top.add(ids=[i for i, _ in top], logprobs=[v for _, v in top])
+    return reply
+
+
+# -- weights (node/loading.py, node/transfer.py) ---------------------------------------------------
+def need_tensors_reply(missing: Sequence[str], partial: Mapping[str, int]) -> pb.LoadReply:
+    """Load's answer when the node lacks tensors: their names, and what it kept of each."""
+    return pb.LoadReply(need_tensors=True, missing=missing, partial=partial)
+
+
+def loaded_reply(
+    *,
+    weight_bytes: int,
+    load_seconds: float,
+    kv_bytes: int,
+    rss_bytes: int,
+    pulled_from: str = "",
+    pulled_bytes: int = 0,
+    pull_seconds: float = 0.0,
+) -> pb.LoadReply:
+    """Load's answer once the stage is loaded: what the node holds (the head's `Held`)."""
+    return pb.LoadReply(
+        weight_bytes=weight_bytes, load_seconds=load_seconds, kv_bytes=kv_bytes,
+        rss_bytes=rss_bytes, pulled_from=pulled_from, pulled_bytes=pulled_bytes,
+        pull_seconds=pull_seconds,
+    )  # fmt: skip
+
+
+def tensor_chunk(
+    name: str, data: bytes, sha256: str = "", total_bytes: int = 0, offset: int = 0
+) -> pb.TensorChunk:
+    """A piece of a tensor's bytes; a tensor's first chunk carries its size and the offset it
+    starts at (and, from a head, its sha256), the rest only data."""
+    return pb.TensorChunk(
+        name=name, sha256=sha256, total_bytes=total_bytes, data=data, offset=offset
+    )
+
+
+def get_tensors_request(
+    model_sha256: str, model_bytes: int, ranges: Mapping[str, int]
+) -> pb.GetTensorsRequest:
+    """Ask a peer for tensors of a model file (by hash), each from the byte `ranges` names."""
+    return pb.GetTensorsRequest(
+        model_sha256=model_sha256, model_bytes=model_bytes,
+        tensors=[pb.TensorRange(name=n, offset=off) for n, off in ranges.items()],
+    )  # fmt: skip
+
+
+# -- a node's answers to the training calls (node/training.py) ------------------------------------
+def train_opened_reply(n_params: int) -> pb.TrainOpenReply:
+    return pb.TrainOpenReply(n_params=n_params)
+
+
+def train_need_model_reply() -> pb.TrainOpenReply:
+    """No model file here: the head opens again with its header and digests."""
+    return pb.TrainOpenReply(need_model=True)
+
+
+def train_need_tensors_reply(
+    missing: Sequence[str], partial: Mapping[str, int]
+) -> pb.TrainOpenReply:
+    return pb.TrainOpenReply(need_tensors=True, missing=missing, partial=partial)
+
+
+def train_grad_reply(loss_sum: float, grads: bytes, compute_ms: float) -> pb.TrainGradReply:
+    return pb.TrainGradReply(loss_sum=loss_sum, grads=grads, compute_ms=compute_ms)
+
+
+def train_apply_reply() -> pb.TrainApplyReply:
+    return pb.TrainApplyReply()
+
+
+def train_close_reply() -> pb.TrainCloseReply:
+    return pb.TrainCloseReply()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.client import NodeClient
-from potluck.transport.messages import echo_request
+from potluck.transport.codec import echo_request
 
 PINGS = 5
 PAYLOAD_BYTES = 1 << 20
