@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from potluck.model.stage import SeqChunk, Stage, set_threads
+from potluck.model.stage import Compute, SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.sampling import GREEDY, Sampler
@@ -40,7 +40,7 @@ class Side:
     def __init__(self, path: str, start: int, stop: int, n_ctx: int) -> None:
         f = GGUFFile(path)
         self.hp = hparams_from_metadata(f.metadata)
-        self.stage = Stage(self.hp, f, start, stop, n_ctx)
+        self.stage = Stage(self.hp, f, start, stop, n_ctx, compute=Compute(threads=1))
         self.sampler = Sampler(GREEDY)
         self.rng = np.random.default_rng(0)
 
@@ -66,7 +66,6 @@ def main() -> None:
     path, role, task = sys.argv[1], sys.argv[2], sys.argv[3]
     start, stop, n = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
     rfd, wfd = (int(sys.argv[7]), int(sys.argv[8])) if role != "single" else (-1, -1)
-    set_threads(1)  # before the stage is built: it takes its thread count then
     n_seqs = N_STREAMS if task == "streams" else 1
     side = Side(path, start, stop, max(1024, n + 2 * PROMPT_WARMUP + 64))
     seqs = list(range(1, n_seqs + 1))

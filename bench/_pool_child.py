@@ -22,7 +22,7 @@ import numpy as np
 
 from potluck.engine.contract import Assignment
 from potluck.engine.generate import POOL_N_BATCH, generate, load_model, prefill, prompt_ubatch
-from potluck.model.stage import SeqChunk, set_threads
+from potluck.model.stage import Compute, SeqChunk
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.sampling import GREEDY, Sampler
@@ -89,10 +89,10 @@ class Timings:
 def main() -> None:
     path, mode, task, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     peers = sys.argv[5:]
-    set_threads(1)  # before load_model: a stage takes its thread count when it is built
+    one = Compute(threads=1)
     n_ctx = max(512, n + 64)
     if mode == "single":
-        m = load_model(path, n_ctx=n_ctx)
+        m = load_model(path, n_ctx=n_ctx, compute=one)
     else:
         if os.environ.get("POOL_SPLIT") == "layers":  # equal layer counts: balanced for prompts
             n_layer = hparams_from_metadata(GGUFFile(path).metadata).n_layer
@@ -103,6 +103,7 @@ def main() -> None:
             path,
             n_ctx=n_ctx,
             assignments=[Assignment(p, a, b) for p, a, b in zip(peers, cut, cut[1:], strict=False)],
+            compute=one,
         )
     pipe = m.pipeline
     if os.environ.get("POOL_AHEAD") == "0":  # bench_latency's "head in the loop": no step is

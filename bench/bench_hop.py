@@ -31,10 +31,9 @@ import numpy as np
 from potluck.engine.generate import load_model, prefill
 from potluck.engine.contract import Assignment
 from potluck.sampling import GREEDY, Sampler
-from potluck.model.stage import SeqChunk, set_threads
+from potluck.model.stage import Compute, SeqChunk
 path, a, b, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-set_threads(1)
-m = load_model(path, n_ctx=512, assignments=[Assignment(a, 0, 1), Assignment(b, 1, 2)])
+m = load_model(path, n_ctx=512, assignments=[Assignment(a, 0, 1), Assignment(b, 1, 2)], compute=Compute(threads=1))
 pipe = m.pipeline
 links = [type(c.link).__name__ for c in pipe.inner.clients]
 seq, s = m.new_seq_id(), Sampler(GREEDY)

@@ -77,20 +77,21 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
     import potluck
-    from potluck.model import ggml_lib, graph, stage
+    from potluck.model import ggml_lib, graph
 
     if spec.get("ggml"):  # --ggml: another build of ggml than ggml-python's
         ggml_lib.use_library(spec["ggml"])
-    from potluck.model.stage import SeqChunk
+    from potluck.model.stage import Compute, SeqChunk
 
-    stage.set_threads(spec["threads"])  # before load_model: a stage takes its threads when built
     clock = _ComputeClock(graph.lib)
     graph.lib = clock  # bench child only (see _ComputeClock)
     from potluck.engine.generate import load_model
 
     pp, tg = spec["pp"], spec["tg"]
     t0 = time.perf_counter()
-    model = load_model(spec["path"], n_ctx=max(pp, tg))  # llama-bench: n_ctx = n_prompt + n_gen
+    model = load_model(  # llama-bench: n_ctx = n_prompt + n_gen
+        spec["path"], n_ctx=max(pp, tg), compute=Compute(threads=spec["threads"])
+    )
     load_s = time.perf_counter() - t0
     ready_at, rss_loaded = time.time(), _rss_mib()
     pipe = model.pipeline

@@ -13,8 +13,8 @@ micro-batch's last row, to see what the output head costs per micro-batch).
 
 With `--baseline REF` (a git ref, e.g. HEAD) the children alternate between that tree
 (`git archive REF src/potluck`) and the current one (frozen copy), A B, B A, ...: before / after in
-one run. REF must be on the ggml engine (0da8902 or later): the child feeds numpy arrays and calls
-`set_threads`, which the PyTorch engine before it did not have. Nothing here asserts a time; the
+one run. REF must be on the ggml engine (0da8902 or later): the child feeds numpy arrays and sets the
+thread count, which the PyTorch engine before it did not allow. Nothing here asserts a time; the
 machine is shared, so the load average is recorded.
 
     python bench/bench_ubatch.py [--models smollm2,gemma3] [--threads 1,2] [--sizes 16,...,512]
@@ -49,12 +49,18 @@ def child_main(spec: dict) -> dict:
     from potluck.engine.generate import load_model
 
     try:
-        from potluck.model.stage import SeqChunk, set_threads
+        from potluck.model.stage import SeqChunk
     except ImportError as e:  # a --baseline from before the ggml engine
-        raise SystemExit(f"{potluck.__file__}: not the ggml engine (needs set_threads): {e}") from e
+        raise SystemExit(f"{potluck.__file__}: not the ggml engine: {e}") from e
+    try:
+        from potluck.model.stage import Compute
+    except ImportError:  # a --baseline from before Compute: the process-wide setter
+        from potluck.model.stage import set_threads  # type: ignore[attr-defined]
 
-    set_threads(spec["threads"])  # before load_model: a stage takes its thread count when built
-    m = load_model(spec["path"], n_ctx=N_CTX)
+        set_threads(spec["threads"])
+        m = load_model(spec["path"], n_ctx=N_CTX)
+    else:
+        m = load_model(spec["path"], n_ctx=N_CTX, compute=Compute(threads=spec["threads"]))
     pipe, toks = m.pipeline, np.array(spec["tokens"], np.int64)
 
     none = np.empty(0, np.int64)  # no logits rows: the output head is skipped

@@ -186,10 +186,11 @@ def compare_on_llama_ids(m, base: KLBase) -> dict:
 def run_model(name: str, args, bin_dir: Path, text: str, prompts: tuple[str, ...]) -> dict:
     from potluck.engine.generate import generate, load_model
     from potluck.engine.perplexity import perplexity
+    from potluck.model.stage import Compute
     from potluck.sampling import GREEDY, Sampler
 
     path = model_path(name)
-    m = load_model(path, n_ctx=N_CTX)
+    m = load_model(path, n_ctx=N_CTX, compute=Compute(threads=args.threads))
     tok = m.tokenizer
     res: dict = {"model": name, "path": str(path), "stop_ids": sorted(tok.eot_ids), "prompts": []}
     for prompt in prompts:
@@ -265,9 +266,6 @@ def main() -> None:
     bin_dir = llama_tools(args.llama_bin, "llama-completion", "llama-perplexity")
     if bin_dir is None:
         raise SystemExit("nothing to compare against without llama.cpp's tools")
-    from potluck.model.stage import set_threads
-
-    set_threads(args.threads)  # before load_model: a stage takes its thread count when built
     info = run_info(bin_dir, "llama-completion")
     text, prompts = TEXT.read_text(), PROMPTS
     if args.quick:  # ≈ 2.6 chunks of English: llama-perplexity wants at least two

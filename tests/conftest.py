@@ -52,13 +52,6 @@ def gemma3_path() -> Path:
     return target
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _threads() -> None:
-    from potluck.model.stage import set_threads
-
-    set_threads(int(os.environ.get("POTLUCK_TEST_THREADS", "2")))
-
-
 _exit_status: list[int] = []
 
 

@@ -96,19 +96,29 @@ def test_ngl_split_gives_the_cpus_text_until_a_near_tie(smollm2_path: Path, ngl:
 
 
 def test_a_stage_too_big_for_the_device_says_how_many_layers_fit(smollm2_path: Path) -> None:
-    from potluck.model.stage import GpuConfig, set_gpu
+    from potluck.model.stage import Compute, GpuConfig
 
     f = GGUFFile(smollm2_path)
     hp = hparams_from_metadata(f.metadata)
     layer = sum(t.nbytes for n, t in f.tensors.items() if n.startswith("blk.0."))
-    set_gpu(GpuConfig(30, None, vram=int(layer * 4.5)))  # --vram: room for 4 layers
-    try:
-        with pytest.raises(
-            BackendError, match=r"-ngl 30 needs \d+ MiB .* at most 4 layers fit \(-ngl 4\)"
-        ):
-            Stage(hp, f, 0, hp.n_layer, 256)
-    finally:
-        set_gpu(GpuConfig())
+    gpu = GpuConfig(30, None, vram=int(layer * 4.5))  # --vram: room for 4 layers
+    with pytest.raises(
+        BackendError, match=r"-ngl 30 needs \d+ MiB .* at most 4 layers fit \(-ngl 4\)"
+    ):
+        Stage(hp, f, 0, hp.n_layer, 256, compute=Compute(gpu=gpu))
+
+
+def test_a_gpu_offer_measures_the_device_when_no_speed_is_given() -> None:
+    """A worker or head with -ngl and no POTLUCK_GPU_BYTES_PER_S (every real GPU user) times the
+    batch-1 product on the device itself; it used to call the CPU probe with an argument it did
+    not take (TypeError at startup)."""
+    from potluck.model.stage import GpuConfig
+    from potluck.node.probe import gpu_offer
+
+    offer = gpu_offer(GpuConfig(n_gpu_layers=3))
+    assert offer is not None and offer.max_layers == 3
+    assert offer.bytes_per_s > 0 and offer.memory_bytes > 0
+    assert gpu_offer(GpuConfig(n_gpu_layers=0)) is None
 
 
 def test_a_worker_offering_its_gpu_is_planned_with_gpu_layers(

@@ -372,16 +372,17 @@ def test_proof_must_cover_the_nodes_own_certificate(tmp_path: Path) -> None:
 def test_client_proves_again_after_the_worker_restarts(auth: PoolAuth) -> None:
     """A node that restarted forgot its sessions: the client proves again and the call goes
     through (it was refused before its handler ran, so sending it again is safe)."""
+    from potluck.model.stage import Compute
     from potluck.node.worker import serve
 
     port = _free_port()
-    server, _ = serve("127.0.0.1", port, threads=1, auth=auth)
+    server, _ = serve("127.0.0.1", port, settings=Compute(threads=1), auth=auth)
     client = NodeClient(f"127.0.0.1:{port}", auth)
     try:
         client.drop(pb.DropRequest())
         first = client.metadata()
         server.stop(0).wait()
-        server, _ = serve("127.0.0.1", port, threads=1, auth=auth)
+        server, _ = serve("127.0.0.1", port, settings=Compute(threads=1), auth=auth)
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -408,9 +409,10 @@ def test_forward_stream_proves_again_when_its_session_is_gone(auth: PoolAuth) ->
     """A node that dropped this head's session (here: 266 other heads proved since, and it keeps
     256) refuses the next ForwardStream at its start, before reading a request: the link proves
     again and sends the queued requests on a new stream, so they are answered, not failed."""
+    from potluck.model.stage import Compute
     from potluck.node.worker import serve
 
-    server, port = serve("127.0.0.1", 0, threads=1, auth=auth)
+    server, port = serve("127.0.0.1", 0, settings=Compute(threads=1), auth=auth)
     address = f"127.0.0.1:{port}"
     client = NodeClient(address, auth)
     try:

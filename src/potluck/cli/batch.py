@@ -28,7 +28,7 @@ from potluck.cli.options import (
     _head_mem,
     no_workers_for,
 )
-from potluck.cli.runtime import _setup_threads
+from potluck.cli.runtime import compute_of
 from potluck.errors import PotluckError
 
 if TYPE_CHECKING:
@@ -178,14 +178,14 @@ def _replicas(
     from potluck.modelfile.sources import resolve_model
     from potluck.pool.replicas import batch_replicas
 
-    _setup_threads(threads)
+    compute = compute_of(threads)
     path = resolve_model(model)
     addresses = net.found(finder)
     found.extend(addresses)
     if not addresses:
         if mem == 0:
             raise no_workers_for("the model")
-        m = load_model(path, ctx, n_seq=n_seq)
+        m = load_model(path, ctx, n_seq=n_seq, compute=compute)
         err.print(f"[dim]{m.summary()}[/]")
         return [("this machine", m)], lambda label: None
-    return batch_replicas(path, ctx, addresses, net.auth(), mem, n_seq, _say)
+    return batch_replicas(path, ctx, addresses, net.auth(), mem, n_seq, _say, compute)

@@ -23,7 +23,7 @@ from potluck.cli.options import (
     _head_mem,
     _shares,
 )
-from potluck.cli.runtime import _setup_threads
+from potluck.cli.runtime import compute_of
 from potluck.errors import PotluckError
 
 
@@ -58,7 +58,7 @@ def bench(
     from potluck.pool.planning import PlanInputs, plan_to_compare
     from potluck.pool.survey import THIS_MACHINE, assignments_of
 
-    _setup_threads(threads)
+    compute = compute_of(threads)
     path = resolve_model(model)
     addresses = net.found()
     if not addresses:
@@ -69,7 +69,8 @@ def bench(
     auth = net.auth()
     shares = _shares(tensor_split)
     head_mem = _head_mem(mem)
-    plan_ = plan_to_compare(PlanInputs(path, ctx, auth, mem=head_mem), addresses, shares)
+    inputs = PlanInputs(path, ctx, auth, mem=head_mem, compute=compute)
+    plan_ = plan_to_compare(inputs, addresses, shares)
     pool_plan = assignments_of(plan_)
     runs = []
     best = plan_.best_single
@@ -86,7 +87,7 @@ def bench(
         )
         m = load_model(
             path, ctx, assignments=assignments, auth=auth, failover_s=0,
-            wire_dtype=WIRE_DTYPES[wire_dtype],
+            wire_dtype=WIRE_DTYPES[wire_dtype], compute=compute,
         )  # fmt: skip
         try:
             results.append(measure(m, label, n_predict, n_prompt))

@@ -60,6 +60,7 @@ from potluck.cli.options import (
 
 if typing.TYPE_CHECKING:
     from potluck.discovery.pool import PeerFinder
+    from potluck.model.stage import Compute
     from potluck.sampling import SamplingParams
     from potluck.transport.auth import PoolAuth
 
@@ -79,6 +80,13 @@ class ModelFlags:
     no_repack: NoRepackOpt = False
     lora: LoraOpt = None
     batch: PromptBatchOpt = None
+
+    def compute(self) -> Compute:
+        """This machine's compute settings from these flags (threads: physical cores by default;
+        the GPU checked now)."""
+        from potluck.cli.runtime import compute_of
+
+        return compute_of(self.threads, self.cache_type, self.no_repack, self.ngl, self.device)
 
 
 @dataclass(frozen=True)

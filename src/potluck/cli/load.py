@@ -17,7 +17,7 @@ from rich.progress import (
 from potluck.cli.config import ModelFlags, PoolFlags
 from potluck.cli.console import err
 from potluck.cli.options import WIRE_DTYPES, no_workers_for
-from potluck.cli.runtime import _backends, _setup_cache, _setup_gpu, _setup_threads
+from potluck.cli.runtime import _backends
 from potluck.errors import PotluckError
 
 if TYPE_CHECKING:
@@ -52,9 +52,7 @@ def _load(
     from potluck.pool.planning import PlanInputs, plan_model, replanner
     from potluck.pool.survey import assignments_of
 
-    _setup_cache(flags.cache_type, flags.no_repack)
-    _setup_gpu(flags.ngl, flags.device)
-    _setup_threads(flags.threads)
+    compute = flags.compute()
     ctx = flags.ctx
     peers = finder
     if peers is None and net is not None:
@@ -99,7 +97,7 @@ def _load(
             bar.update(task, description=f"{path.name} (asking {len(addresses)} peers, planning)")
             assert net is not None  # the workers come from its finder
             auth = net.auth()
-            inputs = PlanInputs(path, ctx, auth, balance, mem, n_seq)
+            inputs = PlanInputs(path, ctx, auth, balance, mem, n_seq, compute)
             plan = plan_model(inputs, addresses, shares)
             assignments = assignments_of(plan)
             err.print(f"[dim]{plan.verdict}[/]")
@@ -129,6 +127,7 @@ def _load(
             path, ctx, splits or (), on_layer, assignments=assignments, auth=auth,
             failover_s=failover_s, replan=replan, on_failover=on_failover,
             on_transfer=on_transfer, wire_dtype=WIRE_DTYPES[wire], n_seq=n_seq, loras=loras,
+            compute=compute,
         )  # fmt: skip
     err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
     for lp, scale in loras:

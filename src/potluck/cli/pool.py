@@ -25,7 +25,7 @@ from potluck.cli.options import (
     _shares,
 )
 from potluck.cli.peers import _config_dir, _dialer, _mdns_on, _static_peers
-from potluck.cli.runtime import _backends_check, _setup_threads
+from potluck.cli.runtime import _backends_check, _physical_cores, compute_of
 
 
 @takes
@@ -54,14 +54,14 @@ def plan(
     from potluck.pool.planning import PlanInputs, plan_model, survey_model
 
     finder = net.finder()
-    _setup_threads(None)
+    compute = compute_of()
     path = resolve_model(model)
     found = net.found(finder)
     auth = net.auth() if found else None
     if batch_plan:
         from potluck.planner.replicas import REPLICA_COLUMNS, format_replicas, plan_replicas
 
-        inputs = PlanInputs(path, ctx, auth, mem=_head_mem(mem), n_seq=parallel)
+        inputs = PlanInputs(path, ctx, auth, mem=_head_mem(mem), n_seq=parallel, compute=compute)
         nodes, links, fp = survey_model(inputs, found)
         rows, lines = format_replicas(plan_replicas(fp, nodes, links), item_tokens)
         table = Table(*REPLICA_COLUMNS, title=f"{path.name} · batch replicas · context {fp.n_ctx}")
@@ -72,7 +72,7 @@ def plan(
         for line in lines:
             print(line)
         return
-    inputs = PlanInputs(path, ctx, auth, mem=_head_mem(mem), n_seq=parallel)
+    inputs = PlanInputs(path, ctx, auth, mem=_head_mem(mem), n_seq=parallel, compute=compute)
     p = plan_model(inputs, found, _shares(tensor_split))
     seqs = f" × {parallel} sequences at once" if parallel > 1 else ""
     table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}{seqs}")
@@ -107,7 +107,7 @@ def nodes(
         report_json,
     )
     from potluck.discovery.static import MDNS, Peer, dedupe
-    from potluck.node.probe import default_threads, physical_cores, usable_memory_bytes
+    from potluck.node.probe import physical_cores, usable_memory_bytes
 
     static = _static_peers(net.peer, net.rpc)
     adverts = []
@@ -118,7 +118,7 @@ def nodes(
             err.print(f"[yellow]mDNS unavailable:[/] {exc}; static peers only")
     peers = dedupe([*static, *(Peer(a.address, MDNS, a) for a in adverts)])
     dial = _dialer(net.secret, net.tls)
-    reports = [local_report(usable_memory_bytes(), physical_cores(), default_threads())]
+    reports = [local_report(usable_memory_bytes(), physical_cores(), _physical_cores())]
     with err.status("measuring") as status:
         for p in peers:
             status.update(f"measuring {p.address}")
@@ -180,7 +180,7 @@ def doctor(
     found = finder.find(lambda peer: "")  # check even those that do not answer
     if finder.error:
         err.print(f"[yellow]mDNS unavailable:[/] {finder.error}; static peers only")
-    _setup_threads(threads)
+    compute = compute_of(threads)
     cfg = DoctorConfig(
         pool=net.pool,
         threads=threads,
@@ -192,13 +192,13 @@ def doctor(
     )
 
     def local_load(seconds: float, interval: float) -> list[tuple[float, float]]:
-        return list(load_samples(seconds, interval))
+        return list(load_samples(seconds, interval, compute.n_threads))
 
     cores = (physical_cores(), psutil.cpu_count(logical=True) or physical_cores())
     with err.status("checking") as status:
         checks = run_doctor(
             list(found.peers) + [p for p, _ in found.skipped], cfg, _dialer(net.secret, net.tls),
-            this_machine, cores,
+            lambda: this_machine(compute=compute), cores,
             local_load, on_progress=status.update, backends=_backends_check(),
         )  # fmt: skip
     if as_json:

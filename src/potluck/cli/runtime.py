@@ -1,30 +1,38 @@
-"""This process's compute settings, set once before anything loads: CPU threads (-t), the KV
-cache type and weight repacking, the GPU (-ngl, --device, --vram); and the line that names
-the ggml build's devices."""
+"""This process's compute settings, made once before anything loads: CPU threads (-t), the KV
+cache type and weight repacking, the GPU (-ngl, --device, --vram), as one `Compute` that the
+command hands to what it builds; and the line that names the ggml build's devices."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import typer
 
-
-def _setup_cache(cache_type: str, no_repack: bool = False) -> None:
-    from potluck.model.stage import set_cache_type, set_repack
-
-    set_repack(not no_repack)
-    try:
-        set_cache_type(cache_type)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+if TYPE_CHECKING:
+    from potluck.model.stage import Compute
 
 
-def _setup_gpu(n_gpu_layers: int, device: str | None, vram: int | None = None) -> None:
-    """Stages built in this process put their last n_gpu_layers layers on `device` (at most
-    `vram` bytes there); checked now, so that a machine without that GPU says so before any
-    load. POTLUCK_GPU_BYTES_PER_S gives the GPU's speed instead of measuring it: for tests on a
-    software GPU (Mesa's lavapipe), whose speed is not a GPU's."""
-    from potluck.model.stage import GpuConfig, set_gpu
+def _physical_cores() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def compute_of(
+    threads: int | None = None,
+    cache_type: str = "f16",
+    no_repack: bool = False,
+    n_gpu_layers: int = 0,
+    device: str | None = None,
+    vram: int | None = None,
+) -> Compute:
+    """The settings from the flags: threads default to the physical cores; stages put their last
+    n_gpu_layers layers on `device` (at most `vram` bytes there), checked now, so that a machine
+    without that GPU says so before any load. POTLUCK_GPU_BYTES_PER_S gives the GPU's speed
+    instead of measuring it: for tests on a software GPU (Mesa's lavapipe), whose speed is not a
+    GPU's."""
+    from potluck.model.stage import Compute, GpuConfig
 
     if device is not None and device.lower() == "cpu":
         n_gpu_layers, device = 0, None
@@ -35,19 +43,11 @@ def _setup_gpu(n_gpu_layers: int, device: str | None, vram: int | None = None) -
     elif device is not None:
         raise typer.BadParameter(f"--device {device} needs -ngl N (how many layers go there)")
     speed = os.environ.get("POTLUCK_GPU_BYTES_PER_S")
-    set_gpu(GpuConfig(n_gpu_layers, device, vram, float(speed) if speed else None))
-
-
-def _physical_cores() -> int:
-    import psutil
-
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
-def _setup_threads(threads: int | None) -> None:
-    from potluck.model.stage import set_threads
-
-    set_threads(threads or _physical_cores())
+    gpu = GpuConfig(n_gpu_layers, device, vram, float(speed) if speed else None)
+    try:
+        return Compute(threads or _physical_cores(), cache_type, not no_repack, gpu)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _backends() -> str:

@@ -25,7 +25,7 @@ from potluck.cli.options import (
     _size,
 )
 from potluck.cli.peers import _announce, _auth, _secret
-from potluck.cli.runtime import _backends, _physical_cores, _setup_cache, _setup_gpu, _setup_threads
+from potluck.cli.runtime import _backends, _physical_cores, compute_of
 from potluck.errors import PotluckError
 
 
@@ -115,8 +115,7 @@ def worker(
         raise typer.BadParameter(f"--spin-ms must be in [0, 1000], got {spin_ms:g}")
     mem_limit = _size(mem, "--mem") if mem else None
     vram_limit = _size(vram, "--vram") if vram else None
-    _setup_cache(cache_type, no_repack)
-    _setup_gpu(ngl, device, vram_limit)
+    compute = compute_of(threads, cache_type, no_repack, ngl, device, vram_limit)
 
     value, source = _secret(secret)
     if value is None and not _loopback_only(host) and not insecure:
@@ -128,9 +127,8 @@ def worker(
             "network you trust)"
         )
     auth = _auth(secret, tls, worker=True)
-    _setup_threads(threads)
     server, bound = serve(
-        host, port, threads=threads or _physical_cores(), model_dirs=tuple(model_dir or ()),
+        host, port, settings=compute, model_dirs=tuple(model_dir or ()),
         auth=auth, mem_limit=mem_limit, idle_s=idle_timeout,
         data_port=None if no_data_port else (-1 if data_port is None else data_port),
         spin_s=spin_ms / 1000,

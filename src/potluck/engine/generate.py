@@ -16,7 +16,7 @@ import numpy as np
 from potluck.engine.contract import DEFAULT_TIMEOUT_S, LOCAL, Assignment, Pipeline
 from potluck.engine.local import LocalPipeline
 from potluck.errors import ContextError
-from potluck.model.stage import SeqChunk, Stage
+from potluck.model.stage import DEFAULT_COMPUTE, Compute, SeqChunk, Stage
 from potluck.modelfile.chat import ChatTemplate
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams, hparams_from_metadata
@@ -97,6 +97,7 @@ def load_model(
     on_transfer: Callable[[str, int, int], None] | None = None,
     n_seq: int = 1,
     loras: Sequence[tuple[Path, float]] = (),
+    compute: Compute = DEFAULT_COMPUTE,
 ) -> Model:
     """Open `path`, check it, and build its pipeline: one local stage by default; in-process stages
     split at `splits`; or with `peers` (host:port) a pool where this machine takes the first share
@@ -110,7 +111,8 @@ def load_model(
     ends the request with an error (the CLI's --failover-timeout 0); None: a bare pipeline, no
     heartbeat at all (measurements, tests). n_seq: sequences at once (serve's -np), for which
     every node checks its memory (KV for each at n_ctx). loras: (adapter file, scale) each,
-    applied where a SeqChunk asks (modelfile/lora.py; over a pool each node gets its layers' part)."""
+    applied where a SeqChunk asks (modelfile/lora.py; over a pool each node gets its layers' part).
+    compute: this machine's threads, KV cache type, repacking and GPU (the CLI's -t, -ngl, ...)."""
     gguf = GGUFFile(path)
     hp = hparams_from_metadata(gguf.metadata, str(path))
     adapters = [open_lora(p, hp.arch, gguf.tensors, scale) for p, scale in loras]
@@ -126,12 +128,16 @@ def load_model(
     if assignments:
         if len(assignments) == 1 and assignments[0].node == LOCAL:
             pipe: Pipeline = LocalPipeline(
-                [Stage(hp, gguf, 0, hp.n_layer, n_ctx, on_layer, adapters=adapters)]
+                [
+                    Stage(
+                        hp, gguf, 0, hp.n_layer, n_ctx, on_layer, adapters=adapters, compute=compute
+                    )
+                ]
             )
         else:
             pipe = _pool(
                 gguf, hp, assignments, n_ctx, wire_dtype, auth, replan, failover_s, on_failover,
-                on_transfer, n_seq, adapters,
+                on_transfer, n_seq, adapters, compute,
             )  # fmt: skip
     elif peers:
         nodes = [LOCAL, *peers]
@@ -144,12 +150,12 @@ def load_model(
         plan = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True) if b > a]
         pipe = _pool(
             gguf, hp, plan, n_ctx, wire_dtype, auth, replan, failover_s, on_failover, on_transfer,
-            n_seq, adapters,
+            n_seq, adapters, compute,
         )  # fmt: skip
     else:
         pipe = LocalPipeline(
             [
-                Stage(hp, gguf, a, b, n_ctx, on_layer, adapters=adapters)
+                Stage(hp, gguf, a, b, n_ctx, on_layer, adapters=adapters, compute=compute)
                 for a, b in layer_ranges(hp.n_layer, splits)
             ]
         )
@@ -170,6 +176,7 @@ def _pool(
     on_transfer: Callable[[str, int, int], None] | None = None,
     n_seq: int = 1,
     adapters: Sequence[LoraAdapter] = (),
+    compute: Compute = DEFAULT_COMPUTE,
 ) -> Pipeline:
     """The pool's pipeline for `plan`, wrapped to fail over to the nodes left when one goes away."""
     from potluck.pool.failover import OFF_TIMEOUT_S, FailoverPipeline
@@ -177,7 +184,7 @@ def _pool(
 
     first = RemotePipeline(
         gguf, hp, plan, n_ctx, wire_dtype, auth, on_transfer=on_transfer, n_seq=n_seq,
-        adapters=adapters,
+        adapters=adapters, compute=compute,
     )  # fmt: skip
     if failover_s is None:
         return first
@@ -194,10 +201,11 @@ def _pool(
             ranges = layer_ranges(hp.n_layer, split_points(hp.n_layer, [1.0] * len(nodes)))
             new = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True)]
         if all(a.node == LOCAL for a in new):
-            return LocalPipeline([Stage(hp, gguf, 0, hp.n_layer, n_ctx, adapters=adapters)])
+            whole = Stage(hp, gguf, 0, hp.n_layer, n_ctx, adapters=adapters, compute=compute)
+            return LocalPipeline([whole])
         return RemotePipeline(
             gguf, hp, new, n_ctx, wire_dtype, auth, epoch, on_transfer, n_seq=n_seq,
-            adapters=adapters,
+            adapters=adapters, compute=compute,
         )  # fmt: skip
 
     return FailoverPipeline(first, connect, failover_s, on_failover)

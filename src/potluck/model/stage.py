@@ -30,10 +30,18 @@ from potluck.model.weights import SUPPORTED_TYPES, Weights, WeightSource, check
 from potluck.modelfile.hparams import HParams
 from potluck.modelfile.lora import LoraAdapter
 
-__all__ = ["SUPPORTED_TYPES", "SeqChunk", "Stage", "WeightSource", "check", "set_threads"]
+__all__ = [
+    "DEFAULT_COMPUTE",
+    "SUPPORTED_TYPES",
+    "Compute",
+    "GpuConfig",
+    "SeqChunk",
+    "Stage",
+    "WeightSource",
+    "check",
+]
 
 _SCHED_GRAPH_SIZE = 1 << 16  # the most graph nodes a stage's scheduler plans for
-_threads: list[int] = []  # the process's default thread count (set_threads; the CLI sets it once)
 
 
 def _layer_of(name: str) -> int | None:
@@ -43,15 +51,15 @@ def _layer_of(name: str) -> int | None:
     return int(name.split(".", 2)[1])
 
 
-def set_threads(n: int) -> None:
-    """Threads for the CPU backend of stages built from now on (llama.cpp's -t)."""
-    _threads[:] = [max(1, n)]
+def every_core() -> int:
+    """Threads when none are given: every core the OS reports (the CLI gives the physical ones)."""
+    return max(1, os.cpu_count() or 2)
 
 
 @dataclass(frozen=True)
 class GpuConfig:
-    """The process's GPU settings (the CLI makes it once): -ngl, --device, --vram (the most GPU
-    memory used, bytes), and a GPU speed given instead of measured (tests on a software GPU)."""
+    """A process's GPU settings: -ngl, --device, --vram (the most GPU memory used, bytes), and a
+    GPU speed given instead of measured (tests on a software GPU)."""
 
     n_gpu_layers: int = 0
     device: str | None = None
@@ -59,40 +67,33 @@ class GpuConfig:
     bytes_per_s: float | None = None
 
 
-_gpu: list[GpuConfig] = []
+@dataclass(frozen=True)
+class Compute:
+    """How a process computes, made once by the CLI (-t, --cache-type, --no-repack, -ngl,
+    --device, --vram) and handed to every stage, probe and node service it builds; a stage's own
+    arguments override it. threads None: every core."""
+
+    threads: int | None = None
+    cache_type: str = "f16"  # the KV cache's element type: "f16" (llama.cpp's default) or "f32"
+    repack: bool = True  # weights in ggml's CPU_REPACK layout where it has one (--repack)
+    gpu: GpuConfig = GpuConfig()
+
+    def __post_init__(self) -> None:
+        if self.cache_type not in CACHE_TYPES:
+            raise ValueError(f"--cache-type {self.cache_type}: use one of {', '.join(CACHE_TYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"-t {self.threads}: give 1 thread or more")
+
+    @property
+    def n_threads(self) -> int:
+        return self.threads or every_core()
 
 
-def set_gpu(config: GpuConfig) -> None:
-    """The GPU settings for stages built from now on that are not given their own."""
-    _gpu[:] = [config]
-
-
-def default_gpu() -> GpuConfig:
-    return _gpu[0] if _gpu else GpuConfig()
-
-
-_cache_type: list[str] = []  # the process's --cache-type
-_repack_default = [True]  # the process's --repack
+DEFAULT_COMPUTE = Compute()
 
 
 def _no(name: str) -> bool:
     return False
-
-
-def set_repack(on: bool) -> None:
-    """Whether stages built from now on repack their weights (llama.cpp's --repack, default 1)."""
-    _repack_default[0] = on
-
-
-def set_cache_type(name: str) -> None:
-    """The KV cache's element type for stages built from now on: "f16" (default) or "f32"."""
-    if name not in CACHE_TYPES:
-        raise ValueError(f"--cache-type {name}: use one of {', '.join(CACHE_TYPES)}")
-    _cache_type[:] = [name]
-
-
-def default_threads() -> int:
-    return _threads[0] if _threads else max(1, (os.cpu_count() or 2))
 
 
 @dataclass(frozen=True)
@@ -168,30 +169,31 @@ class Stage:
         device: str | None = None,
         repack: bool | None = None,
         adapters: Sequence[LoraAdapter] = (),
+        compute: Compute = DEFAULT_COMPUTE,
     ) -> None:
         """exact: weights dequantized to f32 and an f32 KV cache (reference precision, tests);
         cache_type: "f16" (default) or "f32". n_gpu_layers: the last that many layers of the
         stage on the GPU `device` (a ggml device name, default the first GPU), as llama.cpp's
         -ngl: more than the stage's layers puts the output head there too; the rest on the CPU.
-        None: the process default (set_gpu). repack: weights in ggml's CPU_REPACK layout where
-        it has one (model/weights.py; None: the process default, on). adapters: LoRA adapters
-        applied to this stage's matrices (their tensors for these layers, beside the weights)."""
+        None: compute's. repack: weights in ggml's CPU_REPACK layout where it has one
+        (model/weights.py; None: compute's, on by default). adapters: LoRA adapters applied to
+        this stage's matrices (their tensors for these layers, beside the weights). compute: the
+        process's settings, for every argument left None."""
         if not 0 <= start < stop <= hp.n_layer:
             raise ValueError(f"layer range [{start}, {stop}) is not inside [0, {hp.n_layer})")
-        cache_type = cache_type or ("f32" if exact else _cache_type[0] if _cache_type else "f16")
-        repack = _repack_default[0] if repack is None else repack
+        cache_type = cache_type or ("f32" if exact else compute.cache_type)
+        repack = compute.repack if repack is None else repack
         if cache_type not in CACHE_TYPES:
             raise ValueError(f"cache type {cache_type!r}: use one of {', '.join(CACHE_TYPES)}")
         self.hp, self.start, self.stop, self.n_ctx = hp, start, stop, n_ctx
         self.is_first, self.is_last = start == 0, stop == hp.n_layer
         self.layers = range(start, stop)
         self.cache_type = CACHE_TYPES[cache_type]
-        self.threads = threads or default_threads()
+        self.threads = threads or compute.n_threads
         self.src = src
-        vram = None
-        if n_gpu_layers is None:
-            gpu = default_gpu()
-            n_gpu_layers, device, vram = gpu.n_gpu_layers, gpu.device, gpu.vram
+        gpu = compute.gpu  # (a count given here, as a plan's, still goes to the chosen device)
+        n_gpu_layers = gpu.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
+        device, vram = device or gpu.device, gpu.vram
         if n_gpu_layers < 0:
             raise ValueError(f"-ngl must be 0 or more, got {n_gpu_layers}")
         self.gpu_layers = range(max(start, stop - n_gpu_layers), stop) if n_gpu_layers else range(0)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import psutil
 from gguf import GGMLQuantizationType
 
-from potluck.node.probe import default_threads, physical_cores, usable_memory_bytes
+from potluck.node.probe import physical_cores, usable_memory_bytes
 
 _N, _K, _LAYERS = 4096, 4096, 4  # 4 × 9 MiB of Q4_0 weights, larger than the caches
 MAX_LOAD_S = 600.0  # a node refuses a longer load probe
@@ -35,9 +35,10 @@ class SelfDescription:
     memory_bytes: int  # usable now, after OS headroom
 
 
-def describe(threads: int | None) -> SelfDescription:
+def describe(threads: int) -> SelfDescription:
+    """threads: the compute threads this process uses (-t)."""
     return SelfDescription(
-        threads=threads or default_threads(),
+        threads=threads,
         physical_cores=physical_cores(),
         logical_cores=psutil.cpu_count(logical=True) or os.cpu_count() or 1,
         os=platform.system(),
@@ -48,14 +49,15 @@ def describe(threads: int | None) -> SelfDescription:
 def load_samples(
     seconds: float,
     interval: float,
+    threads: int,
     lock: AbstractContextManager[object] | threading.Lock | None = None,
 ) -> Iterator[tuple[float, float]]:
     """Run the decode kernel for `seconds`; yield (seconds since start, weight bytes/s) once per
     `interval`. `lock` is held for each interval only (a node's compute lock: a stage's forward
-    passes still get their turn between intervals)."""
+    passes still get their turn between intervals). threads: the process's compute threads (-t)."""
     from potluck.model.matvec import MatVec
 
-    probe = MatVec(GGMLQuantizationType.Q4_0, _N, _K, _LAYERS, default_threads())
+    probe = MatVec(GGMLQuantizationType.Q4_0, _N, _K, _LAYERS, threads)
     for i in range(len(probe)):  # warm-up
         probe.run(i)
     guard = lock if lock is not None else nullcontext()

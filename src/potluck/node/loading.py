@@ -22,7 +22,7 @@ import psutil
 
 from potluck.errors import PotluckError
 from potluck.model.layout import stage_tensor_names
-from potluck.model.stage import Stage, WeightSource
+from potluck.model.stage import Compute, Stage, WeightSource
 from potluck.modelfile.gguf_file import GGUFFile, TensorInfo, read_header
 from potluck.modelfile.hparams import HParams, hparams_from_metadata
 from potluck.modelfile.lora import LoraAdapter, open_lora
@@ -47,7 +47,7 @@ class Loader:
     def __init__(
         self,
         name: str,
-        threads: int | None,
+        settings: Compute,
         model_dirs: tuple[Path, ...],
         auth: PoolAuth | None,
         store: BlobStore,
@@ -57,7 +57,7 @@ class Loader:
         wait: Wait | None,
         free: Callable[[str, str], None],
     ) -> None:
-        self.name, self.threads, self.model_dirs, self.auth = name, threads, model_dirs, auth
+        self.name, self.settings, self.model_dirs, self.auth = name, settings, model_dirs, auth
         self.store, self.plans, self.compute, self.gpu = store, plans, compute, gpu
         self.wait, self.free = wait, free  # wait: the next hop's data link polls with it
         self.expected_bytes = 0  # what the last Load asked the head for (PutTensors' progress)
@@ -113,8 +113,9 @@ class Loader:
             adapters = [self._adapter(part, hp, tensors) for part in request.adapters]
             with self.compute:
                 stage = Stage(
-                    hp, src, request.start, request.stop, request.n_ctx, threads=self.threads,
+                    hp, src, request.start, request.stop, request.n_ctx,
                     n_gpu_layers=self._gpu_layers(request), adapters=adapters,
+                    compute=self.settings,
                 )  # fmt: skip
         except (NodeMemoryError, NodeBusyError) as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

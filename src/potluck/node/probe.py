@@ -25,6 +25,7 @@ from potluck.modelfile.gguf_file import Matrix
 
 if TYPE_CHECKING:
     from potluck.model.matvec import LayerProbe, MatVec
+    from potluck.model.stage import GpuConfig
 
 OS_HEADROOM_BYTES = 1 << 30  # left to the OS and other programs when a node reports its memory
 # Left free inside a memory cgroup (the OS lives outside it): the process's own growth while it
@@ -127,22 +128,22 @@ def last_level_cache_bytes() -> int:
     return max(sizes)
 
 
-def default_threads() -> int:
-    from potluck.model.stage import default_threads as stage_threads
-
-    return stage_threads()
-
-
 @functools.cache
-def decode_bytes_per_s(seconds: float = 0.3, threads: int | None = None) -> float:
-    """Weight bytes per second one decode step streams on this CPU: the median over timed calls
-    of ggml's batch-1 product, the layers taken in turn (see the module doc)."""
+def decode_bytes_per_s(
+    seconds: float = 0.3, threads: int | None = None, gpu: str | None = None
+) -> float:
+    """Weight bytes per second one decode step streams on this CPU (threads None: every core),
+    or on the ggml GPU device named `gpu`: the median over timed calls of ggml's batch-1 product,
+    the layers taken in turn (see the module doc)."""
+    from potluck.model.ggml_lib import gpu_device
     from potluck.model.matvec import MatVec
+    from potluck.model.stage import every_core
 
     layer_bytes = _N * _K // 32 * 18
     n = -(-2 * last_level_cache_bytes() // layer_bytes)
+    device = gpu_device(gpu)[0] if gpu is not None else None
     probe = MatVec(
-        _QTYPE, _N, _K, min(_MAX_LAYERS, max(_MIN_LAYERS, n)), threads or default_threads()
+        _QTYPE, _N, _K, min(_MAX_LAYERS, max(_MIN_LAYERS, n)), threads or every_core(), device
     )
     try:
         return probe.nbytes / _median_seconds(probe, seconds, per_layer=True)
@@ -196,7 +197,9 @@ def model_bytes_per_s(
     """model_layer_speed, remembered for _PROBE_TTL_S per (layer, threads): one unlucky second
     is not kept for the life of a worker (on this project's VMs, single 0.3 s probes of SmolLM2
     read 3.5-5.7 GB/s on one core, its real decode 4.55)."""
-    key = (matrices, threads or default_threads())
+    from potluck.model.stage import every_core
+
+    key = (matrices, threads or every_core())
     now = time.monotonic()
     hit = _probed.get(key)
     if hit is not None and now - hit[0] < _PROBE_TTL_S:
@@ -250,13 +253,12 @@ class GpuOffer:
     max_layers: int
 
 
-def gpu_offer() -> GpuOffer | None:
-    """The process's GPU (model.stage.default_gpu), measured; None when it puts no layer on a
-    GPU (-ngl 0, the default). Its free memory is read now, its speed measured once."""
+def gpu_offer(gpu: GpuConfig) -> GpuOffer | None:
+    """The GPU of a process's settings (its -ngl, --device, --vram), measured; None when it puts
+    no layer on a GPU (-ngl 0, the default). Its free memory is read now, its speed measured once
+    (or given: gpu.bytes_per_s)."""
     from potluck.model.ggml_lib import gpu_device
-    from potluck.model.stage import default_gpu
 
-    gpu = default_gpu()
     if not gpu.n_gpu_layers:
         return None
     _, dev = gpu_device(gpu.device)

@@ -21,7 +21,7 @@ import grpc
 
 from potluck import __version__
 from potluck.errors import PotluckError
-from potluck.model.stage import default_threads
+from potluck.model.stage import DEFAULT_COMPUTE, Compute
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.node import doctor as node_doctor
 from potluck.node.compute import ORDER_WAIT_S, Forwarder
@@ -57,15 +57,17 @@ class NodeService(pb_grpc.NodeServicer):
     def __init__(
         self,
         name: str,
-        threads: int | None = None,
+        settings: Compute = DEFAULT_COMPUTE,
         model_dirs: tuple[Path, ...] = (),
         auth: PoolAuth | None = None,
         mem_limit: int | None = None,
         idle_s: float = DEFAULT_IDLE_S,
         spin_s: float = DEFAULT_SPIN_S,
     ) -> None:
-        """The GPU it offers is the process's -ngl / --device / --vram (model.stage.set_gpu)."""
-        self.name, self.threads, self.model_dirs = name, threads, model_dirs
+        """settings: how this node computes (threads, KV cache type, repacking); the GPU it
+        offers is settings.gpu (the worker's -ngl / --device / --vram)."""
+        self.name, self.settings, self.model_dirs = name, settings, model_dirs
+        self.threads = settings.n_threads
         self.mem_limit, self.idle_s = mem_limit, idle_s
         self.plans = PlanStore(name, mem_limit)
         self.compute = threading.Lock()
@@ -76,16 +78,14 @@ class NodeService(pb_grpc.NodeServicer):
         self.data_port = 0  # the data port (transport/dataplane.py) once serve() opened it
         self.store = BlobStore()
         with self.compute:
-            self.speed = decode_bytes_per_s(threads=threads)  # once, before any stage is loaded
-            self.gpu = gpu_offer()  # its speed measured once too
+            self.speed = decode_bytes_per_s(threads=self.threads)  # once, before any stage loads
+            self.gpu = gpu_offer(settings.gpu)  # its speed measured once too
             trim_heap()  # the probe's buffers go back to the OS
         self.loader = Loader(
-            name, threads, model_dirs, auth, self.store, self.plans, self.compute, self.gpu,
+            name, settings, model_dirs, auth, self.store, self.plans, self.compute, self.gpu,
             self.wait, self._free,
         )  # fmt: skip
-        self.training = TrainSessions(
-            model_dirs, threads or default_threads(), self._memory_bytes, self.store
-        )
+        self.training = TrainSessions(model_dirs, self.threads, self._memory_bytes, self.store)
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
 
     def _memory_bytes(self) -> int:
@@ -146,7 +146,7 @@ class NodeService(pb_grpc.NodeServicer):
         )
         if self.gpu is None:
             return [cpu]
-        now = gpu_offer()  # free memory now (the speed is the one measured first)
+        now = gpu_offer(self.settings.gpu)  # free memory now (the speed is the one measured first)
         free = now.memory_bytes if now is not None else 0
         return [
             cpu,
@@ -329,7 +329,7 @@ class NodeService(pb_grpc.NodeServicer):
                 f"(0, {node_doctor.MAX_LOAD_S:.0f}], the interval in [{node_doctor.MIN_INTERVAL_S}, "
                 f"{node_doctor.MAX_INTERVAL_S}]",
             )
-        for t, speed in node_doctor.load_samples(seconds, interval, self.compute):
+        for t, speed in node_doctor.load_samples(seconds, interval, self.threads, self.compute):
             if not context.is_active():  # the head went away: stop loading the CPU
                 return
             yield pb.StressSample(t=t, bytes_per_s=speed)

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 
 from potluck.errors import PotluckError
+from potluck.model.stage import DEFAULT_COMPUTE, Compute
 from potluck.node.plans import DEFAULT_IDLE_S
 from potluck.node.service import NodeService
 from potluck.transport import potluck_pb2_grpc as pb_grpc
@@ -42,7 +43,7 @@ class NodeServer:
         return self.grpc.wait_for_termination(timeout)
 
 
-def serve(host: str, port: int, name: str | None = None, threads: int | None = None,
+def serve(host: str, port: int, name: str | None = None, settings: Compute = DEFAULT_COMPUTE,
           model_dirs: tuple[Path, ...] = (), auth: PoolAuth | None = None,
           mem_limit: int | None = None, idle_s: float = DEFAULT_IDLE_S,
           data_port: int | None = -1, spin_s: float = DEFAULT_SPIN_S,
@@ -52,6 +53,7 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
     taken; 0 = any free port; None = no data port (forward requests then come on gRPC streams).
     With TLS the data port speaks TLS with the node's certificate. spin_s: how long the node polls
     its data connections for the next frame before it blocks (transport/spin.py; 0 = never).
+    settings: how this node computes (-t, --cache-type, --no-repack, -ngl, --device, --vram).
 
     With a pool secret in `auth`, every call but Hello and the handshake needs a session
     (transport/guard.py); with `auth.tls` the node serves TLS with its own certificate."""
@@ -63,7 +65,7 @@ def serve(host: str, port: int, name: str | None = None, threads: int | None = N
         interceptors=[Guard(auth, sessions)],
     )
     service = NodeService(
-        name or f"{host}:{port}", threads, model_dirs, auth, mem_limit, idle_s, spin_s
+        name or f"{host}:{port}", settings, model_dirs, auth, mem_limit, idle_s, spin_s
     )
     # the generated gRPC module is unannotated (grpc's plugin writes no type hints)
     pb_grpc.add_NodeServicer_to_server(service, server)  # type: ignore[no-untyped-call]

@@ -26,7 +26,7 @@ from potluck.engine.chain import submit_after
 from potluck.engine.contract import LOCAL, Assignment, Held, NodeStatus
 from potluck.errors import PotluckError
 from potluck.model.layout import stage_tensor_names
-from potluck.model.stage import SeqChunk, Stage
+from potluck.model.stage import DEFAULT_COMPUTE, Compute, SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import HParams
 from potluck.modelfile.lora import LoraAdapter, adapter_part
@@ -114,8 +114,10 @@ class RemotePipeline:
         head_id: str = "",
         n_seq: int = 1,
         adapters: Sequence[LoraAdapter] = (),
+        compute: Compute = DEFAULT_COMPUTE,
     ) -> None:
         """adapters: LoRA adapters, each node getting the part for its own layers (LoadRequest).
+        compute: how this machine computes a first stage it holds (threads, GPU, ...).
         on_transfer(node, bytes sent, bytes to send) reports weights shipped to a node that
         lacks the model file. head_id: who loads the plan (this process by default): a node lets
         that head's older plans go first when it needs room. n_seq: sequences at once (serve's
@@ -139,8 +141,9 @@ class RemotePipeline:
         if assignments[0].node == LOCAL:
             a = assignments[0]
             self.local = Stage(
-                hp, file, a.start, a.stop, n_ctx, n_gpu_layers=a.n_gpu_layers, adapters=adapters
-            )
+                hp, file, a.start, a.stop, n_ctx, n_gpu_layers=a.n_gpu_layers, adapters=adapters,
+                compute=compute,
+            )  # fmt: skip
         remotes = [a for a in self.assignments if a.node != LOCAL]
         self.auth = auth  # the pool secret and TLS: how this head proves membership to nodes
         self.clients = [NodeClient(a.node, auth) for a in remotes]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from potluck.engine.contract import Assignment
 from potluck.errors import PotluckError
+from potluck.model.stage import DEFAULT_COMPUTE, Compute
 from potluck.planner import ModelFootprint, NodeInfo, Plan, plan_pool
 from potluck.planner.nodes import Links
 from potluck.pool.survey import assignments_of
@@ -24,8 +25,8 @@ from potluck.transport.auth import PoolAuth
 class PlanInputs:
     """What a plan is made for: the model and context, how this head proves membership, what the
     planner evens out ("prompt" for one conversation, "decode" for many streams), the most memory
-    this machine offers for layers (None: what it has; 0: none) and the sequences at once whose
-    KV cache every node must hold."""
+    this machine offers for layers (None: what it has; 0: none), the sequences at once whose
+    KV cache every node must hold, and how this machine computes (threads, GPU)."""
 
     path: Path
     ctx: int | None
@@ -33,6 +34,7 @@ class PlanInputs:
     balance: str = "prompt"
     mem: int | None = None
     n_seq: int = 1
+    compute: Compute = DEFAULT_COMPUTE
 
 
 def survey_model(
@@ -50,7 +52,10 @@ def survey_model(
     hp = hparams_from_metadata(f.metadata, str(inputs.path))
     n_ctx = inputs.ctx or min(hp.n_ctx_train, DEFAULT_CTX)
     layer = layer_matrices(f.tensors, hp.n_layer // 2)
-    nodes, links = survey(list(peers), auth=inputs.auth, mem_limit=inputs.mem, matrices=layer)
+    nodes, links = survey(
+        list(peers), auth=inputs.auth, mem_limit=inputs.mem, matrices=layer,
+        compute=inputs.compute,
+    )  # fmt: skip
     fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes, n_seq=inputs.n_seq)
     return nodes, links, fp
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from potluck.engine.contract import Assignment
 from potluck.engine.generate import Model, load_model
 from potluck.errors import PotluckError
+from potluck.model.stage import DEFAULT_COMPUTE, Compute
 from potluck.planner import THIS_MACHINE, weight_sources
 from potluck.planner.errors import NotEnoughMemoryError
 from potluck.planner.nodes import Links
@@ -40,16 +41,18 @@ def load_replicas(
     links: Links,
     auth: PoolAuth | None,
     n_seq: int,
+    compute: Compute = DEFAULT_COMPUTE,
 ) -> list[tuple[str, Model]]:
     """(label, model) per replica, in order; `nodes` (every node of the pool) may send weights
-    to a node without the file. On an error, the replicas loaded so far are closed."""
+    to a node without the file; this machine's replica computes with `compute`. On an error,
+    the replicas loaded so far are closed."""
     out: list[tuple[str, Model]] = []
     try:
         for r in replicas:
             if r.plan is not None:  # a pipeline over several nodes
                 plan: Sequence[Assignment] = assignments_of(r.plan)
             elif r.nodes[0] == THIS_MACHINE:
-                out.append((r.label, load_model(path, n_ctx, n_seq=n_seq)))
+                out.append((r.label, load_model(path, n_ctx, n_seq=n_seq, compute=compute)))
                 continue
             else:
                 node = r.nodes[0]
@@ -137,11 +140,13 @@ def batch_replicas(
     mem: int | None,
     n_seq: int,
     say: Say,
+    compute: Compute = DEFAULT_COMPUTE,
 ) -> tuple[list[tuple[str, Model]], Reload]:
     """`potluck batch`'s replicas over the workers found, loaded: each machine that holds the
     whole model is a replica, the others one pipeline (planner/replicas.py); and reload(label),
-    a failed single-machine replica loaded again once its machine answers (blocking)."""
-    inputs = PlanInputs(path, n_ctx, auth, mem=mem, n_seq=n_seq)
+    a failed single-machine replica loaded again once its machine answers (blocking). compute:
+    how this machine computes (its speed is measured so, and its replica runs so)."""
+    inputs = PlanInputs(path, n_ctx, auth, mem=mem, n_seq=n_seq, compute=compute)
     nodes, links, fp = survey_model(inputs, list(addresses))
     plan = plan_replicas(fp, nodes, links)
     for r in plan.replicas:
@@ -151,7 +156,8 @@ def batch_replicas(
         say(f"  left out {node}: {why}")
     names = [n.name for n in nodes]
     reload = reloader(path, n_ctx, plan.replicas, names, links, auth, n_seq)
-    return load_replicas(path, n_ctx, plan.replicas, names, links, auth, n_seq), reload
+    loaded = load_replicas(path, n_ctx, plan.replicas, names, links, auth, n_seq, compute)
+    return loaded, reload
 
 
 def idle_replicas(

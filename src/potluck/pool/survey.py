@@ -12,6 +12,7 @@ import grpc
 
 from potluck.engine.contract import LOCAL, Assignment
 from potluck.errors import PotluckError
+from potluck.model.stage import DEFAULT_COMPUTE, Compute
 from potluck.modelfile.gguf_file import Matrix
 from potluck.node.probe import (
     decode_bytes_per_s,
@@ -31,17 +32,23 @@ if TYPE_CHECKING:
 __all__ = ["THIS_MACHINE", "assignments_of", "node_info", "survey", "this_machine"]
 
 
-def this_machine(mem_limit: int | None = None, matrices: tuple[Matrix, ...] = ()) -> NodeInfo:
+def this_machine(
+    mem_limit: int | None = None,
+    matrices: tuple[Matrix, ...] = (),
+    compute: Compute = DEFAULT_COMPUTE,
+) -> NodeInfo:
     """What this machine offers: its usable RAM (at most mem_limit: the head's --mem; 0 = no
     layers here), cores, measured speed (through `matrices`, one layer of the model being
-    planned, when given; else the generic probe) and its GPU."""
-    gpu = gpu_offer()
+    planned, when given; else the generic probe) with compute's threads, and compute's GPU."""
+    gpu = gpu_offer(compute.gpu)
     free = usable_memory_bytes()
     free = free if mem_limit is None else min(free, mem_limit)
     if mem_limit == 0:  # no layers here: its speed plays no part, and timing it takes a second
-        speed = decode_bytes_per_s(0.05)
+        speed = decode_bytes_per_s(0.05, compute.n_threads)
+    elif matrices:
+        speed = model_bytes_per_s(matrices, compute.n_threads)
     else:
-        speed = model_bytes_per_s(matrices) if matrices else decode_bytes_per_s()
+        speed = decode_bytes_per_s(threads=compute.n_threads)
     cpu = (free, physical_cores(), speed)
     if gpu is None:
         return NodeInfo(THIS_MACHINE, "cpu", *cpu)
@@ -68,6 +75,7 @@ def survey(
     auth: PoolAuth | None = None,
     mem_limit: int | None = None,
     matrices: tuple[Matrix, ...] = (),
+    compute: Compute = DEFAULT_COMPUTE,
 ) -> tuple[list[NodeInfo], dict[tuple[str, str], Link]]:
     """This machine plus every peer (Hello: memory, cores, measured speed), and every link the
     planner may use, measured: head→peer (latency from the Hello round trips, bandwidth from one
@@ -75,8 +83,9 @@ def survey(
     taken as symmetric). A pair that cannot be measured keeps the planner's conservative default.
     mem_limit: the most this machine offers (the head's --mem). matrices: one layer of the model
     being planned; every node times its decode through them (ProbeSpeed), one node after the
-    other (nodes that share a machine must not time each other), instead of the generic probe."""
-    nodes = [this_machine(mem_limit, matrices)]
+    other (nodes that share a machine must not time each other), instead of the generic probe.
+    compute: how this machine computes (its threads and GPU, as it will load its stage)."""
+    nodes = [this_machine(mem_limit, matrices, compute)]
     links: dict[tuple[str, str], Link] = {}
     clients = {}
     try:
