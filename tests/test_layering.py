@@ -132,3 +132,36 @@ def test_the_wire_check_sees_a_construction(tmp_path: Path) -> None:
         "c = wire.LoadReply.FromString(b'')\n"  # a reply read from bytes: not built here
     )
     assert _wire_constructions(sample) == ["sample.py:3 LoadRequest", "sample.py:4 DropRequest"]
+
+
+def _environment_reads(path: Path) -> list[str]:
+    """Where a module reads the environment: os.environ / os.getenv / os.putenv, by attribute or
+    by name imported from os."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv"):
+            found.append(f"{path.name}:{node.lineno} {node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            found += [
+                f"{path.name}:{node.lineno} {a.name}"
+                for a in node.names
+                if a.name in ("environ", "getenv", "putenv")
+            ]
+    return found
+
+
+def test_only_the_cli_reads_the_environment() -> None:
+    """STYLE rule 12: settings are made once at the edge (cli/: Compute, Places, the flags) and
+    handed down; no other package reads an environment variable."""
+    src = Path(potluck.__file__).parent
+    paths = [p for p in sorted(src.rglob("*.py")) if "cli" not in p.relative_to(src).parts]
+    found = [hit for path in paths for hit in _environment_reads(path)]
+    assert not found, f"modules outside potluck/cli read the environment: {found}"
+
+
+def test_the_environment_check_sees_a_read(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import os\nfrom os import getenv\na = os.environ.get('X')\nb = getenv('Y')\n"
+    )
+    assert _environment_reads(sample) == ["sample.py:2 getenv", "sample.py:3 environ"]

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from cgroups import MemoryCgroup, Unavailable
-from potluck.modelfile.sources import cache_dir
+from potluck.modelfile.sources import Places
 from workers import Spawn, Worker
 from workers import spawn_module_worker as spawn_module_worker
 
@@ -52,7 +52,8 @@ def model14b() -> Path:
     mm = _make_model()
     path = mm.default_path("qwen14b")
     if not mm.is_complete(path):
-        free = shutil.disk_usage(cache_dir() if cache_dir().exists() else Path.home()).free
+        cache = Places.of(os.environ, Path.home()).cache
+        free = shutil.disk_usage(cache if cache.exists() else Path.home()).free
         if free < 12 << 30:
             pytest.skip(f"the 14B-shape model needs 9 GiB of disk, {free / 2**30:.1f} GiB free")
     return mm.ensure_model("qwen14b")

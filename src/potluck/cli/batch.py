@@ -28,7 +28,7 @@ from potluck.cli.options import (
     _head_mem,
     no_workers_for,
 )
-from potluck.cli.runtime import compute_of
+from potluck.cli.runtime import compute_of, places
 from potluck.errors import PotluckError
 
 if TYPE_CHECKING:
@@ -102,9 +102,11 @@ def batch(
 
     apps = [(label, app_of(m)) for label, m in replicas]
     path = replicas[0][1].path
-    from potluck.pool.replicas import Recruiter
+    from potluck.cli.runtime import places
+    from potluck.pool.replicas import Recruiter, ReplicaSpec
 
-    recruits = Recruiter(path, ctx, finder, workers, net.auth(), parallel, app_of, replicas, _say)
+    spec = ReplicaSpec(path, ctx, net.auth(), parallel, cache=places().cache)
+    recruits = Recruiter(spec, finder, workers, app_of, replicas, _say)
     recruits.add(replicas, reload)
 
     bar = Progress(
@@ -176,10 +178,10 @@ def _replicas(
     again if its machine answers, else None; blocking)."""
     from potluck.engine.generate import load_model
     from potluck.modelfile.sources import resolve_model
-    from potluck.pool.replicas import batch_replicas
+    from potluck.pool.replicas import ReplicaSpec, batch_replicas
 
-    compute = compute_of(threads)
-    path = resolve_model(model)
+    compute, here = compute_of(threads), places()
+    path = resolve_model(model, here)
     addresses = net.found(finder)
     found.extend(addresses)
     if not addresses:
@@ -188,4 +190,5 @@ def _replicas(
         m = load_model(path, ctx, n_seq=n_seq, compute=compute)
         err.print(f"[dim]{m.summary()}[/]")
         return [("this machine", m)], lambda label: None
-    return batch_replicas(path, ctx, addresses, net.auth(), mem, n_seq, _say, compute)
+    spec = ReplicaSpec(path, ctx, net.auth(), n_seq, compute, here.cache)
+    return batch_replicas(spec, addresses, mem, _say)

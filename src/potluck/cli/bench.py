@@ -23,7 +23,7 @@ from potluck.cli.options import (
     _head_mem,
     _shares,
 )
-from potluck.cli.runtime import compute_of
+from potluck.cli.runtime import compute_of, places
 from potluck.errors import PotluckError
 
 
@@ -58,8 +58,8 @@ def bench(
     from potluck.pool.planning import PlanInputs, plan_to_compare
     from potluck.pool.survey import THIS_MACHINE, assignments_of
 
-    compute = compute_of(threads)
-    path = resolve_model(model)
+    compute, here = compute_of(threads), places()
+    path = resolve_model(model, here)
     addresses = net.found()
     if not addresses:
         raise PotluckError(
@@ -87,7 +87,7 @@ def bench(
         )
         m = load_model(
             path, ctx, assignments=assignments, auth=auth, failover_s=0,
-            wire_dtype=WIRE_DTYPES[wire_dtype], compute=compute,
+            wire_dtype=WIRE_DTYPES[wire_dtype], compute=compute, cache=here.cache,
         )  # fmt: skip
         try:
             results.append(measure(m, label, n_predict, n_prompt))

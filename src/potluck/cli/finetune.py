@@ -86,6 +86,7 @@ def finetune(
             "potluck finetune needs PyTorch: pip install 'potluck[train]' (for the CPU build: "
             "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)"
         ) from None
+    from potluck.cli.runtime import places
     from potluck.modelfile.chat import ChatTemplate
     from potluck.modelfile.gguf_file import GGUFFile
     from potluck.modelfile.hparams import hparams_from_metadata
@@ -110,7 +111,8 @@ def finetune(
             f"--targets {', '.join(bad)}: not a matrix of this model family; use some of "
             f"{','.join(DEFAULT_TARGETS)}"
         )
-    path = resolve_model(model)
+    here = places()
+    path = resolve_model(model, here)
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata, str(path))
     if ctx > hp.n_ctx_train:
@@ -155,7 +157,7 @@ def finetune(
 
         trainer: Trainer = PoolTrainer(
             hp, f, examples, config, evals, addresses, lambda a: NodeClient(a, auth),
-            _head_mem(mem) != 0, on_event,
+            _head_mem(mem) != 0, on_event, here.cache,
         )  # fmt: skip
     else:
         if _head_mem(mem) == 0:

@@ -17,7 +17,7 @@ from rich.progress import (
 from potluck.cli.config import ModelFlags, PoolFlags
 from potluck.cli.console import err
 from potluck.cli.options import WIRE_DTYPES, no_workers_for
-from potluck.cli.runtime import _backends
+from potluck.cli.runtime import _backends, places
 from potluck.errors import PotluckError
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def _load(
     from potluck.pool.planning import PlanInputs, plan_model, replanner
     from potluck.pool.survey import assignments_of
 
-    compute = flags.compute()
+    compute, here = flags.compute(), places()
     ctx = flags.ctx
     peers = finder
     if peers is None and net is not None:
@@ -61,7 +61,7 @@ def _load(
     mem = net.mem_bytes() if net is not None else None
     failover_s = net.failover_timeout if net is not None else 5.0  # checked by PoolFlags
     wire = net.wire_dtype if net is not None else "f32"
-    path = resolve_model(flags.model)
+    path = resolve_model(flags.model, here)
     loras = [parse_lora_arg(x) for x in flags.lora or []]
     t0 = time.perf_counter()
     with Progress(
@@ -127,7 +127,7 @@ def _load(
             path, ctx, splits or (), on_layer, assignments=assignments, auth=auth,
             failover_s=failover_s, replan=replan, on_failover=on_failover,
             on_transfer=on_transfer, wire_dtype=WIRE_DTYPES[wire], n_seq=n_seq, loras=loras,
-            compute=compute,
+            compute=compute, cache=here.cache,
         )  # fmt: skip
     err.print(f"[dim]{m.summary()} · loaded in {time.perf_counter() - t0:.1f} s[/]")
     for lp, scale in loras:

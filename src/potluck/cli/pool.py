@@ -25,7 +25,7 @@ from potluck.cli.options import (
     _shares,
 )
 from potluck.cli.peers import _config_dir, _dialer, _mdns_on, _static_peers
-from potluck.cli.runtime import _backends_check, _physical_cores, compute_of
+from potluck.cli.runtime import _backends_check, _physical_cores, compute_of, places
 
 
 @takes
@@ -55,7 +55,7 @@ def plan(
 
     finder = net.finder()
     compute = compute_of()
-    path = resolve_model(model)
+    path = resolve_model(model, places())
     found = net.found(finder)
     auth = net.auth() if found else None
     if batch_plan:
@@ -184,7 +184,7 @@ def doctor(
     cfg = DoctorConfig(
         pool=net.pool,
         threads=threads,
-        model=resolve_model(model) if model else None,
+        model=resolve_model(model, places()) if model else None,
         ctx=ctx,
         connect_timeout_s=timeout,
         call_timeout_s=max(timeout, 5.0),

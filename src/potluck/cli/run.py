@@ -229,11 +229,13 @@ def perplexity(
 
 def models() -> None:
     """List the GGUF models found in Potluck's cache and the Ollama, LM Studio and HF caches."""
+    from potluck.cli.runtime import places
     from potluck.modelfile.sources import find_models, search_roots
 
-    found = find_models()
+    here = places()
+    found = find_models(here)
     if not found:
-        roots = ", ".join(str(r) for r, _ in search_roots())
+        roots = ", ".join(str(r) for r, _ in search_roots(here))
         err.print(
             f"no models found in {roots}; `potluck run` fetches the default model on first use"
         )

@@ -1,16 +1,28 @@
-"""This process's compute settings, made once before anything loads: CPU threads (-t), the KV
-cache type and weight repacking, the GPU (-ngl, --device, --vram), as one `Compute` that the
-command hands to what it builds; and the line that names the ggml build's devices."""
+"""This process's settings, made once before anything loads: how it computes — CPU threads (-t),
+the KV cache type and weight repacking, the GPU (-ngl, --device, --vram) — as one `Compute`, and
+where it keeps models (`Places`, from the environment); the command hands both to what it builds.
+And the line that names the ggml build's devices."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
 if TYPE_CHECKING:
     from potluck.model.stage import Compute
+    from potluck.modelfile.sources import Places
+
+
+def places() -> Places:
+    """Where this machine keeps models: $POTLUCK_CACHE (else $XDG_CACHE_HOME/potluck, else
+    ~/.cache/potluck), and the Ollama, LM Studio and Hugging Face folders ($OLLAMA_MODELS,
+    $HF_HUB_CACHE, $HF_HOME). The only place that reads these variables."""
+    from potluck.modelfile.sources import Places
+
+    return Places.of(os.environ, Path.home())
 
 
 def _physical_cores() -> int:

@@ -15,6 +15,7 @@ from potluck.cli.config import ModelFlags, PoolFlags, takes
 from potluck.cli.console import err
 from potluck.cli.load import _load
 from potluck.cli.options import DEFAULT_PARALLEL, ParallelOpt, _port
+from potluck.cli.runtime import places
 from potluck.errors import PotluckError
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ def serve(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    here = places()
     workers: list[str] = []
     finder = net.finder()
     # many streams at once: stages even in decode time
@@ -83,10 +85,11 @@ def serve(
     used = {a.node for a in m.pipeline.assignments}
     idle = [a for a in workers if a not in used]
     ctx = flags.ctx
-    from potluck.pool.replicas import Recruiter, idle_replicas
+    from potluck.pool.replicas import Recruiter, ReplicaSpec, idle_replicas
 
     auth = net.auth()
-    extra, reload = idle_replicas(m.path, ctx, idle, auth, parallel, _say) if idle else ([], None)
+    spec = ReplicaSpec(m.path, ctx, auth, parallel, cache=here.cache)
+    extra, reload = idle_replicas(spec, idle, _say) if idle else ([], None)
     extra_schedulers: list[Scheduler] = []
 
     def replica_app(r: Model) -> FastAPI:
@@ -96,12 +99,10 @@ def serve(
 
     extra_apps = [(label, replica_app(r)) for label, r in extra]
     # ... and so do workers that come back, or are started after the server
-    recruits = Recruiter(m.path, ctx, finder, workers, auth, parallel, replica_app, extra, _say)
+    recruits = Recruiter(spec, finder, workers, replica_app, extra, _say)
     recruits.add(extra, reload)
 
-    from potluck.modelfile.sources import cache_dir
-
-    batches = batch_dir or cache_dir() / "batches"
+    batches = batch_dir or here.cache / "batches"
     config = ServerConfig(model_id=model_id_of(m), api_key=key, batch_dir=batches)
     app_ = create_app(m, scheduler, config, extra_apps, _recruit(recruits))
 

@@ -25,7 +25,7 @@ from potluck.cli.options import (
     _size,
 )
 from potluck.cli.peers import _announce, _auth, _secret
-from potluck.cli.runtime import _backends, _physical_cores, compute_of
+from potluck.cli.runtime import _backends, _physical_cores, compute_of, places
 from potluck.errors import PotluckError
 
 
@@ -103,6 +103,7 @@ def worker(
     """Serve layers to a pool: wait for a head (`potluck run --peer THIS_HOST:PORT`)."""
     import logging
 
+    from potluck.node.weights import LocalModels
     from potluck.node.worker import serve
 
     # the worker's own events (weights received, plans freed) as plain lines on stderr
@@ -128,7 +129,7 @@ def worker(
         )
     auth = _auth(secret, tls, worker=True)
     server, bound = serve(
-        host, port, settings=compute, model_dirs=tuple(model_dir or ()),
+        host, port, settings=compute, models=LocalModels(places(), tuple(model_dir or ())),
         auth=auth, mem_limit=mem_limit, idle_s=idle_timeout,
         data_port=None if no_data_port else (-1 if data_port is None else data_port),
         spin_s=spin_ms / 1000,

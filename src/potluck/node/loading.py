@@ -29,7 +29,7 @@ from potluck.modelfile.lora import LoraAdapter, open_lora
 from potluck.node.plans import LoadedStage, NodeBusyError, NodeMemoryError, PlanStore
 from potluck.node.probe import GpuOffer, trim_heap
 from potluck.node.transfer import Received, pull
-from potluck.node.weights import BlobSource, BlobStore, find_local_model, lacking, sha256_bytes
+from potluck.node.weights import BlobSource, BlobStore, LocalModels, lacking, sha256_bytes
 from potluck.transport import codec
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import PoolAuth
@@ -48,7 +48,7 @@ class Loader:
         self,
         name: str,
         settings: Compute,
-        model_dirs: tuple[Path, ...],
+        models: LocalModels,
         auth: PoolAuth | None,
         store: BlobStore,
         plans: PlanStore,
@@ -57,7 +57,7 @@ class Loader:
         wait: Wait | None,
         free: Callable[[str, str], None],
     ) -> None:
-        self.name, self.settings, self.model_dirs, self.auth = name, settings, model_dirs, auth
+        self.name, self.settings, self.models, self.auth = name, settings, models, auth
         self.store, self.plans, self.compute, self.gpu = store, plans, compute, gpu
         self.wait, self.free = wait, free  # wait: the next hop's data link polls with it
         self.expected_bytes = 0  # what the last Load asked the head for (PutTensors' progress)
@@ -86,7 +86,7 @@ class Loader:
             need = self.plans.check_memory(tensors, hp, request)  # and before any transfer
             src: WeightSource
             pulled: tuple[str, Received | None] = ("", None)  # from which peer, how much
-            local = find_local_model(request.model_sha256, request.model_bytes, self.model_dirs)
+            local = self.models.find(request.model_sha256, request.model_bytes)
             if local is not None:
                 src = GGUFFile(local)
             else:

@@ -23,6 +23,7 @@ from potluck import __version__
 from potluck.errors import PotluckError
 from potluck.model.stage import DEFAULT_COMPUTE, Compute
 from potluck.modelfile.gguf_file import GGUFFile
+from potluck.modelfile.sources import Places
 from potluck.node import doctor as node_doctor
 from potluck.node.compute import ORDER_WAIT_S, Forwarder
 from potluck.node.loading import Loader
@@ -37,7 +38,7 @@ from potluck.node.probe import (
 )
 from potluck.node.training import TrainingError, TrainSessions
 from potluck.node.transfer import receive, send_tensors
-from potluck.node.weights import BlobStore, IntegrityError, find_local_model
+from potluck.node.weights import IntegrityError, LocalModels
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.auth import PoolAuth
@@ -58,7 +59,7 @@ class NodeService(pb_grpc.NodeServicer):
         self,
         name: str,
         settings: Compute = DEFAULT_COMPUTE,
-        model_dirs: tuple[Path, ...] = (),
+        models: LocalModels | None = None,
         auth: PoolAuth | None = None,
         mem_limit: int | None = None,
         idle_s: float = DEFAULT_IDLE_S,
@@ -66,7 +67,9 @@ class NodeService(pb_grpc.NodeServicer):
     ) -> None:
         """settings: how this node computes (threads, KV cache type, repacking); the GPU it
         offers is settings.gpu (the worker's -ngl / --device / --vram)."""
-        self.name, self.settings, self.model_dirs = name, settings, model_dirs
+        self.name, self.settings = name, settings
+        # the files it may open (default: this user's caches, under its home folder)
+        self.models = models or LocalModels(Places.of({}, Path.home()))
         self.threads = settings.n_threads
         self.mem_limit, self.idle_s = mem_limit, idle_s
         self.plans = PlanStore(name, mem_limit)
@@ -76,16 +79,16 @@ class NodeService(pb_grpc.NodeServicer):
         self.wait = spin_wait(spin_s, rehearse=self.forwarder.rehearse)
         self.auth = auth  # this node proves pool membership to the next hop with it
         self.data_port = 0  # the data port (transport/dataplane.py) once serve() opened it
-        self.store = BlobStore()
+        self.store = self.models.blobs()
         with self.compute:
             self.speed = decode_bytes_per_s(threads=self.threads)  # once, before any stage loads
             self.gpu = gpu_offer(settings.gpu)  # its speed measured once too
             trim_heap()  # the probe's buffers go back to the OS
         self.loader = Loader(
-            name, settings, model_dirs, auth, self.store, self.plans, self.compute, self.gpu,
+            name, settings, self.models, auth, self.store, self.plans, self.compute, self.gpu,
             self.wait, self._free,
         )  # fmt: skip
-        self.training = TrainSessions(model_dirs, self.threads, self._memory_bytes, self.store)
+        self.training = TrainSessions(self.models, self.threads, self._memory_bytes, self.store)
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
 
     def _memory_bytes(self) -> int:
@@ -172,7 +175,7 @@ class NodeService(pb_grpc.NodeServicer):
     def GetTensors(
         self, request: pb.GetTensorsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.TensorChunk]:
-        local = find_local_model(request.model_sha256, request.model_bytes, self.model_dirs)
+        local = self.models.find(request.model_sha256, request.model_bytes)
         if local is None:
             context.abort(
                 grpc.StatusCode.NOT_FOUND,

@@ -15,13 +15,12 @@ import io
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from potluck.errors import PotluckError
-from potluck.node.weights import BlobStore
+from potluck.node.weights import BlobStore, LocalModels
 from potluck.transport import codec
 from potluck.transport import potluck_pb2 as pb
 
@@ -79,14 +78,14 @@ class TrainSessions:
 
     def __init__(
         self,
-        model_dirs: Sequence[Path],
+        models: LocalModels,
         threads: int,
         memory: Callable[[], int],
         store: BlobStore,
     ) -> None:
         """memory(): what this node offers now (usable RAM, or less with --mem). store: where
         a model's tensors are kept when the node has no file of it (received from the head)."""
-        self.model_dirs, self.threads, self.memory = list(model_dirs), threads, memory
+        self.models, self.threads, self.memory = models, threads, memory
         self.store = store
         self.sessions: dict[str, _Session] = {}
         self.lock = threading.Lock()
@@ -102,7 +101,7 @@ class TrainSessions:
         from potluck.model.stage import WeightSource
         from potluck.modelfile.gguf_file import GGUFFile, read_header
         from potluck.modelfile.hparams import hparams_from_metadata
-        from potluck.node.weights import BlobSource, find_local_model, lacking
+        from potluck.node.weights import BlobSource, lacking
         from potluck.train.loop import big_blocks_to_the_os
         from potluck.train.model import LoraModel
 
@@ -111,7 +110,7 @@ class TrainSessions:
                 f"a training step of this node's share needs about "
                 f"{request.need_bytes / 2**30:.1f} GiB, it offers {free / 2**30:.1f} GiB"
             )
-        path = find_local_model(request.model_sha256, request.model_bytes, self.model_dirs)
+        path = self.models.find(request.model_sha256, request.model_bytes)
         src: WeightSource
         if path is not None:
             f = GGUFFile(path)

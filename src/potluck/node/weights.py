@@ -13,6 +13,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ import numpy.typing as npt
 
 from potluck.errors import ModelFileError, PotluckError
 from potluck.modelfile.gguf_file import TensorInfo
-from potluck.modelfile.sources import cache_dir, find_models
+from potluck.modelfile.sources import Places, find_models
 
 _HASH_BLOCK = 8 * 2**20
 
@@ -36,16 +37,16 @@ def sha256_bytes(data: bytes | memoryview | np.ndarray) -> str:
     return hashlib.sha256(view.cast("B")).hexdigest()
 
 
-def sha256_file(path: Path) -> str:
-    """sha256 of a whole file, remembered in the cache by (path, size, mtime) — big GGUFs take seconds."""
+def sha256_file(path: Path, cache: Path | None = None) -> str:
+    """sha256 of a whole file, remembered in `cache` (Places.cache; None: not remembered) by
+    (path, size, mtime) — big GGUFs take seconds."""
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    memo = cache_dir() / "file-hashes.json"
-    known: dict[str, str]  # path|size|mtime -> sha256 hex (this function's own file)
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        known = {}
+    memo = cache / "file-hashes.json" if cache is not None else None
+    known: dict[str, str] = {}  # path|size|mtime -> sha256 hex (this function's own file)
+    if memo is not None:
+        with contextlib.suppress(OSError, ValueError):
+            known = json.loads(memo.read_text())
     if key in known:
         return known[key]
     h = hashlib.sha256()
@@ -53,6 +54,8 @@ def sha256_file(path: Path) -> str:
         while block := f.read(_HASH_BLOCK):
             h.update(block)
     known[key] = h.hexdigest()
+    if memo is None:
+        return known[key]
     memo.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(known))
@@ -64,13 +67,19 @@ _memo_lock = threading.Lock()
 
 
 def tensor_digests(
-    model_sha256: str, raw: Callable[[str], npt.NDArray[np.uint8]], names: Iterable[str]
+    model_sha256: str,
+    raw: Callable[[str], npt.NDArray[np.uint8]],
+    names: Iterable[str],
+    cache: Path | None = None,
 ) -> dict[str, str]:
-    """sha256 of each named tensor (raw(name): its bytes), remembered in the cache per model
-    hash: a 14B's tensors take seconds to hash, and the same file always gives the same ones.
-    Threads (one per node being loaded) may call it at once: each merges what it hashed."""
+    """sha256 of each named tensor (raw(name): its bytes), remembered in `cache` (Places.cache;
+    None: not remembered) per model hash: a 14B's tensors take seconds to hash, and the same file
+    always gives the same ones. Threads (one per node being loaded) may call it at once: each
+    merges what it hashed."""
     names = list(names)
-    memo = cache_dir() / "tensor-hashes" / f"{model_sha256}.json"
+    if cache is None:
+        return {name: sha256_bytes(raw(name)) for name in names}
+    memo = cache / "tensor-hashes" / f"{model_sha256}.json"
 
     def known() -> dict[str, str]:
         try:
@@ -92,24 +101,39 @@ def tensor_digests(
     return {name: out[name] for name in names}
 
 
-def find_local_model(sha256: str, size: int, extra_dirs: Iterable[Path] = ()) -> Path | None:
-    """A GGUF on this machine with this size and sha256 (only same-size files are hashed)."""
-    candidates = [m.path for m in find_models() if m.size_bytes == size]
-    for d in extra_dirs:
-        candidates += [
-            p for p in Path(d).glob("*.gguf") if p.is_file() and p.stat().st_size == size
-        ]
-    for p in dict.fromkeys(candidates):
-        if sha256_file(p) == sha256:
-            return p
-    return None
+@dataclass(frozen=True)
+class LocalModels:
+    """The model files a node may open: those found in `places` (Potluck's cache, Ollama, LM
+    Studio, Hugging Face) and in `extra_dirs` (the worker's --model-dir). A node never opens a
+    path it is sent: it finds a file by size and hash itself."""
+
+    places: Places
+    extra_dirs: tuple[Path, ...] = ()
+
+    def find(self, sha256: str, size: int) -> Path | None:
+        """A GGUF with this size and sha256 (only same-size files are hashed; the hashes are
+        remembered in places.cache)."""
+        candidates = [m.path for m in find_models(self.places) if m.size_bytes == size]
+        for d in self.extra_dirs:
+            candidates += [
+                p for p in Path(d).glob("*.gguf") if p.is_file() and p.stat().st_size == size
+            ]
+        for p in dict.fromkeys(candidates):
+            if sha256_file(p, self.places.cache) == sha256:
+                return p
+        return None
+
+    def blobs(self) -> BlobStore:
+        """The tensors this node received, kept by hash under places.cache."""
+        return BlobStore(self.places.cache / "blobs")
 
 
 class BlobStore:
     """Tensors kept on disk by content hash: <root>/<sha256>."""
 
-    def __init__(self, root: Path | None = None) -> None:
-        self.root = root or cache_dir() / "blobs"
+    def __init__(self, root: Path) -> None:
+        """root: a folder of its own (a worker's: Places.cache / "blobs")."""
+        self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 
@@ -18,6 +17,7 @@ from potluck.errors import PotluckError
 from potluck.model.stage import DEFAULT_COMPUTE, Compute
 from potluck.node.plans import DEFAULT_IDLE_S
 from potluck.node.service import NodeService
+from potluck.node.weights import LocalModels
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.auth import AuthService, Handshakes, PoolAuth, SessionTable
 from potluck.transport.client import NODE_SERVER_OPTIONS
@@ -44,7 +44,7 @@ class NodeServer:
 
 
 def serve(host: str, port: int, name: str | None = None, settings: Compute = DEFAULT_COMPUTE,
-          model_dirs: tuple[Path, ...] = (), auth: PoolAuth | None = None,
+          models: LocalModels | None = None, auth: PoolAuth | None = None,
           mem_limit: int | None = None, idle_s: float = DEFAULT_IDLE_S,
           data_port: int | None = -1, spin_s: float = DEFAULT_SPIN_S,
           ) -> tuple[NodeServer, int]:  # fmt: skip
@@ -54,6 +54,7 @@ def serve(host: str, port: int, name: str | None = None, settings: Compute = DEF
     With TLS the data port speaks TLS with the node's certificate. spin_s: how long the node polls
     its data connections for the next frame before it blocks (transport/spin.py; 0 = never).
     settings: how this node computes (-t, --cache-type, --no-repack, -ngl, --device, --vram).
+    models: the model files it may open and where it keeps received tensors (node/weights.py).
 
     With a pool secret in `auth`, every call but Hello and the handshake needs a session
     (transport/guard.py); with `auth.tls` the node serves TLS with its own certificate."""
@@ -65,7 +66,7 @@ def serve(host: str, port: int, name: str | None = None, settings: Compute = DEF
         interceptors=[Guard(auth, sessions)],
     )
     service = NodeService(
-        name or f"{host}:{port}", settings, model_dirs, auth, mem_limit, idle_s, spin_s
+        name or f"{host}:{port}", settings, models, auth, mem_limit, idle_s, spin_s
     )
     # the generated gRPC module is unannotated (grpc's plugin writes no type hints)
     pb_grpc.add_NodeServicer_to_server(service, server)  # type: ignore[no-untyped-call]

@@ -115,9 +115,12 @@ class RemotePipeline:
         n_seq: int = 1,
         adapters: Sequence[LoraAdapter] = (),
         compute: Compute = DEFAULT_COMPUTE,
+        cache: Path | None = None,
     ) -> None:
         """adapters: LoRA adapters, each node getting the part for its own layers (LoadRequest).
-        compute: how this machine computes a first stage it holds (threads, GPU, ...).
+        compute: how this machine computes a first stage it holds (threads, GPU, ...). cache:
+        where the model's file and tensor hashes are remembered (Places.cache; None: hashed
+        each time).
         on_transfer(node, bytes sent, bytes to send) reports weights shipped to a node that
         lacks the model file. head_id: who loads the plan (this process by default): a node lets
         that head's older plans go first when it needs room. n_seq: sequences at once (serve's
@@ -132,10 +135,11 @@ class RemotePipeline:
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire dtype {wire_dtype!r}: use one of {', '.join(WIRE_DTYPES)}")
         self.wire = wire_dtype
-        self.model_sha = sha256_file(file.path)
+        self.cache = cache
+        self.model_sha = sha256_file(file.path, cache)
         self.adapters = list(adapters)
         self.head_id = head_id or HEAD_ID
-        with_adapters = self.model_sha + "".join(sha256_file(a.path) for a in self.adapters)
+        with_adapters = self.model_sha + "".join(sha256_file(a.path, cache) for a in self.adapters)
         self.plan_id = plan_id_of(with_adapters, self.assignments, n_ctx, epoch, self.head_id)
         self.local: Stage | None = None
         if assignments[0].node == LOCAL:
@@ -201,7 +205,7 @@ class RemotePipeline:
             a, client = remotes[i], self.clients[i]
             nxt = remotes[i + 1].node if i + 1 < len(remotes) else ""
             names = stage_tensor_names(file.tensors.values(), hp.n_layer, a.start, a.stop)
-            digests = tensor_digests(self.model_sha, file.raw, names)
+            digests = tensor_digests(self.model_sha, file.raw, names, self.cache)
             req = load_request(
                 plan_id=self.plan_id, model_sha256=self.model_sha, start=a.start, stop=a.stop, n_ctx=n_ctx,
                 next_hop=nxt, metadata_gguf=header, tensor_sha256=digests, wire_dtype=wire_dtype,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
@@ -33,34 +34,43 @@ App = TypeVar("App")  # a replica's app (api/: an ASGI app)
 Reload = Callable[[str], "Model | None"]  # reload(label): a failed replica loaded again, or None
 
 
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica of a job loads: the model, its context (None: the default) and the
+    sequences at once each replica serves, how this head proves membership, how this machine
+    computes its own replica, and where the model's hashes are remembered (Places.cache)."""
+
+    path: Path
+    n_ctx: int | None
+    auth: PoolAuth | None
+    n_seq: int
+    compute: Compute = DEFAULT_COMPUTE
+    cache: Path | None = None
+
+
 def load_replicas(
-    path: Path,
-    n_ctx: int | None,
-    replicas: Sequence[Replica],
-    nodes: Sequence[str],
-    links: Links,
-    auth: PoolAuth | None,
-    n_seq: int,
-    compute: Compute = DEFAULT_COMPUTE,
+    spec: ReplicaSpec, replicas: Sequence[Replica], nodes: Sequence[str], links: Links
 ) -> list[tuple[str, Model]]:
     """(label, model) per replica, in order; `nodes` (every node of the pool) may send weights
-    to a node without the file; this machine's replica computes with `compute`. On an error,
-    the replicas loaded so far are closed."""
+    to a node without the file. On an error, the replicas loaded so far are closed."""
     out: list[tuple[str, Model]] = []
     try:
         for r in replicas:
             if r.plan is not None:  # a pipeline over several nodes
                 plan: Sequence[Assignment] = assignments_of(r.plan)
             elif r.nodes[0] == THIS_MACHINE:
-                out.append((r.label, load_model(path, n_ctx, n_seq=n_seq, compute=compute)))
+                model = load_model(
+                    spec.path, spec.n_ctx, n_seq=spec.n_seq, compute=spec.compute
+                )  # fmt: skip
+                out.append((r.label, model))
                 continue
             else:
                 node = r.nodes[0]
                 sources = tuple(weight_sources(node, nodes, links))
-                hp_layers = _n_layer(path)
-                plan = [Assignment(node, 0, hp_layers, sources=sources)]
+                plan = [Assignment(node, 0, _n_layer(spec.path), sources=sources)]
             model = load_model(
-                path, n_ctx, assignments=plan, auth=auth, failover_s=0, n_seq=n_seq
+                spec.path, spec.n_ctx, assignments=plan, auth=spec.auth, failover_s=0,
+                n_seq=spec.n_seq, cache=spec.cache,
             )  # fmt: skip
             out.append((r.label, model))
     except BaseException:
@@ -71,13 +81,7 @@ def load_replicas(
 
 
 def reloader(
-    path: Path,
-    n_ctx: int | None,
-    replicas: Sequence[Replica],
-    nodes: Sequence[str],
-    links: Links,
-    auth: PoolAuth | None,
-    n_seq: int,
+    spec: ReplicaSpec, replicas: Sequence[Replica], nodes: Sequence[str], links: Links
 ) -> Callable[[str], Model | None]:
     """reload(label): the replica of that label loaded again if it is a single machine that
     answers now; else None (a pipeline, this machine, not back yet, or the load failed).
@@ -86,26 +90,20 @@ def reloader(
 
     def reload(label: str) -> Model | None:
         r = by_label.get(label)
-        return None if r is None else _reload(path, n_ctx, r, nodes, links, auth, n_seq)
+        return None if r is None else _reload(spec, r, nodes, links)
 
     return reload
 
 
 def _reload(
-    path: Path,
-    n_ctx: int | None,
-    replica: Replica,
-    nodes: Sequence[str],
-    links: Links,
-    auth: PoolAuth | None,
-    n_seq: int,
+    spec: ReplicaSpec, replica: Replica, nodes: Sequence[str], links: Links
 ) -> Model | None:
     from potluck.transport.client import NodeClient
 
     node = replica.nodes[0]
     if replica.plan is not None or node == THIS_MACHINE:
         return None  # this machine's replica does not fail; a pipeline is not reloaded
-    client = NodeClient(node, auth)
+    client = NodeClient(node, spec.auth)
     try:
         client.hello(timeout=2.0)
     except PotluckError:
@@ -113,7 +111,7 @@ def _reload(
     finally:
         client.close()
     try:
-        return load_replicas(path, n_ctx, [replica], nodes, links, auth, n_seq)[0][1]
+        return load_replicas(spec, [replica], nodes, links)[0][1]
     except PotluckError:
         return None
 
@@ -133,20 +131,15 @@ class Say(Protocol):
 
 
 def batch_replicas(
-    path: Path,
-    n_ctx: int | None,
-    addresses: Sequence[str],
-    auth: PoolAuth,
-    mem: int | None,
-    n_seq: int,
-    say: Say,
-    compute: Compute = DEFAULT_COMPUTE,
+    spec: ReplicaSpec, addresses: Sequence[str], mem: int | None, say: Say
 ) -> tuple[list[tuple[str, Model]], Reload]:
     """`potluck batch`'s replicas over the workers found, loaded: each machine that holds the
     whole model is a replica, the others one pipeline (planner/replicas.py); and reload(label),
-    a failed single-machine replica loaded again once its machine answers (blocking). compute:
-    how this machine computes (its speed is measured so, and its replica runs so)."""
-    inputs = PlanInputs(path, n_ctx, auth, mem=mem, n_seq=n_seq, compute=compute)
+    a failed single-machine replica loaded again once its machine answers (blocking). mem: the
+    most this machine offers (--mem; 0: no replica here)."""
+    inputs = PlanInputs(
+        spec.path, spec.n_ctx, spec.auth, mem=mem, n_seq=spec.n_seq, compute=spec.compute
+    )
     nodes, links, fp = survey_model(inputs, list(addresses))
     plan = plan_replicas(fp, nodes, links)
     for r in plan.replicas:
@@ -155,18 +148,18 @@ def batch_replicas(
     for node, why in plan.left_out:
         say(f"  left out {node}: {why}")
     names = [n.name for n in nodes]
-    reload = reloader(path, n_ctx, plan.replicas, names, links, auth, n_seq)
-    loaded = load_replicas(path, n_ctx, plan.replicas, names, links, auth, n_seq, compute)
-    return loaded, reload
+    reload = reloader(spec, plan.replicas, names, links)
+    return load_replicas(spec, plan.replicas, names, links), reload
 
 
 def idle_replicas(
-    path: Path, n_ctx: int | None, idle: Sequence[str], auth: PoolAuth, n_seq: int, say: Say
+    spec: ReplicaSpec, idle: Sequence[str], say: Say
 ) -> tuple[list[tuple[str, Model]], Reload | None]:
     """Batch replicas for `serve` on the workers its plan leaves idle: each that can hold the
     whole model alone (this machine serves, so it offers none); none when none can."""
     # this machine serves: it offers no memory for a replica
-    nodes, links, fp = survey_model(PlanInputs(path, n_ctx, auth, mem=0, n_seq=n_seq), list(idle))
+    inputs = PlanInputs(spec.path, spec.n_ctx, spec.auth, mem=0, n_seq=spec.n_seq)
+    nodes, links, fp = survey_model(inputs, list(idle))
     try:
         plan = plan_replicas(fp, nodes, links)
     except NotEnoughMemoryError as exc:
@@ -176,8 +169,8 @@ def idle_replicas(
     for r in usable:
         say(f"batch replica {r.label}: the whole model, for batch jobs")
     names = [n.name for n in nodes]
-    reload = reloader(path, n_ctx, usable, names, links, auth, n_seq)
-    return load_replicas(path, n_ctx, usable, names, links, auth, n_seq), reload
+    reload = reloader(spec, usable, names, links)
+    return load_replicas(spec, usable, names, links), reload
 
 
 class Recruiter(Generic[App]):
@@ -188,13 +181,12 @@ class Recruiter(Generic[App]):
     model loaded, for closing."""
 
     def __init__(
-        self, path: Path, n_ctx: int | None, finder: PeerFinder, known: Sequence[str],
-        auth: PoolAuth, n_seq: int, make_app: Callable[[Model], App],
-        replicas: list[tuple[str, Model]], say: Say,
+        self, spec: ReplicaSpec, finder: PeerFinder, known: Sequence[str],
+        make_app: Callable[[Model], App], replicas: list[tuple[str, Model]], say: Say,
     ) -> None:  # fmt: skip
-        self.path, self.n_ctx, self.finder, self.n_seq = path, n_ctx, finder, n_seq
+        self.spec, self.finder = spec, finder
         self.known: set[str] = set(known)  # workers used or tried already
-        self.auth, self.make_app, self.replicas, self.say = auth, make_app, replicas, say
+        self.make_app, self.replicas, self.say = make_app, replicas, say
         self.reloads: dict[str, Reload] = {}  # label -> reload(label)
 
     def add(self, loaded: Sequence[tuple[str, Model]], reload: Reload | None) -> None:
@@ -216,9 +208,7 @@ class Recruiter(Generic[App]):
             return []
         self.known.update(new)
         try:
-            loaded, reload = await asyncio.to_thread(
-                idle_replicas, self.path, self.n_ctx, new, self.auth, self.n_seq, self.say
-            )
+            loaded, reload = await asyncio.to_thread(idle_replicas, self.spec, new, self.say)
         except PotluckError as exc:
             self.say(f"worker {', '.join(new)} found, but not used: {exc}", notable=True)
             return []
@@ -230,6 +220,6 @@ class Recruiter(Generic[App]):
         from potluck.discovery.pool import member
         from potluck.transport.client import NodeClient
 
-        admit = member(lambda a: NodeClient(a, self.auth))
+        admit = member(lambda a: NodeClient(a, self.spec.auth))
         found = self.finder.again(lambda p: "" if p.address in self.known else admit(p))
         return [p.address for p in found.peers if p.address not in self.known]

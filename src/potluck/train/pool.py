@@ -45,7 +45,8 @@ class PoolTrainer(Trainer):
     """A Trainer whose steps are shared with `nodes` (addresses; dial(address) connects, again
     after a node went away: a fresh connection, not one in backoff). head_share: whether
     this machine computes a share too (--mem 0: it only sums). on_event(text): what happened to
-    a node (gone, back)."""
+    a node (gone, back). cache: where the model's hashes are remembered (Places.cache; None:
+    hashed each time)."""
 
     def __init__(
         self,
@@ -58,12 +59,14 @@ class PoolTrainer(Trainer):
         dial: Callable[[str], NodeClient],
         head_share: bool = True,
         on_event: Callable[[str], None] = lambda text: None,
+        cache: Path | None = None,
     ) -> None:
         super().__init__(hp, f, examples, config, evals)
         self.dial, self.head_share, self.on_event = dial, head_share, on_event
         self.nodes = {a: dial(a) for a in nodes}
         self.session = uuid.uuid4().hex
-        self.sha = sha256_file(f.path)
+        self.cache = cache
+        self.sha = sha256_file(f.path, cache)
         self.alive: list[str] = []
         self.dropped: list[str] = []
         self._refused: dict[str, str] = {}  # why a node could not open a session, last time
@@ -136,7 +139,9 @@ class PoolTrainer(Trainer):
 
     def _digests(self) -> dict[str, str]:
         if not self._tensor_sha:
-            self._tensor_sha = tensor_digests(self.sha, self.f.raw, list(self.f.tensors))
+            self._tensor_sha = tensor_digests(
+                self.sha, self.f.raw, list(self.f.tensors), self.cache
+            )
         return self._tensor_sha
 
     def _drop(self, address: str, why: str) -> None:
