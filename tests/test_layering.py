@@ -114,10 +114,10 @@ def _wire_constructions(path: Path) -> list[str]:
 @pytest.mark.parametrize("package", ["engine", "pool", "train", "discovery", "node", "api", "cli"])
 def test_wire_messages_are_built_only_in_transport(package: str) -> None:
     """No package builds a protobuf message itself: transport/codec.py (or NodeClient's typed
-    methods) does, from plain values; the rest only reads what comes back (issue 17). The one
-    exception is node/service.py, the node's gRPC servicer: its wire edge builds its replies."""
+    methods) does, from plain values; the rest only reads what comes back (issue 17), the
+    node's gRPC servicer (node/service.py) included."""
     src = Path(potluck.__file__).parent
-    paths = [p for p in sorted((src / package).rglob("*.py")) if p != src / "node" / "service.py"]
+    paths = sorted((src / package).rglob("*.py"))
     found = [hit for path in paths for hit in _wire_constructions(path)]
     assert not found, f"potluck.{package} builds wire messages: {found}"
 

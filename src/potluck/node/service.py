@@ -39,6 +39,7 @@ from potluck.node.probe import (
 from potluck.node.training import TrainingError, TrainSessions
 from potluck.node.transfer import receive, send_tensors
 from potluck.node.weights import IntegrityError, LocalModels
+from potluck.transport import codec
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.auth import PoolAuth
@@ -133,29 +134,20 @@ class NodeService(pb_grpc.NodeServicer):
         for plan_id in request.plan_ids[: MAX_PLANS * 4]:
             if (loaded := self.plans.get(plan_id)) is not None:
                 loaded.last_used = now
-        return pb.HelloReply(
-            protocol_version=PROTOCOL_VERSION,
-            node_name=self.name,
-            potluck_version=__version__,
-            devices=self._devices(),
-            physical_cores=physical_cores(),
-            decode_bytes_per_s=self.speed,
-            data_port=self.data_port,
+        return codec.hello_reply(
+            self.name, __version__, self._devices(), physical_cores(), self.speed, self.data_port
         )
 
-    def _devices(self) -> list[pb.Device]:
-        cpu = pb.Device(
-            kind="cpu", name="CPU", memory_bytes=self._memory_bytes(), bytes_per_s=self.speed
-        )
+    def _devices(self) -> list[codec.DeviceOffer]:
+        cpu = codec.DeviceOffer("cpu", "CPU", self._memory_bytes(), self.speed)
         if self.gpu is None:
             return [cpu]
         now = gpu_offer(self.settings.gpu)  # free memory now (the speed is the one measured first)
         free = now.memory_bytes if now is not None else 0
         return [
             cpu,
-            pb.Device(
-                kind="gpu", name=self.gpu.name, memory_bytes=free,
-                bytes_per_s=self.gpu.bytes_per_s, max_layers=self.gpu.max_layers,
+            codec.DeviceOffer(
+                "gpu", self.gpu.name, free, self.gpu.bytes_per_s, self.gpu.max_layers
             ),
         ]  # fmt: skip
 
@@ -170,7 +162,7 @@ class NodeService(pb_grpc.NodeServicer):
             got = receive(self.store, request_iterator, self.loader.expected_bytes, "the head")
         except (IntegrityError, WireError) as exc:
             context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
-        return pb.PutReply(received=got.tensors)
+        return codec.put_reply(got.tensors)
 
     def GetTensors(
         self, request: pb.GetTensorsRequest, context: grpc.ServicerContext
@@ -219,7 +211,7 @@ class NodeService(pb_grpc.NodeServicer):
                     loaded.next_hop.drop(request, timeout=2.0)
             self._free(request.plan_id, "its head is done with it")
             trim_heap()
-            return pb.DropReply()
+            return codec.drop_reply()
         self.forwarder.follow.forget(request.plan_id, list(request.seq_ids))
         if loaded is not None:
             with self.compute:
@@ -231,7 +223,7 @@ class NodeService(pb_grpc.NodeServicer):
                     PotluckError
                 ):  # a node that is gone frees its memory anyway
                     loaded.next_hop.drop(request)
-        return pb.DropReply()
+        return codec.drop_reply()
 
     # -- data-parallel LoRA training (node/training.py) -------------------------------------------
     def TrainOpen(
@@ -273,7 +265,7 @@ class NodeService(pb_grpc.NodeServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"echo of {request.reply_bytes} bytes asked, at most {ECHO_MAX_BYTES}",
             )
-        return pb.EchoReply(payload=bytes(request.reply_bytes))
+        return codec.echo_reply(request.reply_bytes)
 
     def ProbeLink(
         self, request: pb.ProbeLinkRequest, context: grpc.ServicerContext
@@ -292,7 +284,7 @@ class NodeService(pb_grpc.NodeServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.address}: {exc.details()}")
         finally:
             client.close()
-        return pb.ProbeLinkReply(latency_s=m.latency_s, bytes_per_s=m.bytes_per_s)
+        return codec.probe_link_reply(m.latency_s, m.bytes_per_s)
 
     def ProbeSpeed(
         self, request: pb.ProbeSpeedRequest, context: grpc.ServicerContext
@@ -305,18 +297,14 @@ class NodeService(pb_grpc.NodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no matrices to probe")
         with self.compute:  # never beside a forward pass: it would time both
             speed = model_bytes_per_s(matrices, self.threads)
-        return pb.ProbeSpeedReply(bytes_per_s=speed)
+        return codec.probe_speed_reply(speed)
 
     def Describe(
         self, request: pb.DescribeRequest, context: grpc.ServicerContext
     ) -> pb.DescribeReply:
         d = node_doctor.describe(self.threads)
-        return pb.DescribeReply(
-            threads=d.threads,
-            physical_cores=d.physical_cores,
-            logical_cores=d.logical_cores,
-            os=d.os,
-            memory_bytes=d.memory_bytes,
+        return codec.describe_reply(
+            d.threads, d.physical_cores, d.logical_cores, d.os, d.memory_bytes
         )
 
     def Stress(
@@ -335,4 +323,4 @@ class NodeService(pb_grpc.NodeServicer):
         for t, speed in node_doctor.load_samples(seconds, interval, self.threads, self.compute):
             if not context.is_active():  # the head went away: stop loading the CPU
                 return
-            yield pb.StressSample(t=t, bytes_per_s=speed)
+            yield codec.stress_sample(t, speed)

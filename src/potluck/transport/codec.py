@@ -4,10 +4,10 @@ conversion between protobuf and tensors / dataclasses, checking everything recei
 The first half converts the values inside messages (tensors, sampling, probe matrices, adapters);
 every size and shape from the network is checked before use (no unpickling, no paths). The second
 half builds the messages themselves from plain values: the requests a head sends its nodes, and the
-answers a node builds outside its servicer (node/service.py, the node's wire edge, builds its own
-replies). Outside transport/ and node/service.py no module constructs a wire message
-(tests/test_layering.py): the pool, the trainer, discovery and the node's handlers call these (or
-NodeClient's typed methods, which call them) and read what comes back.
+answers a node gives (its servicer's, its forward replies, its training replies). Outside
+transport/ no module constructs a wire message (tests/test_layering.py): the pool, the trainer,
+discovery and the node call these (or NodeClient's typed methods, which call them) and read what
+comes back.
 
 Over 400 lines on purpose: one file is the whole of what crosses the wire, so that a change of the
 protocol (PROTOCOL_VERSION) is read and reviewed in one place.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -203,6 +204,78 @@ def probe_speed_request(matrices: Iterable[Matrix]) -> pb.ProbeSpeedRequest:
 
 def probe_link_request(address: str) -> pb.ProbeLinkRequest:
     return pb.ProbeLinkRequest(address=address)
+
+
+# -- a node's answers about itself and its links (node/service.py) ---------------------------------
+@dataclass(frozen=True)
+class DeviceOffer:
+    """One device a node offers in its Hello: kind "cpu" or "gpu", ggml's name, the memory it
+    offers (bytes), its measured decode speed (weight bytes/s), and for a GPU the most layers."""
+
+    kind: str
+    name: str
+    memory_bytes: int
+    bytes_per_s: float
+    max_layers: int = 0
+
+
+def hello_reply(
+    node_name: str, version: str, devices: Sequence[DeviceOffer], physical_cores: int,
+    decode_bytes_per_s: float, data_port: int,
+) -> pb.HelloReply:  # fmt: skip
+    return pb.HelloReply(
+        protocol_version=PROTOCOL_VERSION,
+        node_name=node_name,
+        potluck_version=version,
+        devices=[
+            pb.Device(
+                kind=d.kind,
+                name=d.name,
+                memory_bytes=d.memory_bytes,
+                bytes_per_s=d.bytes_per_s,
+                max_layers=d.max_layers,
+            )  # fmt: skip
+            for d in devices
+        ],
+        physical_cores=physical_cores,
+        decode_bytes_per_s=decode_bytes_per_s,
+        data_port=data_port,
+    )
+
+
+def put_reply(received: int) -> pb.PutReply:
+    """received: tensors stored (PutTensors)."""
+    return pb.PutReply(received=received)
+
+
+def drop_reply() -> pb.DropReply:
+    return pb.DropReply()
+
+
+def echo_reply(reply_bytes: int) -> pb.EchoReply:
+    return pb.EchoReply(payload=bytes(reply_bytes))
+
+
+def probe_link_reply(latency_s: float, bytes_per_s: float) -> pb.ProbeLinkReply:
+    return pb.ProbeLinkReply(latency_s=latency_s, bytes_per_s=bytes_per_s)
+
+
+def probe_speed_reply(bytes_per_s: float) -> pb.ProbeSpeedReply:
+    return pb.ProbeSpeedReply(bytes_per_s=bytes_per_s)
+
+
+def describe_reply(
+    threads: int, physical_cores: int, logical_cores: int, os: str, memory_bytes: int
+) -> pb.DescribeReply:
+    return pb.DescribeReply(
+        threads=threads, physical_cores=physical_cores, logical_cores=logical_cores, os=os,
+        memory_bytes=memory_bytes,
+    )  # fmt: skip
+
+
+def stress_sample(t: float, bytes_per_s: float) -> pb.StressSample:
+    """One interval of a load probe: seconds since its start, weight bytes/s in it."""
+    return pb.StressSample(t=t, bytes_per_s=bytes_per_s)
 
 
 # -- a plan: load, forward, drop --------------------------------------------------------------------
