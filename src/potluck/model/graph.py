@@ -12,7 +12,6 @@ to, the attention masks and the rows whose logits are wanted.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -249,9 +248,12 @@ class StepGraph:
             _set(self.inp_ids, np.ascontiguousarray(x, np.int32))
         else:
             _set(self.inp_x, np.ascontiguousarray(x, np.float32))
-        pos = np.concatenate(
-            [np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, self.sizes, strict=True)]
-        )
+        if len(starts) == 1:  # (one sequence: every decode step alone and every prompt)
+            pos = np.arange(starts[0], starts[0] + self.total, dtype=np.int32)
+        else:
+            pos = np.concatenate(
+                [np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, self.sizes, strict=True)]
+            )
         _set(self.inp_pos, pos)
         t0 = 0
         for c, (s, n, n_kv) in enumerate(zip(starts, self.sizes, self.n_kv, strict=True)):
@@ -287,6 +289,10 @@ class StepGraph:
 def causal_mask(start: int, n: int, n_kv: int, window: int) -> npt.NDArray[np.float16]:
     """f16 [n, n_kv]: 0 where token t (at position start + t) may attend to cache row j, -inf
     elsewhere: j ≤ its position, and with a sliding window, its position - j < window."""
+    if n == 1:  # a decode step: one row, a run of zeros
+        row = np.full((1, n_kv), -np.inf, np.float16)
+        row[0, max(0, start - window + 1) if window else 0 : start + 1] = 0
+        return row
     pos = np.arange(start, start + n)[:, None]
     j = np.arange(n_kv)[None, :]
     ok = j <= pos
@@ -296,4 +302,4 @@ def causal_mask(start: int, n: int, n_kv: int, window: int) -> npt.NDArray[np.fl
 
 
 def _set(t: int, a: npt.NDArray[np.generic]) -> None:
-    lib.ggml_backend_tensor_set(t, a.ctypes.data_as(ctypes.c_void_p), 0, a.nbytes)
+    lib.ggml_backend_tensor_set(t, a.ctypes.data, 0, a.nbytes)

@@ -380,6 +380,8 @@ class Stage:
         if self.is_last:
             if logits_rows is not None:
                 rows = np.asarray(logits_rows, np.int32).reshape(-1)
+            elif len(chunks) == 1:
+                rows = np.array([total - 1], np.int32)
             else:
                 rows = (np.cumsum([c.n for c in chunks]) - 1).astype(np.int32)
             if rows.size and (rows.min() < 0 or rows.max() >= total):
