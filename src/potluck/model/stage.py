@@ -92,6 +92,15 @@ class Compute:
 DEFAULT_COMPUTE = Compute()
 
 
+def _within(a: np.ndarray, end: int) -> bool:
+    """Every value of a non-empty integer array in [0, end). (A decode step's one or few values
+    are checked in Python: two numpy reductions cost more there than the whole check.)"""
+    if a.size <= 16:
+        values: list[int] = a.ravel().tolist()
+        return min(values) >= 0 and max(values) < end
+    return int(a.min()) >= 0 and int(a.max()) < end
+
+
 def _no(name: str) -> bool:
     return False
 
@@ -365,7 +374,7 @@ class Stage:
         total = sum(c.n for c in chunks)
         if x.shape[0] != total:
             raise ValueError(f"input has {x.shape[0]} rows but the chunks add up to {total}")
-        if self.is_first and x.size and (int(x.min()) < 0 or int(x.max()) >= self.hp.n_vocab):
+        if self.is_first and x.size and not _within(x, self.hp.n_vocab):
             bad = x[(x < 0) | (x >= self.hp.n_vocab)][0]
             raise ValueError(
                 f"token id {int(bad)} is outside the vocabulary [0, {self.hp.n_vocab})"
@@ -380,12 +389,12 @@ class Stage:
         if self.is_last:
             if logits_rows is not None:
                 rows = np.asarray(logits_rows, np.int32).reshape(-1)
+                if rows.size and not _within(rows, total):
+                    raise ValueError(f"logits rows {rows.tolist()} are outside [0, {total})")
             elif len(chunks) == 1:
                 rows = np.array([total - 1], np.int32)
             else:
                 rows = (np.cumsum([c.n for c in chunks]) - 1).astype(np.int32)
-            if rows.size and (rows.min() < 0 or rows.max() >= total):
-                raise ValueError(f"logits rows {rows.tolist()} are outside [0, {total})")
             n_rows = int(rows.size)
         shape = StepShape.of(caches, [c.n for c in chunks], n_rows)
         if self._graph is None or self._graph.shape != shape:
