@@ -252,7 +252,10 @@ class StepGraph:
             pos = np.arange(starts[0], starts[0] + self.total, dtype=np.int32)
         else:
             pos = np.concatenate(
-                [np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, self.sizes, strict=True)]
+                [
+                    np.arange(s, s + n, dtype=np.int32)
+                    for s, n in zip(starts, self.sizes, strict=True)
+                ]
             )
         _set(self.inp_pos, pos)
         t0 = 0
