@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from potluck.api.batch import Recruit
     from potluck.discovery.pool import PeerFinder
     from potluck.engine.generate import Model
-    from potluck.pool.replicas import Recruiter, Reload
+    from potluck.pool.replicas import Recruiter, Reload, ReplicaSpec
 
 
 @takes
@@ -88,11 +88,14 @@ def batch(
     if already == len(items):
         err.print(f"every request is done: {output}")
         return
+    from potluck.modelfile.sources import resolve_model
+    from potluck.pool.replicas import Recruiter, ReplicaSpec
+
+    compute, here = compute_of(threads), places()
+    spec = ReplicaSpec(resolve_model(model, here), ctx, net.auth(), parallel, compute, here.cache)
     finder = net.finder()
     workers: list[str] = []
-    replicas, reload = _replicas(
-        model, ctx, threads, finder, net, _head_mem(mem), parallel, workers
-    )  # fmt: skip
+    replicas, reload = _replicas(spec, finder, net, _head_mem(mem), workers)
     schedulers: list[Scheduler] = []
 
     def app_of(m: Model) -> FastAPI:
@@ -101,11 +104,6 @@ def batch(
         return create_app(m, schedulers[-1], ServerConfig(model_id=model_id_of(m), api_key=None))
 
     apps = [(label, app_of(m)) for label, m in replicas]
-    path = replicas[0][1].path
-    from potluck.cli.runtime import places
-    from potluck.pool.replicas import Recruiter, ReplicaSpec
-
-    spec = ReplicaSpec(path, ctx, net.auth(), parallel, cache=places().cache)
     recruits = Recruiter(spec, finder, workers, app_of, replicas, _say)
     recruits.add(replicas, reload)
 
@@ -170,25 +168,20 @@ def _recruit(recruiter: Recruiter[FastAPI]) -> Recruit:
 
 
 def _replicas(
-    model: str | None, ctx: int | None, threads: int | None, finder: PeerFinder,
-    net: PeersFlags, mem: int | None, n_seq: int, found: list[str],
-) -> tuple[list[tuple[str, Model]], Reload | None]:  # fmt: skip
+    spec: ReplicaSpec, finder: PeerFinder, net: PeersFlags, mem: int | None, found: list[str]
+) -> tuple[list[tuple[str, Model]], Reload | None]:
     """The batch job's replicas, loaded: ([(label, Model)], reload). Alone: this machine. With
     workers: pool/replicas.batch_replicas (reload(label): a failed single-machine replica loaded
     again if its machine answers, else None; blocking)."""
     from potluck.engine.generate import load_model
-    from potluck.modelfile.sources import resolve_model
-    from potluck.pool.replicas import ReplicaSpec, batch_replicas
+    from potluck.pool.replicas import batch_replicas
 
-    compute, here = compute_of(threads), places()
-    path = resolve_model(model, here)
     addresses = net.found(finder)
     found.extend(addresses)
     if not addresses:
         if mem == 0:
             raise no_workers_for("the model")
-        m = load_model(path, ctx, n_seq=n_seq, compute=compute)
+        m = load_model(spec.path, spec.n_ctx, n_seq=spec.n_seq, compute=spec.compute)
         err.print(f"[dim]{m.summary()}[/]")
         return [("this machine", m)], lambda label: None
-    spec = ReplicaSpec(path, ctx, net.auth(), n_seq, compute, here.cache)
     return batch_replicas(spec, addresses, mem, _say)

@@ -24,7 +24,7 @@ from potluck.cli.options import (
     _head_mem,
     no_workers_for,
 )
-from potluck.cli.runtime import _physical_cores
+from potluck.cli.runtime import compute_of
 from potluck.errors import PotluckError
 
 
@@ -104,7 +104,7 @@ def finetune(
     )
     from potluck.train.model import DEFAULT_TARGETS
 
-    torch.set_num_threads(threads or _physical_cores())
+    torch.set_num_threads(compute_of(threads).n_threads)
     wanted = tuple(t.strip() for t in targets.split(",") if t.strip())
     if bad := [t for t in wanted if t not in DEFAULT_TARGETS]:
         raise typer.BadParameter(

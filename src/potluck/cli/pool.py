@@ -25,7 +25,7 @@ from potluck.cli.options import (
     _shares,
 )
 from potluck.cli.peers import _config_dir, _dialer, _mdns_on, _static_peers
-from potluck.cli.runtime import _backends_check, _physical_cores, compute_of, places
+from potluck.cli.runtime import _backends_check, compute_of, places
 
 
 @takes
@@ -118,7 +118,8 @@ def nodes(
             err.print(f"[yellow]mDNS unavailable:[/] {exc}; static peers only")
     peers = dedupe([*static, *(Peer(a.address, MDNS, a) for a in adverts)])
     dial = _dialer(net.secret, net.tls)
-    reports = [local_report(usable_memory_bytes(), physical_cores(), _physical_cores())]
+    threads = compute_of().n_threads  # what this machine computes with by default (-t)
+    reports = [local_report(usable_memory_bytes(), physical_cores(), threads)]
     with err.status("measuring") as status:
         for p in peers:
             status.update(f"measuring {p.address}")

@@ -25,12 +25,6 @@ def places() -> Places:
     return Places.of(os.environ, Path.home())
 
 
-def _physical_cores() -> int:
-    import psutil
-
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
 def compute_of(
     threads: int | None = None,
     cache_type: str = "f16",
@@ -45,6 +39,7 @@ def compute_of(
     instead of measuring it: for tests on a software GPU (Mesa's lavapipe), whose speed is not a
     GPU's."""
     from potluck.model.stage import Compute, GpuConfig
+    from potluck.node.probe import physical_cores
 
     if device is not None and device.lower() == "cpu":
         n_gpu_layers, device = 0, None
@@ -57,7 +52,7 @@ def compute_of(
     speed = os.environ.get("POTLUCK_GPU_BYTES_PER_S")
     gpu = GpuConfig(n_gpu_layers, device, vram, float(speed) if speed else None)
     try:
-        return Compute(threads or _physical_cores(), cache_type, not no_repack, gpu)
+        return Compute(threads or physical_cores(), cache_type, not no_repack, gpu)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 

@@ -25,7 +25,7 @@ from potluck.cli.options import (
     _size,
 )
 from potluck.cli.peers import _announce, _auth, _secret
-from potluck.cli.runtime import _backends, _physical_cores, compute_of, places
+from potluck.cli.runtime import _backends, compute_of, places
 from potluck.errors import PotluckError
 
 
@@ -145,7 +145,7 @@ def worker(
     lanes = f"data port {server.data_port}" if server.data_port else "no data port"
     err.print(
         f"potluck worker {__version__} listening on {host}:{bound} · {lanes} · "
-        f"{_physical_cores()} cores · {guard} · Ctrl-C to stop"
+        f"{compute.n_threads} threads · {guard} · Ctrl-C to stop"
     )
     err.print(f"[dim]{_backends()}[/]")
     try:
