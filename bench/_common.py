@@ -9,8 +9,10 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = Path.home() / ".cache" / "potluck" / "models"
@@ -234,3 +236,39 @@ def pinned_worker(core: int, *extra: str) -> tuple[subprocess.Popen, str]:
         if time.monotonic() > deadline:
             break
     raise SystemExit("worker did not start")
+
+
+# -- inside a potluck child process ----------------------------------------------------------------
+class ComputeClock:
+    """A stand-in for `potluck.model.graph.lib`, installed in the bench child only (a measurement
+    hack, not how potluck is wired): it times ggml_backend_sched_graph_compute, the one call in
+    StepGraph.run that computes, and passes every other name on. Step time minus this time is
+    Python's share of a step (inputs, graph (re)builds, ctypes calls, numpy)."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib, self.seconds = lib, 0.0
+
+    def ggml_backend_sched_graph_compute(self, sched: int, graph: int) -> int:
+        t0 = time.perf_counter()
+        try:
+            return int(self._lib.ggml_backend_sched_graph_compute(sched, graph))
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+
+def load_local(path: str, n_ctx: int, threads: int) -> Any:
+    """`load_model(path)` as one local stage on `threads` threads, on this tree or an older one
+    (a --baseline from before `Compute` sets the threads through the process-wide setter)."""
+    from potluck.engine.generate import load_model
+
+    try:
+        from potluck.model.stage import Compute
+    except ImportError:
+        from potluck.model.stage import set_threads  # type: ignore[attr-defined]
+
+        set_threads(threads)
+        return load_model(path, n_ctx=n_ctx)
+    return load_model(path, n_ctx=n_ctx, compute=Compute(threads=threads))

@@ -34,36 +34,13 @@ N_CTX = 512
 def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
-    from potluck.engine.generate import load_model
+    from _common import ComputeClock, load_local
     from potluck.model import graph
+    from potluck.model.stage import SeqChunk
 
-    class Clock:
-        """The ggml library, with ggml_backend_sched_graph_compute timed."""
-
-        def __init__(self, lib: Any) -> None:
-            self._lib, self.seconds = lib, 0.0
-
-        def ggml_backend_sched_graph_compute(self, sched: int, gf: int) -> int:
-            t0 = time.perf_counter()
-            try:
-                return int(self._lib.ggml_backend_sched_graph_compute(sched, gf))
-            finally:
-                self.seconds += time.perf_counter() - t0
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._lib, name)
-
-    clock = Clock(graph.lib)
-    graph.lib = clock  # bench child only
-    try:
-        from potluck.model.stage import Compute, SeqChunk
-    except ImportError:  # a --baseline from before Compute: the process-wide setter
-        from potluck.model.stage import SeqChunk, set_threads  # type: ignore[attr-defined]
-
-        set_threads(spec["threads"])
-        m = load_model(spec["path"], n_ctx=N_CTX)
-    else:
-        m = load_model(spec["path"], n_ctx=N_CTX, compute=Compute(threads=spec["threads"]))
+    clock = ComputeClock(graph.lib)
+    graph.lib = clock  # bench child only (see ComputeClock)
+    m = load_local(spec["path"], N_CTX, spec["threads"])
     pipe, steps = m.pipeline, spec["steps"]
     ids = np.arange(1000, 1000 + WARMUP + steps, dtype=np.int64)
 

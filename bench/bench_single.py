@@ -30,8 +30,10 @@ from typing import Any
 
 from _common import (
     ROOT,
+    ComputeClock,
     llama_bin_default,
     llama_tools,
+    load_local,
     median,
     model_path,
     print_table,
@@ -48,26 +50,6 @@ LABELS = {"llama.cpp": "llama-bench", "llama.cpp-norepack": "llama-bench --repac
 
 
 # -- potluck child: one model, one thread count ----------------------------------------------------
-class _ComputeClock:
-    """A stand-in for `potluck.model.graph.lib`, installed in the bench child only (a measurement
-    hack, not how potluck is wired): it times ggml_backend_sched_graph_compute, the one call in
-    StepGraph.run that computes, and passes every other name on. Step time minus this time is
-    Python's share of a step (inputs, graph (re)builds, ctypes calls, numpy)."""
-
-    def __init__(self, lib: Any) -> None:
-        self._lib, self.seconds = lib, 0.0
-
-    def ggml_backend_sched_graph_compute(self, sched: int, graph: int) -> int:
-        t0 = time.perf_counter()
-        try:
-            return int(self._lib.ggml_backend_sched_graph_compute(sched, graph))
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._lib, name)
-
-
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -81,17 +63,13 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 
     if spec.get("ggml"):  # --ggml: another build of ggml than ggml-python's
         ggml_lib.use_library(spec["ggml"])
-    from potluck.model.stage import Compute, SeqChunk
+    from potluck.model.stage import SeqChunk
 
-    clock = _ComputeClock(graph.lib)
-    graph.lib = clock  # bench child only (see _ComputeClock)
-    from potluck.engine.generate import load_model
-
+    clock = ComputeClock(graph.lib)
+    graph.lib = clock  # bench child only (see ComputeClock)
     pp, tg = spec["pp"], spec["tg"]
     t0 = time.perf_counter()
-    model = load_model(  # llama-bench: n_ctx = n_prompt + n_gen
-        spec["path"], n_ctx=max(pp, tg), compute=Compute(threads=spec["threads"])
-    )
+    model = load_local(spec["path"], max(pp, tg), spec["threads"])  # llama-bench: n_ctx = pp + tg
     load_s = time.perf_counter() - t0
     ready_at, rss_loaded = time.time(), _rss_mib()
     pipe = model.pipeline

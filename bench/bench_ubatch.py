@@ -46,21 +46,14 @@ def child_main(spec: dict) -> dict:
     if spec["pin"]:
         os.sched_setaffinity(0, set(range(spec["threads"])))
     import potluck
-    from potluck.engine.generate import load_model
 
     try:
         from potluck.model.stage import SeqChunk
     except ImportError as e:  # a --baseline from before the ggml engine
         raise SystemExit(f"{potluck.__file__}: not the ggml engine: {e}") from e
-    try:
-        from potluck.model.stage import Compute
-    except ImportError:  # a --baseline from before Compute: the process-wide setter
-        from potluck.model.stage import set_threads  # type: ignore[attr-defined]
+    from _common import load_local
 
-        set_threads(spec["threads"])
-        m = load_model(spec["path"], n_ctx=N_CTX)
-    else:
-        m = load_model(spec["path"], n_ctx=N_CTX, compute=Compute(threads=spec["threads"]))
+    m = load_local(spec["path"], N_CTX, spec["threads"])
     pipe, toks = m.pipeline, np.array(spec["tokens"], np.int64)
 
     none = np.empty(0, np.int64)  # no logits rows: the output head is skipped
