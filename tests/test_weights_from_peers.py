@@ -7,7 +7,12 @@ folder. The broken link is a real TCP connection that a proxy cuts in the middle
 
 from __future__ import annotations
 
+import hashlib
+import re
+import time
 from pathlib import Path
+
+import grpc
 
 from cut_proxy import CutProxy
 from potluck.engine.contract import LOCAL, Assignment
@@ -16,7 +21,10 @@ from potluck.model.layout import stage_tensor_names
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.sampling import GREEDY, Sampler
-from test_pool import _single
+from potluck.transport import potluck_pb2 as pb
+from potluck.transport import potluck_pb2_grpc as pb_grpc
+from potluck.transport.codec import PROTOCOL_VERSION
+from test_pool import _cli, _single
 from workers import Spawn
 from workers import spawn_worker as spawn_worker
 
@@ -107,3 +115,45 @@ def test_a_pull_cut_in_the_middle_is_finished_by_the_head(
     assert _blob_bytes(tmp_path / "b") == stage
     assert not list((tmp_path / "b" / "blobs").glob(".part-*"))
     assert log_a.count("sending") == 1
+
+
+def _hello_models(address: str) -> list[str]:
+    with grpc.insecure_channel(address) as channel:
+        hello = pb_grpc.NodeStub(channel).Hello(
+            pb.HelloRequest(protocol_version=PROTOCOL_VERSION), timeout=10
+        )
+    return list(hello.model_sha256)
+
+
+def test_the_plan_says_which_workers_have_the_file(
+    spawn_worker: Spawn, smollm2_path: Path, tmp_path: Path
+) -> None:
+    """A worker given the model's folder (--model-dir) hashes its files once, in the background,
+    and its Hello names them; a bare worker names none. `potluck plan` says that the first maps
+    its own copy and that the second receives its layers' bytes, from whom, and how long that
+    takes at most."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / smollm2_path.name).symlink_to(smollm2_path)
+    a = spawn_worker("--model-dir", str(folder), env=_bare(tmp_path / "a")).address
+    b = spawn_worker(env=_bare(tmp_path / "b")).address
+    digest = hashlib.sha256(smollm2_path.read_bytes()).hexdigest()
+    deadline = time.monotonic() + 60
+    while digest not in (named := _hello_models(a)) and time.monotonic() < deadline:
+        time.sleep(0.5)  # (the hashing, then the Hello's list is kept KNOWN_TTL_S)
+    assert named == [digest]
+    assert _hello_models(b) == []
+    done = _cli(
+        "plan", "-m", str(smollm2_path), "--peer", a, "--peer", b, "-c", "256",
+        "--tensor-split", "1,1,1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [x for x in done.stdout.splitlines() if x.startswith("weights:")]
+    assert lines[0] == f"weights: {a} maps its own copy of the file", done.stdout
+    # from a (the holder, asked first) unless the head's link measured much faster than a's
+    got = re.fullmatch(
+        rf"weights: {b} receives ([\d.]+) MiB from (\S+|this machine), ≤ .*", lines[1]
+    )
+    assert got is not None, lines
+    assert got[2] in (a, "this machine")
+    assert float(got[1]) == round(_stage_bytes(smollm2_path, 20, 30) / 2**20, 1)

@@ -26,6 +26,7 @@ from potluck.planner import (
 )
 from potluck.planner import footprint as fpmod
 from potluck.planner.cost import CPU_LAYER_NS, DECODE, GPU_LAYER_NS, PROMPT, CostModel
+from potluck.planner.plan import Plan, PlannedStage
 from potluck.planner.search import Route, route_cost, search
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -315,7 +316,11 @@ def test_plan_id_is_stable_and_follows_the_inputs() -> None:
     links = lan("a", "b")
     ref = plan_pool(fp, nodes, links)
     again = plan_pool(fp, list(reversed(nodes)), {("b", "a"): LAN})
-    assert again.plan_id == ref.plan_id and again.stages == ref.stages
+
+    def split(p: Plan) -> list[PlannedStage]:  # (weights come from the head: nodes[0] differs)
+        return [replace(s, weights_from="", fetch_s=0.0) for s in p.stages]
+
+    assert again.plan_id == ref.plan_id and split(again) == split(ref)
     assert len(ref.plan_id) == 16
     changed = [
         plan_pool(replace(fp, n_ctx=2048), nodes, links),
@@ -460,6 +465,61 @@ def test_a_plan_names_weight_sources_for_every_node_but_the_head() -> None:
         assert set(sources) == {"a", "b"} - {node}, (node, sources)
     remote = [a for a in assignments_of(plan) if a.node != "local"]
     assert remote and all(a.sources == by_node[a.node] for a in remote)
+
+
+def test_a_peer_known_to_have_the_file_is_asked_first() -> None:
+    """Peers whose Hello names the model file (holders) come before the others that qualify,
+    whatever their bandwidth; a holder too slow to beat the head is still not asked."""
+    from potluck.planner import weight_sources
+    from potluck.planner.nodes import PEER_SOURCE_FRACTION
+
+    gbit, fast_eth = 117e6, 11.7e6
+    links = {
+        ("head", "t"): Link(1e-3, fast_eth),
+        ("wired", "t"): Link(2e-4, gbit),
+        ("equal", "t"): Link(2e-4, fast_eth * PEER_SOURCE_FRACTION),
+        ("slow", "t"): Link(2e-4, fast_eth * PEER_SOURCE_FRACTION * 0.9),
+    }
+    peers = ["wired", "equal", "unknown", "slow"]
+    assert weight_sources("t", peers, links, "head", holders={"equal"}) == [
+        "equal", "wired", "unknown",
+    ]  # fmt: skip
+    assert weight_sources("t", peers, links, "head", holders={"unknown", "wired"}) == [
+        "wired", "unknown", "equal",
+    ]  # fmt: skip
+    assert "slow" not in weight_sources("t", peers, links, "head", holders={"slow"})
+
+
+def test_the_plan_says_where_each_node_gets_its_weights() -> None:
+    """A node with the file maps it (no transfer); one without receives its stage's bytes from a
+    holder it asks, else from the head, in at most bytes / that link's bandwidth + latency;
+    `potluck plan` prints one line per node saying so."""
+    from potluck.planner import THIS_MACHINE as HEAD
+    from potluck.planner.table import format_summary
+
+    fp = synth()  # 1250 MiB
+    slow = Link(1e-3, 12.5e6)
+    links = {**lan(HEAD, "has", "lacks"), (HEAD, "lacks"): slow}
+    has = replace(cpu("has", 500 * MiB), has_model=True)
+    nodes = [cpu(HEAD, 500 * MiB), has, cpu("lacks", 500 * MiB)]
+    plan = plan_pool(fp, nodes, links, [1, 1, 1])
+    by = {s.node: s for s in plan.stages}
+    assert by[HEAD].weights_from == "" and by["has"].weights_from == ""
+    assert by["has"].fetch_s == 0
+    lacks = by["lacks"]
+    assert lacks.weights_from == "has" and lacks.weight_sources[0] == "has"
+    assert lacks.fetch_s == pytest.approx(LAN.seconds(lacks.weight_bytes))
+    lines = [x for x in format_summary(plan) if x.startswith("weights:")]
+    assert lines[0] == "weights: has maps its own copy of the file"
+    assert lines[1].startswith(
+        f"weights: lacks receives {lacks.weight_bytes / MiB:.1f} MiB from has, ≤ "
+    )
+    # no holder: from the head, over its (slow) link
+    nobody = plan_pool(fp, [nodes[0], cpu("has", 500 * MiB), nodes[2]], links, [1, 1, 1])
+    lacks = {s.node: s for s in nobody.stages}["lacks"]
+    assert lacks.weights_from == HEAD
+    assert lacks.fetch_s == pytest.approx(slow.seconds(lacks.weight_bytes))
+    assert lacks.fetch_s > 30  # 400+ MiB at 12.5 MB/s
 
 
 def test_batch_replicas_each_machine_that_holds_the_model_and_one_pipeline() -> None:

@@ -69,7 +69,7 @@ def bench(
     auth = net.auth()
     shares = _shares(tensor_split)
     head_mem = _head_mem(mem)
-    inputs = PlanInputs(path, ctx, auth, mem=head_mem, compute=compute)
+    inputs = PlanInputs(path, ctx, auth, mem=head_mem, compute=compute, cache=here.cache)
     plan_ = plan_to_compare(inputs, addresses, shares)
     pool_plan = assignments_of(plan_)
     runs = []

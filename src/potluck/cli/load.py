@@ -97,7 +97,7 @@ def _load(
             bar.update(task, description=f"{path.name} (asking {len(addresses)} peers, planning)")
             assert net is not None  # the workers come from its finder
             auth = net.auth()
-            inputs = PlanInputs(path, ctx, auth, balance, mem, n_seq, compute)
+            inputs = PlanInputs(path, ctx, auth, balance, mem, n_seq, compute, here.cache)
             plan = plan_model(inputs, addresses, shares)
             assignments = assignments_of(plan)
             err.print(f"[dim]{plan.verdict}[/]")

@@ -54,14 +54,16 @@ def plan(
     from potluck.pool.planning import PlanInputs, plan_model, survey_model
 
     finder = net.finder()
-    compute = compute_of()
-    path = resolve_model(model, places())
+    compute, here = compute_of(), places()
+    path = resolve_model(model, here)
     found = net.found(finder)
     auth = net.auth() if found else None
     if batch_plan:
         from potluck.planner.replicas import REPLICA_COLUMNS, format_replicas, plan_replicas
 
-        inputs = PlanInputs(path, ctx, auth, mem=_head_mem(mem), n_seq=parallel, compute=compute)
+        inputs = PlanInputs(
+            path, ctx, auth, mem=_head_mem(mem), n_seq=parallel, compute=compute, cache=here.cache
+        )
         nodes, links, fp = survey_model(inputs, found)
         rows, lines = format_replicas(plan_replicas(fp, nodes, links), item_tokens)
         table = Table(*REPLICA_COLUMNS, title=f"{path.name} · batch replicas · context {fp.n_ctx}")
@@ -72,7 +74,9 @@ def plan(
         for line in lines:
             print(line)
         return
-    inputs = PlanInputs(path, ctx, auth, mem=_head_mem(mem), n_seq=parallel, compute=compute)
+    inputs = PlanInputs(
+        path, ctx, auth, mem=_head_mem(mem), n_seq=parallel, compute=compute, cache=here.cache
+    )
     p = plan_model(inputs, found, _shares(tensor_split))
     seqs = f" × {parallel} sequences at once" if parallel > 1 else ""
     table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}{seqs}")

@@ -52,6 +52,7 @@ _Request = TypeVar("_Request")
 _Reply = TypeVar("_Reply")
 
 ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
+KNOWN_TTL_S = 5.0  # how long a Hello reuses the list of model files this node has
 log = logging.getLogger("potluck.worker")
 
 
@@ -91,6 +92,10 @@ class NodeService(pb_grpc.NodeServicer):
         )  # fmt: skip
         self.training = TrainSessions(self.models, self.threads, self._memory_bytes, self.store)
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
+        self._known: tuple[float, list[str]] = (-KNOWN_TTL_S, [])  # (when, models.known())
+        threading.Thread(
+            target=self.models.hash_extra_dirs, name="potluck-hash-models", daemon=True
+        ).start()  # (after the speed probe: it reads disk and takes a core)
 
     def _memory_bytes(self) -> int:
         """What this node offers: usable RAM, or less with --mem."""
@@ -135,8 +140,18 @@ class NodeService(pb_grpc.NodeServicer):
             if (loaded := self.plans.get(plan_id)) is not None:
                 loaded.last_used = now
         return codec.hello_reply(
-            self.name, __version__, self._devices(), physical_cores(), self.speed, self.data_port
-        )
+            self.name, __version__, self._devices(), physical_cores(), self.speed,
+            self.data_port, self._known_models(),
+        )  # fmt: skip
+
+    def _known_models(self) -> list[str]:
+        """The model files this node has, by hash; looked up at most every KNOWN_TTL_S (a head's
+        heartbeat says Hello every second, and the lookup lists the model caches)."""
+        when, known = self._known
+        if time.monotonic() - when >= KNOWN_TTL_S:
+            known = self.models.known()
+            self._known = (time.monotonic(), known)
+        return known
 
     def _devices(self) -> list[codec.DeviceOffer]:
         cpu = codec.DeviceOffer("cpu", "CPU", self._memory_bytes(), self.speed)

@@ -24,6 +24,7 @@ from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.sources import Places, find_models
 
 _HASH_BLOCK = 8 * 2**20
+_memo_lock = threading.Lock()  # the hash memos' read-merge-write (sha256_file, tensor_digests)
 
 
 class IntegrityError(PotluckError):
@@ -37,33 +38,44 @@ def sha256_bytes(data: bytes | memoryview | np.ndarray) -> str:
     return hashlib.sha256(view.cast("B")).hexdigest()
 
 
+def _hash_key(path: Path) -> str:
+    """What a remembered hash is kept under: the file's path, size and modification time."""
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _remembered(cache: Path | None) -> dict[str, str]:
+    """path|size|mtime -> sha256 hex, as sha256_file remembered them in `cache`."""
+    if cache is None:
+        return {}
+    with contextlib.suppress(OSError, ValueError):
+        known: dict[str, str] = json.loads((cache / "file-hashes.json").read_text())
+        return known
+    return {}
+
+
 def sha256_file(path: Path, cache: Path | None = None) -> str:
     """sha256 of a whole file, remembered in `cache` (Places.cache; None: not remembered) by
     (path, size, mtime) — big GGUFs take seconds."""
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    memo = cache / "file-hashes.json" if cache is not None else None
-    known: dict[str, str] = {}  # path|size|mtime -> sha256 hex (this function's own file)
-    if memo is not None:
-        with contextlib.suppress(OSError, ValueError):
-            known = json.loads(memo.read_text())
+    key = _hash_key(path)
+    known = _remembered(cache)
     if key in known:
         return known[key]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(_HASH_BLOCK):
             h.update(block)
-    known[key] = h.hexdigest()
-    if memo is None:
-        return known[key]
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known))
-    tmp.replace(memo)
-    return known[key]
-
-
-_memo_lock = threading.Lock()
+    digest = h.hexdigest()
+    if cache is None:
+        return digest
+    with _memo_lock:  # threads (a worker's background hashing, a Load) add entries at once
+        known = {**_remembered(cache), key: digest}
+        memo = cache / "file-hashes.json"
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(memo)
+    return digest
 
 
 def tensor_digests(
@@ -113,15 +125,37 @@ class LocalModels:
     def find(self, sha256: str, size: int) -> Path | None:
         """A GGUF with this size and sha256 (only same-size files are hashed; the hashes are
         remembered in places.cache)."""
-        candidates = [m.path for m in find_models(self.places) if m.size_bytes == size]
-        for d in self.extra_dirs:
-            candidates += [
-                p for p in Path(d).glob("*.gguf") if p.is_file() and p.stat().st_size == size
-            ]
-        for p in dict.fromkeys(candidates):
-            if sha256_file(p, self.places.cache) == sha256:
-                return p
+        for p in self.files():
+            with contextlib.suppress(OSError):  # (a file that went meanwhile)
+                if p.stat().st_size == size and sha256_file(p, self.places.cache) == sha256:
+                    return p
         return None
+
+    def files(self) -> list[Path]:
+        """Every GGUF this node may open: the caches' and those in extra_dirs."""
+        found = [m.path for m in find_models(self.places)]
+        for d in self.extra_dirs:
+            found += [p for p in Path(d).glob("*.gguf") if p.is_file()]
+        return list(dict.fromkeys(found))
+
+    def known(self) -> list[str]:
+        """sha256 of the model files here whose hash is already remembered (reads no file): what
+        a Hello tells the pool this node has."""
+        memo, out = _remembered(self.places.cache), set()
+        for p in self.files():
+            with contextlib.suppress(OSError):
+                if (digest := memo.get(_hash_key(p))) is not None:
+                    out.add(digest)
+        return sorted(out)
+
+    def hash_extra_dirs(self) -> None:
+        """Hash (and remember) the files of extra_dirs, the worker's --model-dir, so that its
+        Hello names them: seconds per GB, once per file. The caches' files (Ollama's may hold
+        hundreds of GB) are hashed only when a Load asks for a file of their size."""
+        for d in self.extra_dirs:
+            for p in sorted(Path(d).glob("*.gguf")):
+                with contextlib.suppress(OSError):
+                    sha256_file(p, self.places.cache)
 
     def blobs(self) -> BlobStore:
         """The tensors this node received, kept by hash under places.cache."""

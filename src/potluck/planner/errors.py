@@ -32,3 +32,13 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def fmt_seconds(s: float) -> str:
+    """0.4 s / 36 s / 4 min 10 s: how long a transfer takes, as a person says it."""
+    if s < 1:
+        return f"{s:.1f} s"
+    if s < 60:
+        return f"{s:.0f} s"
+    minutes, secs = divmod(round(s), 60)
+    return f"{minutes} min {secs} s" if secs else f"{minutes} min"

@@ -8,7 +8,7 @@ the planner only takes the numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from potluck.planner.errors import PlanError
@@ -40,6 +40,7 @@ class NodeInfo:
     gpu_memory_bytes: int = 0
     gpu_bytes_per_s: float = 0.0
     max_gpu_layers: int = 1 << 30  # the node's -ngl: at most this many of its layers on the GPU
+    has_model: bool = False  # it has the model file (its Hello names the file's sha256)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_KINDS:
@@ -98,15 +99,20 @@ def link_between(links: Links, a: str, b: str) -> Link:
 
 
 def weight_sources(
-    target: str, peers: Sequence[str], links: Links, head: str = THIS_MACHINE
+    target: str,
+    peers: Sequence[str],
+    links: Links,
+    head: str = THIS_MACHINE,
+    holders: Collection[str] = (),
 ) -> list[str]:
     """The peers that node `target` should ask for the tensors it lacks before it asks the
     `head` (which always has the file), best first. A peer counts when its link to
     `target` carries at least PEER_SOURCE_FRACTION of the head's bandwidth to it: from a peer
     that is about as fast, the transfer spares the head's own link, which the head shares
     between every node it loads (and on a laptop is often Wi-Fi). A pair that was not measured
-    counts as a tie, after the measured ones. Which peers have the file is not known here: a
-    peer without it says so at once, and the node asks the next."""
+    counts as a tie, after the measured ones. `holders`, the peers known to have the file (their
+    Hello names it), come first; another may have it without having hashed it: a peer without
+    it says so at once, and the node asks the next."""
     via_head = links.get((head, target)) or links.get((target, head))
     measured: list[tuple[float, str]] = []
     unmeasured: list[str] = []
@@ -119,4 +125,5 @@ def weight_sources(
         elif via_head is None or link.bytes_per_s >= PEER_SOURCE_FRACTION * via_head.bytes_per_s:
             measured.append((link.bytes_per_s, peer))
     measured.sort(key=lambda bw_peer: -bw_peer[0])
-    return [peer for _, peer in measured] + unmeasured
+    ranked = [peer for _, peer in measured] + unmeasured
+    return sorted(ranked, key=lambda peer: peer not in holders)  # (stable: holders first)

@@ -49,6 +49,8 @@ class PlannedStage:
     net_ms: float  # the hop out of this stage per token (the last: the token id back to the first)
     # peers of the pool this node asks for the tensors it lacks before the head (nodes.weight_sources)
     weight_sources: tuple[str, ...] = ()
+    weights_from: str = ""  # "": the node has the model file; else whom it will receive them from
+    fetch_s: float = 0.0  # the longest receiving them takes (tensors kept from before: less)
 
     @property
     def n_gpu_layers(self) -> int:
@@ -297,14 +299,26 @@ def _stages(costs: CostModel, route: Route) -> tuple[PlannedStage, ...]:
 def _with_sources(
     stages: tuple[PlannedStage, ...], nodes: Sequence[NodeInfo], links: Links
 ) -> tuple[PlannedStage, ...]:
-    """Each stage of a node other than the head (nodes[0]) with the peers it may receive its
-    weights from: any node of the pool, in the plan or left out."""
+    """Where each stage's weights come from. The head (nodes[0]) and a node whose Hello names the
+    file map it in place; any other node receives them: weights_from is the first peer it asks
+    that has the file, else the head, and fetch_s the stage's bytes over that link. Every node
+    but the head gets the peers to ask before the head (any node of the pool, in the plan or
+    left out), in case its file or a peer's turns out not to be there."""
     head, names = nodes[0].name, [n.name for n in nodes]
-    return tuple(
-        st if st.node == head
-        else replace(st, weight_sources=tuple(weight_sources(st.node, names, links, head)))
-        for st in stages
-    )  # fmt: skip
+    holders = {n.name for n in nodes if n.has_model}
+    out = []
+    for st in stages:
+        if st.node == head:
+            out.append(st)
+            continue
+        sources = tuple(weight_sources(st.node, names, links, head, holders))
+        if st.node in holders:
+            out.append(replace(st, weight_sources=sources))
+            continue
+        src = next((p for p in sources if p in holders), head)
+        fetch_s = link_between(links, src, st.node).seconds(st.weight_bytes)
+        out.append(replace(st, weight_sources=sources, weights_from=src, fetch_s=fetch_s))
+    return tuple(out)
 
 
 def _planned(st: StageCost, net_ns: int) -> PlannedStage:

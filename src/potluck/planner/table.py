@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from potluck.planner.errors import fmt_bytes
+from potluck.planner.errors import fmt_bytes, fmt_seconds
+from potluck.planner.nodes import THIS_MACHINE
 from potluck.planner.plan import Plan, PlannedStage, layers_label
 
 PLAN_COLUMNS = (
@@ -62,7 +63,26 @@ def format_summary(plan: Plan) -> list[str]:
         lines.append(
             "left out: " + ", ".join(f"{n} ({why[n]})" if n in why else n for n in plan.left_out)
         )
+    lines += _sources(plan)
     lines.append(plan.verdict)
+    return lines
+
+
+def _sources(plan: Plan) -> list[str]:
+    """Where each node other than this machine gets its weights: its own copy of the file, or
+    whom it receives them from and how long that takes at most."""
+    lines = []
+    for st in plan.stages:
+        if st.node == THIS_MACHINE:
+            continue
+        if not st.weights_from:
+            lines.append(f"weights: {st.node} maps its own copy of the file")
+        else:
+            lines.append(
+                f"weights: {st.node} receives {fmt_bytes(st.weight_bytes)} from "
+                f"{st.weights_from}, ≤ {fmt_seconds(st.fetch_s)} (less with tensors it kept from "
+                "an earlier plan)"
+            )
     return lines
 
 

@@ -26,7 +26,8 @@ class PlanInputs:
     """What a plan is made for: the model and context, how this head proves membership, what the
     planner evens out ("prompt" for one conversation, "decode" for many streams), the most memory
     this machine offers for layers (None: what it has; 0: none), the sequences at once whose
-    KV cache every node must hold, and how this machine computes (threads, GPU)."""
+    KV cache every node must hold, how this machine computes (threads, GPU), and where it
+    remembers file hashes (Places.cache; None: nowhere, so no peer is known to have the file)."""
 
     path: Path
     ctx: int | None
@@ -35,16 +36,19 @@ class PlanInputs:
     mem: int | None = None
     n_seq: int = 1
     compute: Compute = DEFAULT_COMPUTE
+    cache: Path | None = None
 
 
 def survey_model(
     inputs: PlanInputs, peers: Sequence[str]
 ) -> tuple[list[NodeInfo], Links, ModelFootprint]:
-    """(nodes, links, footprint): what the planner takes, measured on this model: every node times its decode through the
-    model's middle layer."""
+    """(nodes, links, footprint): what the planner takes, measured on this model: every node times
+    its decode through the model's middle layer, and says whether it has the file (by its hash:
+    hashed once and remembered in inputs.cache, as loading it would; no cache, no hash)."""
     from potluck.engine.generate import DEFAULT_CTX
     from potluck.modelfile.gguf_file import GGUFFile, layer_matrices
     from potluck.modelfile.hparams import hparams_from_metadata
+    from potluck.node.weights import sha256_file
     from potluck.planner import footprint_from_gguf, held_bytes
     from potluck.pool.survey import survey
 
@@ -54,7 +58,7 @@ def survey_model(
     layer = layer_matrices(f.tensors, hp.n_layer // 2)
     nodes, links = survey(
         list(peers), auth=inputs.auth, mem_limit=inputs.mem, matrices=layer,
-        compute=inputs.compute,
+        compute=inputs.compute, model_sha256=sha256_file(inputs.path, inputs.cache) if inputs.cache else "",
     )  # fmt: skip
     fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes, n_seq=inputs.n_seq)
     return nodes, links, fp

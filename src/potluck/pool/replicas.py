@@ -21,7 +21,7 @@ from potluck.errors import PotluckError
 from potluck.model.stage import DEFAULT_COMPUTE, Compute
 from potluck.planner import THIS_MACHINE, weight_sources
 from potluck.planner.errors import NotEnoughMemoryError
-from potluck.planner.nodes import Links
+from potluck.planner.nodes import Links, NodeInfo
 from potluck.planner.replicas import Replica, plan_replicas
 from potluck.pool.planning import PlanInputs, survey_model
 from potluck.pool.survey import assignments_of
@@ -49,7 +49,7 @@ class ReplicaSpec:
 
 
 def load_replicas(
-    spec: ReplicaSpec, replicas: Sequence[Replica], nodes: Sequence[str], links: Links
+    spec: ReplicaSpec, replicas: Sequence[Replica], nodes: Sequence[NodeInfo], links: Links
 ) -> list[tuple[str, Model]]:
     """(label, model) per replica, in order; `nodes` (every node of the pool) may send weights
     to a node without the file. On an error, the replicas loaded so far are closed."""
@@ -66,7 +66,8 @@ def load_replicas(
                 continue
             else:
                 node = r.nodes[0]
-                sources = tuple(weight_sources(node, nodes, links))
+                names, holders = [n.name for n in nodes], [n.name for n in nodes if n.has_model]
+                sources = tuple(weight_sources(node, names, links, holders=holders))
                 plan = [Assignment(node, 0, _n_layer(spec.path), sources=sources)]
             model = load_model(
                 spec.path, spec.n_ctx, assignments=plan, auth=spec.auth, failover_s=0,
@@ -81,7 +82,7 @@ def load_replicas(
 
 
 def reloader(
-    spec: ReplicaSpec, replicas: Sequence[Replica], nodes: Sequence[str], links: Links
+    spec: ReplicaSpec, replicas: Sequence[Replica], nodes: Sequence[NodeInfo], links: Links
 ) -> Callable[[str], Model | None]:
     """reload(label): the replica of that label loaded again if it is a single machine that
     answers now; else None (a pipeline, this machine, not back yet, or the load failed).
@@ -96,7 +97,7 @@ def reloader(
 
 
 def _reload(
-    spec: ReplicaSpec, replica: Replica, nodes: Sequence[str], links: Links
+    spec: ReplicaSpec, replica: Replica, nodes: Sequence[NodeInfo], links: Links
 ) -> Model | None:
     from potluck.transport.client import NodeClient
 
@@ -138,8 +139,9 @@ def batch_replicas(
     a failed single-machine replica loaded again once its machine answers (blocking). mem: the
     most this machine offers (--mem; 0: no replica here)."""
     inputs = PlanInputs(
-        spec.path, spec.n_ctx, spec.auth, mem=mem, n_seq=spec.n_seq, compute=spec.compute
-    )
+        spec.path, spec.n_ctx, spec.auth, mem=mem, n_seq=spec.n_seq, compute=spec.compute,
+        cache=spec.cache,
+    )  # fmt: skip
     nodes, links, fp = survey_model(inputs, list(addresses))
     plan = plan_replicas(fp, nodes, links)
     for r in plan.replicas:
@@ -147,9 +149,8 @@ def batch_replicas(
         say(f"replica {r.label}: {how}, {r.tokens_per_s:.1f} tok/s per stream")
     for node, why in plan.left_out:
         say(f"  left out {node}: {why}")
-    names = [n.name for n in nodes]
-    reload = reloader(spec, plan.replicas, names, links)
-    return load_replicas(spec, plan.replicas, names, links), reload
+    reload = reloader(spec, plan.replicas, nodes, links)
+    return load_replicas(spec, plan.replicas, nodes, links), reload
 
 
 def idle_replicas(
@@ -158,7 +159,7 @@ def idle_replicas(
     """Batch replicas for `serve` on the workers its plan leaves idle: each that can hold the
     whole model alone (this machine serves, so it offers none); none when none can."""
     # this machine serves: it offers no memory for a replica
-    inputs = PlanInputs(spec.path, spec.n_ctx, spec.auth, mem=0, n_seq=spec.n_seq)
+    inputs = PlanInputs(spec.path, spec.n_ctx, spec.auth, mem=0, n_seq=spec.n_seq, cache=spec.cache)
     nodes, links, fp = survey_model(inputs, list(idle))
     try:
         plan = plan_replicas(fp, nodes, links)
@@ -168,9 +169,8 @@ def idle_replicas(
     usable = [r for r in plan.replicas if r.plan is None and r.nodes[0] != THIS_MACHINE]
     for r in usable:
         say(f"batch replica {r.label}: the whole model, for batch jobs")
-    names = [n.name for n in nodes]
-    reload = reloader(spec, usable, names, links)
-    return load_replicas(spec, usable, names, links), reload
+    reload = reloader(spec, usable, nodes, links)
+    return load_replicas(spec, usable, nodes, links), reload
 
 
 class Recruiter(Generic[App]):

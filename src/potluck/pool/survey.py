@@ -55,17 +55,21 @@ def this_machine(
     return NodeInfo(THIS_MACHINE, "gpu", *cpu, gpu.memory_bytes, gpu.bytes_per_s, gpu.max_layers)
 
 
-def node_info(address: str, reply: pb.HelloReply, default_speed: float) -> NodeInfo:
-    """What a node's Hello says it offers: its RAM and CPU speed, and a GPU where it offers one."""
+def node_info(
+    address: str, reply: pb.HelloReply, default_speed: float, model_sha256: str = ""
+) -> NodeInfo:
+    """What a node's Hello says it offers: its RAM and CPU speed, a GPU where it offers one, and
+    whether it has the model file whose hash is `model_sha256` ("": not known here)."""
     ram = next((d.memory_bytes for d in reply.devices if d.kind == "cpu"), 0)
     speed = reply.decode_bytes_per_s or default_speed
     cores = max(1, reply.physical_cores)
+    has = bool(model_sha256) and model_sha256 in reply.model_sha256
     gpu = next((d for d in reply.devices if d.kind == "gpu" and d.bytes_per_s > 0), None)
     if gpu is None:
-        return NodeInfo(address, "cpu", ram, cores, speed)
+        return NodeInfo(address, "cpu", ram, cores, speed, has_model=has)
     return NodeInfo(
         address, "gpu", ram, cores, speed,
-        gpu.memory_bytes, gpu.bytes_per_s, gpu.max_layers or 1 << 30,
+        gpu.memory_bytes, gpu.bytes_per_s, gpu.max_layers or 1 << 30, has,
     )  # fmt: skip
 
 
@@ -76,6 +80,7 @@ def survey(
     mem_limit: int | None = None,
     matrices: tuple[Matrix, ...] = (),
     compute: Compute = DEFAULT_COMPUTE,
+    model_sha256: str = "",
 ) -> tuple[list[NodeInfo], dict[tuple[str, str], Link]]:
     """This machine plus every peer (Hello: memory, cores, measured speed), and every link the
     planner may use, measured: head→peer (latency from the Hello round trips, bandwidth from one
@@ -84,7 +89,8 @@ def survey(
     mem_limit: the most this machine offers (the head's --mem). matrices: one layer of the model
     being planned; every node times its decode through them (ProbeSpeed), one node after the
     other (nodes that share a machine must not time each other), instead of the generic probe.
-    compute: how this machine computes (its threads and GPU, as it will load its stage)."""
+    compute: how this machine computes (its threads and GPU, as it will load its stage).
+    model_sha256: the model file's hash, when known: which peers have the file ("": none known)."""
     nodes = [this_machine(mem_limit, matrices, compute)]
     links: dict[tuple[str, str], Link] = {}
     clients = {}
@@ -97,7 +103,7 @@ def survey(
                 reply = client.hello(THIS_MACHINE)
                 rtts.append(time.perf_counter() - t0)
             assert reply is not None
-            node = node_info(address, reply, nodes[0].cpu_bytes_per_s)
+            node = node_info(address, reply, nodes[0].cpu_bytes_per_s, model_sha256)
             if matrices:
                 with contextlib.suppress(PotluckError):  # an older node: its generic figure
                     speed = client.decode_speed(matrices)

@@ -221,8 +221,9 @@ class DeviceOffer:
 
 def hello_reply(
     node_name: str, version: str, devices: Sequence[DeviceOffer], physical_cores: int,
-    decode_bytes_per_s: float, data_port: int,
+    decode_bytes_per_s: float, data_port: int, models: Sequence[str] = (),
 ) -> pb.HelloReply:  # fmt: skip
+    """models: sha256 of the model files the node has (the pool's weight sources)."""
     return pb.HelloReply(
         protocol_version=PROTOCOL_VERSION,
         node_name=node_name,
@@ -239,6 +240,7 @@ def hello_reply(
         ],
         physical_cores=physical_cores,
         decode_bytes_per_s=decode_bytes_per_s,
+        model_sha256=list(models),
         data_port=data_port,
     )
 
