@@ -8,13 +8,14 @@ tensor data is memory-mapped, so a stage that asks for its own layers touches on
 from __future__ import annotations
 
 import math
+import mmap
 import re
 import struct
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -81,8 +82,8 @@ class GGUFFile:
                 f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                 "convert it with llama.cpp's convert_hf_to_gguf.py or download a .gguf build"
             )
-        with open(self.path, "rb") as f:
-            self.metadata, self.tensors, self.data_start = read_header(f, size, str(self.path))
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            self.metadata, self.tensors, self.data_start = read_header(m, str(self.path))
         end = max((t.offset + t.nbytes for t in self.tensors.values()), default=self.data_start)
         if end > size:
             raise ModelFileError(
@@ -122,14 +123,15 @@ class GGUFFile:
 
 
 def read_header(
-    f: BinaryIO, size: int, source: str
+    buf: bytes | mmap.mmap, source: str
 ) -> tuple[dict[str, Any], dict[str, TensorInfo], int]:
-    """Parse and check a GGUF header from a binary stream of `size` bytes that starts at the magic.
+    """Parse and check a GGUF header from the bytes of a file that start at its magic (the file
+    mapped, or the header a head sent).
 
     Returns (metadata, tensors by name with absolute offsets, data start). Raises ModelFileError.
     """
     try:
-        meta, infos, data_start = _parse_header(f, size)
+        meta, infos, data_start = _parse_header(buf)
     except UnsupportedError as exc:  # a sound file of a newer format: re-downloading won't help
         raise UnsupportedError(f"{source}: {exc}") from exc
     except (ValueError, UnicodeDecodeError, struct.error, EOFError) as exc:
@@ -164,22 +166,26 @@ _SCALAR = {
 _MAX_COUNT = 1 << 31  # no real file has more array items, tensors or keys than this
 
 
-class _Cursor:
-    """Reads little-endian GGUF values from a buffered file, checking every length first."""
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
-    def __init__(self, f: BinaryIO, size: int) -> None:
-        self.f, self.size = f, size
+
+class _Cursor:
+    """Reads little-endian GGUF values from a buffer, checking every length first."""
+
+    def __init__(self, buf: bytes | mmap.mmap) -> None:
+        self.buf, self.size, self.pos = buf, len(buf), 0
 
     def take(self, n: int) -> bytes:
-        if n < 0 or self.f.tell() + n > self.size:
-            raise EOFError(f"wants {n} bytes at offset {self.f.tell()} of {self.size}")
-        return self.f.read(n)
+        if n < 0 or self.pos + n > self.size:
+            raise EOFError(f"wants {n} bytes at offset {self.pos} of {self.size}")
+        self.pos += n
+        return self.buf[self.pos - n : self.pos]
 
     def u32(self) -> int:
-        return int(struct.unpack("<I", self.take(4))[0])
+        return int(_U32.unpack(self.take(4))[0])
 
     def u64(self) -> int:
-        return int(struct.unpack("<Q", self.take(8))[0])
+        return int(_U64.unpack(self.take(8))[0])
 
     def count(self) -> int:
         n = self.u64()
@@ -190,6 +196,21 @@ class _Cursor:
     def string(self) -> str:
         return self.take(self.count()).decode("utf-8", errors="replace")
 
+    def strings(self, n: int) -> list[str]:
+        """n strings in a row: a vocabulary (Gemma-3's 262k tokens), in one tight loop."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        for _ in range(n):
+            if pos + 8 > size:
+                raise EOFError(f"wants 8 bytes at offset {pos} of {size}")
+            k = _U64.unpack_from(buf, pos)[0]
+            pos += 8
+            if k > _MAX_COUNT or pos + k > size:
+                raise EOFError(f"wants {k} bytes at offset {pos} of {size}")
+            out.append(buf[pos : pos + k].decode("utf-8", errors="replace"))
+            pos += k
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         vt = GGUFValueType(vtype)
         if vt == GGUFValueType.STRING:
@@ -197,7 +218,7 @@ class _Cursor:
         if vt == GGUFValueType.ARRAY:
             item, n = GGUFValueType(self.u32()), self.count()
             if item == GGUFValueType.STRING:
-                return [self.string() for _ in range(n)]
+                return self.strings(n)
             if item == GGUFValueType.ARRAY:
                 return [self.value(GGUFValueType.ARRAY) for _ in range(n)]
             dt = np.dtype(_SCALAR[item])
@@ -209,10 +230,10 @@ class _Cursor:
 
 
 def _parse_header(
-    f: BinaryIO, size: int
+    buf: bytes | mmap.mmap,
 ) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]], int]:
     """Metadata, (name, dims innermost-first, type id, relative offset) per tensor, data start."""
-    cur = _Cursor(f, size)
+    cur = _Cursor(buf)
     cur.take(4)  # magic, checked by the caller
     version = cur.u32()
     if version not in (2, 3):
@@ -238,5 +259,5 @@ def _parse_header(
     align = int(meta.get("general.alignment", 32))
     if align <= 0 or align & (align - 1):
         raise ValueError(f"general.alignment {align} is not a power of two")
-    data_start = -(-f.tell() // align) * align
+    data_start = -(-cur.pos // align) * align
     return meta, infos, data_start

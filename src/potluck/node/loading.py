@@ -10,7 +10,6 @@ checked before the stage is built and again, under the store's lock, before it g
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import threading
 import time
@@ -66,9 +65,7 @@ class Loader:
         t0 = time.perf_counter()
         header = bytes(request.metadata_gguf)
         try:
-            meta, tensors, _ = read_header(
-                io.BytesIO(header), len(header), "model header from the head"
-            )
+            meta, tensors, _ = read_header(header, "model header from the head")
             hp = hparams_from_metadata(meta, "model header from the head")
             if not 0 <= request.start < request.stop <= hp.n_layer:
                 raise WireError(

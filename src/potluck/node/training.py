@@ -119,7 +119,7 @@ class TrainSessions:
             return codec.train_need_model_reply()  # the head sends the header and digests
         else:
             header = bytes(request.metadata_gguf)
-            meta, tensors, _ = read_header(io.BytesIO(header), len(header), "the head's header")
+            meta, tensors, _ = read_header(header, "the head's header")
             digests = dict(request.tensor_sha256)
             missing, partial, _ = lacking(self.store, list(tensors), digests, tensors)
             if missing:
