@@ -265,3 +265,17 @@ def test_close_lets_the_pool_go_once(make: Make) -> None:
     first.closed = False
     fo.close()
     assert not first.closed  # once only
+
+
+def test_a_dead_node_the_heartbeat_never_watched_is_found_without_a_last_answer(
+    make: Make,
+) -> None:
+    """_find_dead on a pipeline whose nodes the heartbeat has not watched yet (the health table
+    still holds another pipeline's nodes, as right after a re-plan): the node that does not
+    answer is named, with no time of a last answer (0), instead of min() of nothing raising."""
+    first = FakePipeline(["a:1"])
+    fo = make(first, None)
+    fresh = FakePipeline(["c:3", "d:4"])
+    fresh.clients[1].down = True
+    dead, reason, last = fo._find_dead(fresh)  # type: ignore[arg-type]
+    assert dead == ["d:4"] and "d:4 is unreachable" in reason and last == 0.0

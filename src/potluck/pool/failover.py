@@ -470,9 +470,8 @@ class FailoverPipeline:
                 reasons.append(str(exc))
         if not dead:
             return [], "a call failed but every node answers; reconnecting", 0.0
-        last = (
-            min(self._health[n].last_ok for n in dead if n in self._health) if self._health else 0.0
-        )
+        # (a node the heartbeat has not watched yet, as right after a re-plan, has no last_ok)
+        last = min((self._health[n].last_ok for n in dead if n in self._health), default=0.0)
         return dead, reasons[0], last
 
     # -- heartbeat --------------------------------------------------------------------------------
