@@ -140,7 +140,7 @@ def test_the_plan_says_which_workers_have_the_file(
     digest = hashlib.sha256(smollm2_path.read_bytes()).hexdigest()
     deadline = time.monotonic() + 60
     while digest not in (named := _hello_models(a)) and time.monotonic() < deadline:
-        time.sleep(0.5)  # (the hashing, then the Hello's list is kept KNOWN_TTL_S)
+        time.sleep(0.5)  # (until the background hashing ends)
     assert named == [digest]
     assert _hello_models(b) == []
     done = _cli(

@@ -52,7 +52,8 @@ _Request = TypeVar("_Request")
 _Reply = TypeVar("_Reply")
 
 ECHO_MAX_BYTES = 16 * 2**20  # the largest Echo reply (bandwidth probe)
-KNOWN_TTL_S = 5.0  # how long a Hello reuses the list of model files this node has
+KNOWN_TTL_S = 30.0  # how long Hellos reuse the list of model files this node has (it walks the
+# model caches; a head's heartbeat says Hello every second)
 log = logging.getLogger("potluck.worker")
 
 
@@ -92,10 +93,11 @@ class NodeService(pb_grpc.NodeServicer):
         )  # fmt: skip
         self.training = TrainSessions(self.models, self.threads, self._memory_bytes, self.store)
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
-        self._known: tuple[float, list[str]] = (-KNOWN_TTL_S, [])  # (when, models.known())
-        threading.Thread(
-            target=self.models.hash_extra_dirs, name="potluck-hash-models", daemon=True
-        ).start()  # (after the speed probe: it reads disk and takes a core)
+        self._known: tuple[float, list[str]] = (-KNOWN_TTL_S, [])  # (looked, models.known())
+        self._hashed_at = 0.0  # when the background hashing ended (Hellos look again after it)
+        threading.Thread(  # (after the speed probe: it reads disk and takes a core)
+            target=self._hash_models, name="potluck-hash-models", daemon=True
+        ).start()
 
     def _memory_bytes(self) -> int:
         """What this node offers: usable RAM, or less with --mem."""
@@ -144,13 +146,18 @@ class NodeService(pb_grpc.NodeServicer):
             self.data_port, self._known_models(),
         )  # fmt: skip
 
+    def _hash_models(self) -> None:
+        """Hash the --model-dir files once (remembered on disk), then let the next Hello look."""
+        self.models.hash_extra_dirs()
+        self._hashed_at = time.monotonic()
+
     def _known_models(self) -> list[str]:
-        """The model files this node has, by hash; looked up at most every KNOWN_TTL_S (a head's
-        heartbeat says Hello every second, and the lookup lists the model caches)."""
+        """The model files this node has, by hash; looked up at most every KNOWN_TTL_S."""
         when, known = self._known
-        if time.monotonic() - when >= KNOWN_TTL_S:
+        now = time.monotonic()
+        if now - when >= KNOWN_TTL_S or when < self._hashed_at:
             known = self.models.known()
-            self._known = (time.monotonic(), known)
+            self._known = (now, known)
         return known
 
     def _devices(self) -> list[codec.DeviceOffer]:
