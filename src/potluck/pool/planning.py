@@ -56,9 +56,10 @@ def survey_model(
     hp = hparams_from_metadata(f.metadata, str(inputs.path))
     n_ctx = inputs.ctx or min(hp.n_ctx_train, DEFAULT_CTX)
     layer = layer_matrices(f.tensors, hp.n_layer // 2)
+    sha = sha256_file(inputs.path, inputs.cache) if inputs.cache else ""
     nodes, links = survey(
         list(peers), auth=inputs.auth, mem_limit=inputs.mem, matrices=layer,
-        compute=inputs.compute, model_sha256=sha256_file(inputs.path, inputs.cache) if inputs.cache else "",
+        compute=inputs.compute, model_sha256=sha,
     )  # fmt: skip
     fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes, n_seq=inputs.n_seq)
     return nodes, links, fp
