@@ -194,17 +194,19 @@ class _Cursor:
         return n
 
     def string(self) -> str:
-        return self.take(self.count()).decode("utf-8", errors="replace")
+        return self.strings(1)[0]
 
     def strings(self, n: int) -> list[str]:
-        """n strings in a row: a vocabulary (Gemma-3's 262k tokens), in one tight loop."""
+        """n strings in a row (a vocabulary: Gemma-3's 262k tokens) in one tight loop."""
         buf, pos, size, out = self.buf, self.pos, self.size, []
         for _ in range(n):
             if pos + 8 > size:
                 raise EOFError(f"wants 8 bytes at offset {pos} of {size}")
             k = _U64.unpack_from(buf, pos)[0]
             pos += 8
-            if k > _MAX_COUNT or pos + k > size:
+            if k > _MAX_COUNT:
+                raise ValueError(f"implausible count {k}")
+            if pos + k > size:
                 raise EOFError(f"wants {k} bytes at offset {pos} of {size}")
             out.append(buf[pos : pos + k].decode("utf-8", errors="replace"))
             pos += k
