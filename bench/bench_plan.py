@@ -7,8 +7,8 @@ Setups (workers are `potluck worker -t 1` processes, each pinned to one core wit
 standing in for two single-core machines):
   pair     over loopback; the head holds no layers (--mem 0): the best single machine is one
            worker, the pool is the two workers (BENCHMARKS.md's "two single-core workers vs one")
-  head     over loopback; the head (2 threads, unpinned) takes part too: three processes on two
-           cores, so its stage and a worker's share a core while the other waits
+  head     over loopback; the head takes part: `potluck bench -t 1` pinned to core 0 and one
+           worker pinned to core 1, a pool of two single-core machines of which the head is one
   gbit     as pair, each machine a network namespace on a 1 Gbit/s link (tc tbf; needs root)
   fasteth  as pair on 100 Mbit/s links
   gbit-3ms as gbit, every worker behind a proxy that delays each byte 3 ms each way (the gRPC
@@ -62,9 +62,9 @@ def _bench_cmd(model: Path, peers: list[str], setup: str, n_prompt: int, n_predi
     cmd = [sys.executable, "-m", "potluck.cli", "bench", "-m", str(model), "--no-mdns", "--json"]
     cmd += ["-p", str(n_prompt), "-n", str(n_predict)]
     cmd += [a for p in peers for a in ("--peer", p)]
-    if setup != "head":
-        cmd += ["--mem", "0"]
-    return cmd
+    if setup == "head":  # the head is the pool's first single-core machine
+        return ["taskset", "-c", "0", *cmd, "-t", "1"]
+    return cmd + ["--mem", "0"]
 
 
 def _report(done: subprocess.CompletedProcess) -> dict:
@@ -81,7 +81,7 @@ def pool(setup: str, model_dir: Path, logs: Path) -> Iterator[Callable[[list[str
         procs = []
         try:
             peers = []
-            for core in (0, 1):
+            for core in (1,) if setup == "head" else (0, 1):  # head: core 0 is the head's
                 log = logs / f"w{core}.log"
                 with open(log, "w") as out:
                     proc = subprocess.Popen(
