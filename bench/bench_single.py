@@ -61,7 +61,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     import potluck
     from potluck.model import ggml_lib, graph
 
-    if spec.get("ggml"):  # --ggml: another build of ggml than ggml-python's
+    if spec.get("ggml"):  # --ggml: another build of ggml than the install's
         ggml_lib.use_library(spec["ggml"])
     from potluck.model.stage import SeqChunk
 

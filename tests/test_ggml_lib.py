@@ -1,6 +1,6 @@
-"""Which build of ggml computes (model/ggml_lib.py: ggml-python's by default, POTLUCK_GGML for
-another): clear errors for a build that is not there, and another build computing what the
-default one does."""
+"""Which build of ggml computes (model/ggml_lib.py: the one Potluck's install built by default,
+POTLUCK_GGML for another): clear errors for a build that is not there, and another build computing
+what the default one does."""
 
 from __future__ import annotations
 
@@ -44,9 +44,14 @@ def test_a_missing_ggml_build_is_one_line(where: str, said: str) -> None:
 
 
 def test_the_startup_line_names_the_ggml_build() -> None:
-    from potluck.model.ggml_lib import describe, version
+    from potluck.model.ggml_lib import BUILT, describe, version
 
-    assert version().endswith(")") and describe().startswith(f"ggml {version()}: ")
+    if os.environ.get("POTLUCK_GGML"):
+        pytest.skip("POTLUCK_GGML names another build")
+    # the install's own build: llama.cpp's ggml, with its tinyBLAS prompt kernels
+    assert (BUILT / "libggml.so").is_file()
+    assert version() == "0.25.3 (potluck)" and describe().startswith(f"ggml {version()}: ")
+    assert "LLAMAFILE" in describe()
 
 
 _LOGITS = """
@@ -65,10 +70,11 @@ print(json.dumps({"version": ggml_lib.version(), "logits": out[:, :512].tolist()
 """
 
 
-def test_llama_cpps_own_ggml_computes_what_ggml_pythons_does(smollm2_path: Path) -> None:
-    """The same prompt's logits through ggml-python's ggml and through llama.cpp's build of
-    ggml (newer kernels, so equal only within a tolerance). Skips where no llama.cpp build is
-    on this machine (bench/README.md says how to build one; LLAMA_CPP_BIN names it)."""
+def test_llama_cpps_own_build_computes_what_potlucks_does(smollm2_path: Path) -> None:
+    """The same prompt's logits through the ggml Potluck's install built and through llama.cpp's
+    own build of the same ggml (other compile flags, so equal only within a tolerance). Skips
+    where no llama.cpp build is on this machine (bench/README.md says how to build one;
+    LLAMA_CPP_BIN names it)."""
     if not (LLAMA_BIN / "libggml.so").is_file():
         pytest.skip(f"no llama.cpp build of ggml in {LLAMA_BIN} (LLAMA_CPP_BIN)")
     import numpy as np

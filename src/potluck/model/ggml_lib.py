@@ -1,17 +1,16 @@
-"""ggml through ctypes: the library that `ggml-python` builds, with our own declarations.
+"""ggml through ctypes: the library Potluck's install builds, with our own declarations.
 
-`ggml-python` (pinned in pyproject.toml) builds ggml from source with CMake (`CMAKE_ARGS` picks
-GPU backends, as for llama-cpp-python) and loads the shared libraries. Its own declarations give
-some functions a 32-bit return type for 64-bit pointers (`ggml_backend_cpu_buffer_from_ptr`,
-`ggml_backend_cpu_buffer_type`, `ggml_backend_alloc_buffer`, ...), so this module declares every
-function Potluck calls itself, pointers as `c_void_p`, on the library handle ggml-python loaded.
-Everything else in Potluck calls ggml through `lib` below, never through `ggml.ggml`.
+`pip install` builds ggml from source with CMake (CMakeLists.txt at the repository's root;
+`CMAKE_ARGS` picks GPU backends, as for llama-cpp-python) into `potluck/_ggml`: the ggml that
+llama.cpp 0c1e570 vendors (0.25.3), from the llama-cpp-python 0.3.36 source package, so every
+machine runs llama.cpp's own kernels (its tiled K-quant prompt matmuls, its repacked layouts).
+This module declares every function Potluck calls, pointers as `c_void_p`, and loads the libraries.
+Everything else in Potluck calls ggml through `lib` below.
 
 `use_library` swaps in another build of ggml before the first call (cli/__init__.py: `POTLUCK_GGML`): a
-folder with `libggml.so`, or the one `llama-cpp-python` installs, which is llama.cpp's own (newer)
-ggml. Why: ggml-python 0.0.45 vendors ggml 0.15.3, which lacks the tiled K-quant matmuls that
-llama.cpp's ggml runs prompts with (bench/RESULTS.md: Gemma-3 prompts 9–11 % faster at 1
-thread). Every declaration below was checked equal in both versions' headers, as is
+folder with `libggml.so` (a llama.cpp build folder, a ggml built with other flags), or the one
+`llama-cpp-python` installs. Every declaration below was checked equal in the headers of ggml
+0.15.3 (the older ggml that ggml-python 0.0.45 vendors; its build works too) and 0.25.3, as is
 `struct ggml_tensor`.
 
 Tensors, contexts, graphs, backends and buffers are plain ints (addresses) here. `lib`'s
@@ -209,13 +208,18 @@ def _log_line(level: int, text: bytes | None, _user: int | None) -> None:
 
 
 LLAMA_CPP_PYTHON = "llama-cpp-python"  # use_library's name for that package's build of ggml
+BUILT = Path(__file__).resolve().parent.parent / "_ggml"  # where the install puts ggml
+BUILT_NAME = "potluck"  # version()'s name for that build
+# in the clone of the repository, as the README installs it
+REBUILD = 'CMAKE_ARGS="-DGGML_LLAMAFILE=ON" pip install --force-reinstall --no-deps -e .'
 _library: list[tuple[Path, str]] = []  # use_library's choice: (folder, what to call it)
 
 
 def use_library(where: str) -> None:
     """Compute with the ggml in folder `where` (its libggml.so, beside its libggml-base and
     backend libraries), or with llama-cpp-python's (`where` = "llama-cpp-python"), instead of
-    ggml-python's. Only before the first ggml call; BackendError if there is no such build."""
+    the one Potluck's install built. Only before the first ggml call; BackendError if there is no
+    such build."""
     if _lib.cache_info().currsize:
         raise RuntimeError("use_library after ggml was loaded")
     if where == LLAMA_CPP_PYTHON:
@@ -225,8 +229,8 @@ def use_library(where: str) -> None:
         if spec is None or not spec.submodule_search_locations:
             raise BackendError(
                 f"POTLUCK_GGML={LLAMA_CPP_PYTHON}, but llama-cpp-python is not installed; "
-                'install it (CMAKE_ARGS as for ggml-python: pip install "llama-cpp-python==0.3.36") '
-                "or unset POTLUCK_GGML to use ggml-python's ggml"
+                'install it (CMAKE_ARGS as for Potluck: pip install "llama-cpp-python==0.3.36") '
+                "or unset POTLUCK_GGML to use the ggml Potluck's install built"
             )
         folder, name = Path(spec.submodule_search_locations[0]) / "lib", LLAMA_CPP_PYTHON
     else:
@@ -253,22 +257,18 @@ class _Lib:
     """The declared functions as attributes: `lib.ggml_mul_mat(ctx, a, b)`."""
 
     def __init__(self) -> None:
-        if _library:
-            folder, self.source = _library[0]
-            try:
-                handle = _load_folder(folder)
-            except OSError as exc:
-                raise BackendError(f"the ggml in {folder} could not be loaded ({exc})") from exc
-        else:
-            try:
-                from ggml import ggml as ggml_python  # builds/loads libggml (ggml-python)
-            except (ImportError, OSError) as exc:
-                raise BackendError(
-                    f"ggml could not be loaded ({exc}); reinstall it with "
-                    "`pip install --force-reinstall --no-cache-dir ggml-python==0.0.45` "
-                    "(it compiles ggml; a C/C++ compiler and CMake are needed)"
-                ) from exc
-            handle, self.source = ggml_python.lib, "ggml-python"
+        folder, self.source = _library[0] if _library else (BUILT, BUILT_NAME)
+        if not (folder / "libggml.so").is_file():
+            raise BackendError(
+                f"ggml is not built: no libggml.so in {folder}; reinstall Potluck, which compiles "
+                f"it (a C/C++ compiler and CMake are needed): {REBUILD}"
+            )
+        try:
+            handle = _load_folder(folder)
+        except OSError as exc:
+            raise BackendError(
+                f"the ggml in {folder} could not be loaded ({exc}); rebuild it: {REBUILD}"
+            ) from exc
         for name, (args, res) in _SIGNATURES.items():
             fn = getattr(handle, name)
             fn.argtypes, fn.restype = args, res
@@ -364,7 +364,7 @@ def gpu_device(name: str | None = None) -> tuple[int, Device]:
     raise BackendError(
         f"this machine's ggml has no {want} (devices: {have}); build ggml with a GPU backend: "
         'CMAKE_ARGS="-DGGML_LLAMAFILE=ON -DGGML_VULKAN=ON" (or -DGGML_CUDA=ON, -DGGML_HIP=ON, -DGGML_METAL=ON) '
-        "pip install --force-reinstall --no-cache-dir ggml-python==0.0.45"
+        "pip install --force-reinstall --no-deps -e . (in the clone of Potluck)"
     )
 
 
@@ -425,7 +425,7 @@ def tensor_extra(t: int) -> int:
 
 
 def version() -> str:
-    """ggml's version and which build it is: "0.15.3 (ggml-python)"."""
+    """ggml's version and which build it is: "0.25.3 (potluck)"."""
     return f"{lib.ggml_version().decode()} ({_lib().source})"
 
 
@@ -443,17 +443,11 @@ def cpu_features() -> dict[str, str]:
     return out
 
 
-REBUILD = (
-    'CMAKE_ARGS="-DGGML_LLAMAFILE=ON" pip install --force-reinstall --no-cache-dir '
-    "ggml-python==0.0.45"
-)
-
-
 def build_advice() -> str | None:
     """What this machine's ggml build lacks that costs speed, and how to rebuild; None if nothing."""
     if not cpu_features().get("LLAMAFILE"):
         source = _lib().source
-        how = REBUILD if source == "ggml-python" else f"the ggml of {source}, with that flag"
+        how = REBUILD if source == BUILT_NAME else f"the ggml of {source}, with that flag"
         return (
             "ggml was built without LLAMAFILE (its tinyBLAS prompt kernels): prompts run up to "
             f"2x slower on Q8_0/Q5_0/F16 weights; rebuild it: {how}"
