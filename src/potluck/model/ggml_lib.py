@@ -210,8 +210,11 @@ def _log_line(level: int, text: bytes | None, _user: int | None) -> None:
 LLAMA_CPP_PYTHON = "llama-cpp-python"  # use_library's name for that package's build of ggml
 BUILT = Path(__file__).resolve().parent.parent / "_ggml"  # where the install puts ggml
 BUILT_NAME = "potluck"  # version()'s name for that build
-# in the clone of the repository, as the README installs it
-REBUILD = 'CMAKE_ARGS="-DGGML_LLAMAFILE=ON" pip install --force-reinstall --no-deps -e .'
+# as the README installs it
+REBUILD = (
+    'CMAKE_ARGS="-DGGML_LLAMAFILE=ON" pip install --force-reinstall --no-deps -e . '
+    "(in the clone of Potluck)"
+)
 _library: list[tuple[Path, str]] = []  # use_library's choice: (folder, what to call it)
 
 
