@@ -9,7 +9,11 @@ Each process's peak RSS is its own ru_maxrss (os.wait4). Claims are ratios potlu
 medians, on one CPU, in one run; nothing here asserts a time.
 
     python bench/bench_single.py [--models smollm2,gemma3,qwen7b] [--threads 1,2] [--reps 3]
-        [--pp P --tg N] [--llama-bin DIR] [--llama-repack 0|1|both] [--quick] [--out PATH]
+        [--pp P --tg N] [--ngl N] [--llama-bin DIR] [--llama-repack 0|1|both] [--quick] [--out PATH]
+
+--ngl N puts the last N layers on the first GPU in both engines (llama-bench -ngl N; potluck as
+`potluck run -ngl N`); more than the model's layers puts the output head there too. Potluck
+computes with the ggml that POTLUCK_GGML names, as the CLI does (--ggml adds a second potluck).
 """
 
 from __future__ import annotations
@@ -61,18 +65,27 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     import potluck
     from potluck.model import ggml_lib, graph
 
-    if spec.get("ggml"):  # --ggml: another build of ggml than the install's
-        ggml_lib.use_library(spec["ggml"])
+    if where := spec.get("ggml") or os.environ.get("POTLUCK_GGML"):  # --ggml, else as the CLI
+        ggml_lib.use_library(where)
     from potluck.model.stage import SeqChunk
 
     clock = ComputeClock(graph.lib)
     graph.lib = clock  # bench child only (see ComputeClock)
     pp, tg = spec["pp"], spec["tg"]
     t0 = time.perf_counter()
-    model = load_local(spec["path"], max(pp, tg), spec["threads"])  # llama-bench: n_ctx = pp + tg
+    if spec["ngl"]:  # the last ngl layers on the first GPU, as `potluck run -ngl N` puts them
+        from potluck.cli.runtime import compute_of
+        from potluck.engine.generate import load_model
+
+        compute = compute_of(spec["threads"], n_gpu_layers=spec["ngl"])
+        model = load_model(spec["path"], n_ctx=max(pp, tg), compute=compute)
+    else:  # llama-bench: n_ctx = pp + tg
+        model = load_local(spec["path"], max(pp, tg), spec["threads"])
     load_s = time.perf_counter() - t0
     ready_at, rss_loaded = time.time(), _rss_mib()
     pipe = model.pipeline
+    stage = pipe.stages[0]
+    device = f"{d.name} ({d.description})" if (d := stage.gpu_device) else "CPU"
     rng = random.Random(SEED)
     ids = np.array([rng.randrange(*TOKEN_RANGE) for _ in range(max(pp, tg))], np.int64)
 
@@ -98,7 +111,8 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     return {"pp_ts": pp / pp_s, "tg_ts": tg / tg_s, "pp_compute_share": pp_c / pp_s,
             "tg_ms": 1e3 * tg_s / tg, "tg_compute_ms": 1e3 * tg_c / tg,
             "tg_overhead_ms": 1e3 * (tg_s - tg_c) / tg, "load_s": load_s, "ready_at": ready_at,
-            "rss_loaded_mib": rss_loaded, "potluck_from": potluck.__file__, "ggml": ggml_lib.version()}  # fmt: skip
+            "rss_loaded_mib": rss_loaded, "potluck_from": potluck.__file__, "ggml": ggml_lib.version(),
+            "device": device, "gpu_weights_mib": stage.device_weight_bytes() / 2**20}  # fmt: skip
 
 
 # -- parent side -----------------------------------------------------------------------------------
@@ -130,9 +144,11 @@ def _failed(r: dict[str, Any]) -> dict[str, Any]:
     return {"error": f"exit {r['rc']}", "stderr_tail": r["stderr"].strip().splitlines()[-15:]}
 
 
-def llama_sample(bin_dir: Path, path: str, t: int, pp: int, tg: int, repack: int) -> dict[str, Any]:
+def llama_sample(
+    bin_dir: Path, path: str, t: int, pp: int, tg: int, repack: int, ngl: int = 0
+) -> dict[str, Any]:
     cmd = [str(bin_dir / "llama-bench"), "-m", path, "-t", str(t), "-p", str(pp), "-n", str(tg),
-           "-r", "1", "-ngl", "0", "--repack", str(repack), "-o", "json"]  # fmt: skip
+           "-r", "1", "-ngl", str(ngl), "--repack", str(repack), "-o", "json"]  # fmt: skip
     r = _spawn(cmd, t)
     if r["rc"] != 0:
         return _failed(r)
@@ -145,13 +161,14 @@ def llama_sample(bin_dir: Path, path: str, t: int, pp: int, tg: int, repack: int
     ready = r["proc"]["wall_s"] - 2 * pp_s - tg_s * (1 + 1 / tg)
     return {"pp_ts": pp_t["avg_ts"], "tg_ts": tg_t["avg_ts"], "tg_ms": 1e3 * tg_s / tg,
             "ready_s": ready, **r["proc"], "build_commit": pp_t.get("build_commit"),
-            "cpu_info": pp_t.get("cpu_info")}  # fmt: skip
+            "cpu_info": pp_t.get("cpu_info"), "device": (pp_t.get("gpu_info") or "CPU") if ngl else "CPU",
+            "backends": pp_t.get("backends"), "n_gpu_layers": pp_t.get("n_gpu_layers")}  # fmt: skip
 
 
 def potluck_sample(
-    path: str, t: int, pp: int, tg: int, src: str | None, ggml: str | None = None
+    path: str, t: int, pp: int, tg: int, src: str | None, ggml: str | None = None, ngl: int = 0
 ) -> dict[str, Any]:
-    spec = json.dumps({"path": path, "threads": t, "pp": pp, "tg": tg, "ggml": ggml})
+    spec = json.dumps({"path": path, "threads": t, "pp": pp, "tg": tg, "ggml": ggml, "ngl": ngl})
     r = _spawn([sys.executable, str(Path(__file__).resolve()), "--child", spec], t, src)
     lines = [x for x in r["stdout"].splitlines() if x.startswith("RESULT ")]
     if r["rc"] != 0 or not lines:
@@ -178,9 +195,11 @@ def machine_info(llama_bin: Path | None) -> dict[str, Any]:
     flags = [f for f in fields.get("Flags", "").split()
              if f in ("avx2", "fma", "f16c") or f.startswith(("avx512", "avx_vnni", "amx"))]  # fmt: skip
     try:
-        from potluck.model.ggml_lib import BackendError, describe
+        from potluck.model.ggml_lib import BackendError, describe, use_library
 
         try:
+            if where := os.environ.get("POTLUCK_GGML"):  # the build the children compute with
+                use_library(where)
             ggml = describe()
         except BackendError as e:
             ggml = f"unavailable: {e}"
@@ -253,6 +272,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="processes per engine (alternating order)")
     ap.add_argument("--pp", type=int, help="prompt tokens for every model (default: per model)")
     ap.add_argument("--tg", type=int, help="decode steps for every model (default: per model)")
+    ap.add_argument("--ngl", type=int, default=0, help="layers on the first GPU, both engines "
+                    "(llama-bench -ngl; potluck run -ngl); 0: CPU only")  # fmt: skip
     ap.add_argument("--llama-bin", type=Path, help="llama.cpp's build/bin (default: $LLAMA_CPP_BIN, else the vendored build)",
                     default=llama_bin_default())  # fmt: skip
     ap.add_argument("--llama-repack", choices=("0", "1", "both"), default="1",
@@ -302,12 +323,14 @@ def main() -> None:
                     load = os.getloadavg()[0]  # the machine is shared: keep the context
                     if engine.startswith("potluck"):
                         ggml = args.ggml if engine == "potluck-ggml" else None
-                        res = potluck_sample(path, t, pp, tg, str(snap) if snap else None, ggml)
+                        res = potluck_sample(path, t, pp, tg, str(snap) if snap else None, ggml,
+                                             args.ngl)  # fmt: skip
                     else:
                         assert llama_bin is not None
-                        res = llama_sample(llama_bin, path, t, pp, tg, REPACK[engine])
+                        res = llama_sample(llama_bin, path, t, pp, tg, REPACK[engine], args.ngl)
                     samples.append({"model": name, "threads": t, "rep": rep, "engine": engine,
-                                    "pp": pp, "tg": tg, "loadavg_1m_before": load, **res})  # fmt: skip
+                                    "pp": pp, "tg": tg, "ngl": args.ngl, "loadavg_1m_before": load,
+                                    **res})  # fmt: skip
                     if "error" in res:
                         print(f"  {name} t={t} rep {rep} {engine}: FAILED {res['error']}")
                         print("    " + "\n    ".join(res["stderr_tail"]))
@@ -315,16 +338,17 @@ def main() -> None:
                     extra = f" overhead {res['tg_overhead_ms']:.2f} ms/tok" if "tg_overhead_ms" in res else ""  # fmt: skip
                     print(f"  {name} t={t} rep {rep} {engine:18s} pp{pp} {res['pp_ts']:.1f} "
                           f"tg{tg} {res['tg_ts']:.1f} t/s peak {res['peak_rss_mib']:.0f} MiB "
-                          f"cpu {res['cpu_share']:.2f} ({res['wall_s']:.0f} s){extra}")  # fmt: skip
+                          f"cpu {res['cpu_share']:.2f} ({res['wall_s']:.0f} s) on {res['device']}{extra}")  # fmt: skip
     info["loadavg_end"] = list(os.getloadavg())
 
     summary, rows = summarize(samples, engines)
     header = ["model", "t", "metric", *(LABELS.get(e, e) for e in engines)]
     for e in (e for e in engines if e.startswith("potluck")):
         header += [f"{e} / llama.cpp", "paired"]
-    print_table("potluck vs llama.cpp: medians (min–max); ratio of medians; paired = median of "
-                "per-rep ratios", header, rows)  # fmt: skip
-    config = {"ggml": args.ggml, "models": models, "threads": threads, "reps": args.reps, "engines": engines,
+    print_table(f"potluck vs llama.cpp, -ngl {args.ngl}: medians (min–max); ratio of medians; "
+                "paired = median of per-rep ratios", header, rows)  # fmt: skip
+    config = {"ggml": args.ggml, "potluck_ggml": os.environ.get("POTLUCK_GGML"), "ngl": args.ngl,
+              "models": models, "threads": threads, "reps": args.reps, "engines": engines,
               "pp": args.pp, "tg": args.tg, "tests": TESTS, "token_seed": SEED,
               "token_range": list(TOKEN_RANGE), "llama_bin": str(llama_bin) if llama_bin else None,
               "command": " ".join([Path(sys.executable).name, *sys.argv])}  # fmt: skip
