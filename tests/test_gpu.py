@@ -69,6 +69,52 @@ def test_every_architecture_on_the_gpu_equals_the_cpu(arch: str, tmp_path: Path)
     assert (gpu.argmax(-1) == cpu.argmax(-1)).mean() >= 0.9
 
 
+_SEQUENCES_COME_AND_GO = """
+import sys
+import numpy as np
+from potluck.model.stage import SeqChunk, Stage
+from potluck.modelfile.gguf_file import GGUFFile
+from potluck.modelfile.hparams import hparams_from_metadata
+
+path, out, ngl = sys.argv[1], sys.argv[2], int(sys.argv[3])
+f = GGUFFile(path)
+hp = hparams_from_metadata(f.metadata)
+stage = Stage(hp, f, 0, hp.n_layer, 512, n_gpu_layers=ngl)
+ids = np.arange(5, 45)
+stage(ids[:8], [SeqChunk(1, 8)])  # a prompt of sequence 1, which is then dropped
+stage.drop(1)
+rows = [stage(ids[i : i + 1], [SeqChunk(2, 1)])[0] for i in range(3)]  # a new sequence decodes
+for i in range(260):  # past the first 256 positions: its cache grows (its old buffers freed)
+    stage(ids[i % 40 : i % 40 + 1], [SeqChunk(2, 1)])
+rows.append(stage(ids[:8], [SeqChunk(2, 8)])[0])  # then a prompt chunk
+np.save(out, np.stack(rows))
+"""
+
+
+def test_sequences_that_come_and_go_keep_the_device_computing(tmp_path: Path) -> None:
+    """A dropped sequence frees its KV buffers on the device, a growing one its old buffers; the
+    next graph of another size crashed inside ggml's Vulkan backend (Mesa's lavapipe: segfault)
+    until a stage restarted that backend after such a free (stage.py, _RESTART_AFTER_FREE).
+    Run in a child process, so that a crash fails this test only. The new sequence's logits equal
+    those of a stage that never saw the dropped one (same device, same graph shapes)."""
+    path = write_tiny_model(tmp_path / "m.gguf", "llama", None, T.Q8_0, n_layer=4)
+    ngl = 99
+    out = tmp_path / "rows.npy"
+    done = subprocess.run(
+        [sys.executable, "-c", _SEQUENCES_COME_AND_GO, str(path), str(out), str(ngl)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    got = np.load(out)
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    fresh = Stage(hp, f, 0, hp.n_layer, 512, n_gpu_layers=ngl)
+    ids = np.arange(5, 45)
+    want = [fresh(ids[i : i + 1], [SeqChunk(2, 1)])[0] for i in range(3)]
+    np.testing.assert_array_equal(got[:3], np.stack(want))
+    assert np.isfinite(got).all()
+
+
 @pytest.mark.parametrize("ngl", [10, 31])
 def test_ngl_split_gives_the_cpus_text_until_a_near_tie(smollm2_path: Path, ngl: int) -> None:
     """SmolLM2 with its last 10 layers (or every layer and the head's norm) on the device."""

@@ -42,6 +42,12 @@ __all__ = [
 ]
 
 _SCHED_GRAPH_SIZE = 1 << 16  # the most graph nodes a stage's scheduler plans for
+# ggml's Vulkan backend (0.25.3) keeps state between graphs that can point into a KV buffer freed
+# since: after a sequence is dropped (or its cache grows) the next graph of another size crashed
+# inside the driver (Mesa's lavapipe: prompt, drop, decode a new sequence; decode past 256
+# positions, then a prompt chunk). A fresh backend (≈ 0.01 ms) does not; so a stage restarts
+# its Vulkan backend before the next graph whenever one of its KV buffers on the device was freed.
+_RESTART_AFTER_FREE = {b"Vulkan"}
 
 
 def _layer_of(name: str) -> int | None:
@@ -210,12 +216,15 @@ class Stage:
         self.gpu: int | None = None  # ggml handles (pointers as ints)
         self.gpu_device: Device | None = None
         self._gpu_buft: int | None = None
+        self._gpu_dev: int | None = None
+        self._gpu_stale = False  # a KV buffer on the device was freed since the last graph
         self.cpu: int | None = None
         self.sched: int | None = None
         self.caches: dict[int, SeqCache] = {}
         self._graph: StepGraph | None = None
         if n_gpu_layers:
             dev, self.gpu_device = gpu_device(device)
+            self._gpu_dev = dev
             self.gpu = lib.ggml_backend_dev_init(dev, None)
             if not self.gpu:
                 raise BackendError(f"ggml could not start {self.gpu_device.name}")
@@ -237,12 +246,35 @@ class Stage:
             raise BackendError("ggml's CPU backend could not start")
         lib.ggml_backend_cpu_set_n_threads(self.cpu, self.threads)
         self._cpu_buft: int = lib.ggml_backend_get_default_buffer_type(self.cpu)
+        self.sched = self._new_sched()
+        self._graph = None
+
+    def _new_sched(self) -> int:
         order = [b for b in (self.gpu, self.cpu) if b]  # the CPU last: ggml's scheduler wants it
         backends = (ctypes.c_void_p * len(order))(*order)
-        self.sched = lib.ggml_backend_sched_new(
+        sched: int = lib.ggml_backend_sched_new(
             backends, None, len(order), _SCHED_GRAPH_SIZE, False, True
         )
-        self._graph = None
+        return sched
+
+    def _device_kv_freed(self) -> None:
+        """Called when a KV buffer of this stage's device is freed (see _RESTART_AFTER_FREE)."""
+        if self._gpu_dev is not None and self.gpu_layers:
+            reg = lib.ggml_backend_dev_backend_reg(self._gpu_dev)
+            self._gpu_stale = lib.ggml_backend_reg_name(reg) in _RESTART_AFTER_FREE
+
+    def _restart_gpu(self) -> None:
+        """A fresh backend (and scheduler) for the device; its buffers (weights, caches) stay."""
+        self._release_graph()
+        lib.ggml_backend_sched_free(self.sched)
+        lib.ggml_backend_free(self.gpu)
+        self.gpu = lib.ggml_backend_dev_init(self._gpu_dev, None)
+        if not self.gpu:
+            raise BackendError(
+                f"ggml could not restart {self.gpu_device.name if self.gpu_device else 'the GPU'}"
+            )
+        self.sched = self._new_sched()
+        self._gpu_stale = False
 
     def _lora(
         self, adapter: LoraAdapter, shapes: list[tuple[str, tuple[int, ...]]], exact: bool
@@ -341,6 +373,7 @@ class Stage:
             ):
                 self._release_graph()  # (it points into that cache)
             cache.free()
+            self._device_kv_freed()
 
     def position(self, seq_id: int) -> int:
         """Tokens of `seq_id` already in this stage's cache (0 for a sequence it has not seen)."""
@@ -383,7 +416,10 @@ class Stage:
             raise ValueError(f"hidden states have shape {x.shape}, expected [T, {self.hp.n_embd}]")
         caches = [self.cache(c.seq_id) for c in chunks]
         for c, cache in zip(chunks, caches, strict=True):
+            moves = cache.generation
             cache.reserve(c.n)
+            if cache.generation != moves:  # grown: its old buffers were freed
+                self._device_kv_freed()
         rows: npt.NDArray[np.int32] | None = None
         n_rows = -1
         if self.is_last:
@@ -400,6 +436,8 @@ class Stage:
         if self._graph is None or self._graph.shape != shape:
             self._release_graph()
             assert self.sched is not None, "this stage is closed"
+            if self._gpu_stale:
+                self._restart_gpu()
             self._graph = StepGraph(
                 self.hp, self.weights, self.layers, shape, caches, self.sched, self.loras
             )
