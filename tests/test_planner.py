@@ -91,6 +91,25 @@ def test_footprint_matches_loaded_gemma3_first_layers(gemma3_path: Path) -> None
     check_stages(fp, [Stage(hp, f, 0, 3, 256)])
 
 
+def test_a_decoded_token_reads_its_weights_and_the_kv_it_attends_to(gemma3_path: Path) -> None:
+    """Per layer: the weights, plus K and V of the positions attended (at most the context, and
+    on Gemma-3's sliding layers at most the window); the KV held stays the full context's."""
+    f = GGUFFile(gemma3_path)
+    hp = hparams_from_metadata(f.metadata)
+    assert 0 < hp.sliding_window < 4096
+    row = hp.n_head_kv * (hp.head_dim + hp.head_dim_v) * 2  # f16 K and V of one position
+    weights = footprint_from_gguf(f.tensors, hp, 4096, held=held_bytes).layer_weight_bytes
+    for attended, n_ctx in ((1, 4096), (700, 4096), (4000, 4096), (4000, 600)):
+        fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes, attended=attended)
+        seen = min(attended, n_ctx)
+        for i, (read, w) in enumerate(zip(fp.layer_read_bytes, weights, strict=True)):
+            kv = min(seen, hp.sliding_window) if hp.is_sliding(i) else seen
+            assert read == w + kv * row, (attended, n_ctx, i)
+        assert fp.layer_kv_bytes[0] == row * n_ctx
+    assert any(hp.is_sliding(i) for i in range(hp.n_layer))
+    assert not all(hp.is_sliding(i) for i in range(hp.n_layer))
+
+
 @pytest.mark.slow
 def test_footprint_matches_loaded_gemma3(gemma3_path: Path) -> None:
     model = load_model(gemma3_path, n_ctx=256, splits=(10,))

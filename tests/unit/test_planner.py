@@ -20,6 +20,7 @@ from potluck.planner import (
     NodeInfo,
     NotEnoughMemoryError,
     PlanError,
+    cost,
     format_plan,
     format_summary,
     plan_pool,
@@ -109,10 +110,14 @@ def test_memory_fit_splits_where_one_node_is_too_small() -> None:
     assert max(s.compute_ms for s in plan.stages) <= min(s.compute_ms for s in plan.stages) + 11
 
 
-def test_fixed_layer_cost_balances_stages_by_time_not_bytes() -> None:
+def test_fixed_layer_cost_balances_stages_by_time_not_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Small layers and a big output head (30 layers of 0.2 MB, a 3 MB head): each layer also
     costs CPU_LAYER_NS beyond its bytes (here more than its bytes take), so the last stage (with
-    the head) gets more layers than a balance of bytes alone would give it (22 | 8)."""
+    the head) gets more layers than a balance of bytes alone would give it (22 | 8). (The fixed
+    cost of a worker's stage, REMOTE_STAGE_NS, is set aside: it would move the cut the other way.)"""
+    monkeypatch.setattr(cost, "REMOTE_STAGE_NS", 0)
     layer, head = 200_000, 3_000_000
     fp = synth(n_layer=30, layer=layer, head=head, embd=head)
     nodes = [cpu("a", 4 * GiB, speed=29 * GB), cpu("b", 4 * GiB, speed=29 * GB)]

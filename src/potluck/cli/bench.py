@@ -69,7 +69,10 @@ def bench(
     auth = net.auth()
     shares = _shares(tensor_split)
     head_mem = _head_mem(mem)
-    inputs = PlanInputs(path, ctx, auth, mem=head_mem, compute=compute, cache=here.cache)
+    inputs = PlanInputs(
+        path, ctx, auth, mem=head_mem, compute=compute, cache=here.cache,
+        attended=n_prompt + n_predict // 2,  # the decode steps measured attend to this many on average
+    )  # fmt: skip
     plan_ = plan_to_compare(inputs, addresses, shares)
     pool_plan = assignments_of(plan_)
     runs = []

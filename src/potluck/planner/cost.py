@@ -21,15 +21,21 @@ from potluck.planner.footprint import ModelFootprint
 from potluck.planner.nodes import Link, Links, NodeInfo, link_between
 
 NS = 1_000_000_000
-# Fixed time per layer and decoded token, beyond streaming its weights (norms, RoPE, attention over
-# a short context, the graph's other small operations). The speed it adds to is timed through the
-# model's own layer matrices (node/probe.py model_bytes_per_s), so the matmuls' own per-call cost is
-# already in that figure: measured with ggml on SmolLM2 at 1 thread (Zen 3), the real decode took
-# 21.24 ms per token where its bytes at the probed speed give 21.04, ≈ 7 µs per layer. (With the
-# first engine, eager PyTorch, it was ≈ 100 µs.) On an accelerator the same calls are kernel
-# launches: an estimate, not measured here (no GPU).
-CPU_LAYER_NS = 10_000
+# Fixed time per layer and decoded token, beyond streaming its weights and KV (norms, RoPE, the
+# graph's other small operations). The speed it adds to is timed through the model's own layer
+# matrices (node/probe.py model_bytes_per_s), so the matmuls' own per-call cost is already in that
+# figure. Measured with ggml on SmolLM2 at 1 thread: on a Zen 3 at short contexts ≈ 7 µs per
+# layer; on a Zen 5 at 64-192 positions, with the KV reads counted, 15-18 µs (7.5-8.0 ms per
+# token where its bytes at the probed speed give 7.1-7.4). On an accelerator the same calls are
+# kernel launches: an estimate, not measured here (no GPU).
+CPU_LAYER_NS = 15_000
 GPU_LAYER_NS = 30_000
+# Per decoded token and stage on a node other than the head (nodes[0]): the Python around its
+# compute — the request read and checked, the token sampled, the reply relayed — and the data
+# connection's system calls. Measured over loopback and veth links (bench/bench_plan.py, Zen 5):
+# a pool's token took 0.2-0.9 ms more than its stages' compute and hops, a worker alone 0.4-0.9
+# ms more than its compute.
+REMOTE_STAGE_NS = 300_000
 DECODE, PROMPT = "decode", "prompt"  # what a plan's stages are balanced for (CostModel)
 
 
@@ -122,6 +128,7 @@ class CostModel:
             else:
                 cpu_read += m.head_read_bytes
         compute = _ns(cpu_read, node.cpu_bytes_per_s) + (s - start) * CPU_LAYER_NS
+        compute += REMOTE_STAGE_NS if i else 0
         if gpu_read:
             compute += _ns(gpu_read, node.gpu_bytes_per_s) + (stop - s) * GPU_LAYER_NS
         prompt = _ns(self._read[s] - self._read[start], node.cpu_bytes_per_s)

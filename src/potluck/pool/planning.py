@@ -37,6 +37,7 @@ class PlanInputs:
     n_seq: int = 1
     compute: Compute = DEFAULT_COMPUTE
     cache: Path | None = None
+    attended: int | None = None  # positions a decode step attends to (None: the planner's default)
 
 
 def survey_model(
@@ -61,7 +62,9 @@ def survey_model(
         list(peers), auth=inputs.auth, mem_limit=inputs.mem, matrices=layer,
         compute=inputs.compute, model_sha256=sha,
     )  # fmt: skip
-    fp = footprint_from_gguf(f.tensors, hp, n_ctx, held=held_bytes, n_seq=inputs.n_seq)
+    fp = footprint_from_gguf(
+        f.tensors, hp, n_ctx, held=held_bytes, n_seq=inputs.n_seq, attended=inputs.attended
+    )
     return nodes, links, fp
 
 
