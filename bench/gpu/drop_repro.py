@@ -1,8 +1,9 @@
 """A stage with layers on the GPU: prompt sequence A, drop it, then decode a new sequence B from
-an empty cache (what bench_single.py's warm-up does). On the dev machine's Vulkan (Mesa lavapipe)
-the first decode of B segfaults inside libvulkan_lvp.so with a 4-layer tiny model at -ngl 2/4/99
-(any type) and SmolLM2 at -ngl 2/5/10/99; -ngl 0 and 1, a 2-layer model, or A kept instead of
-dropped: no crash.
+an empty cache (what bench_single.py's warm-up does). On Vulkan (Mesa's lavapipe) the first
+decode of B segfaulted inside libvulkan_lvp.so (a 4-layer tiny model at -ngl 2/4/99, SmolLM2 at
+-ngl 2/5/10/99) until model/stage.py restarted ggml's Vulkan backend after a KV buffer on the
+device is freed (tests/test_gpu.py covers it). Kept to try the same on CUDA, where no restart is
+made (bench/gpu/run.sh runs it there).
 
     python bench/gpu/drop_repro.py [MODEL.gguf] [NGL]     # no model: a tiny llama from tests/ggufgen.py
 Prints "ok" per step; a crash ends the process (exit 139)."""
