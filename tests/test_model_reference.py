@@ -106,3 +106,25 @@ def test_split_equals_whole(tiny) -> None:
     path, _ = tiny
     whole = _ours(path, exact=True)
     assert torch.equal(_ours(path, exact=True, splits=(1,)), whole)
+
+
+def test_bad_inputs_are_refused_before_ggml_sees_them(tmp_path: Path) -> None:
+    """An empty chunk made ggml abort the whole process (get_rows' assert); shapes and ids that do
+    not fit are refused the same way, with what was wrong."""
+    path = write_tiny_model(tmp_path / "m.gguf", "llama", None, T.Q8_0, n_layer=2)
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    first, middle = Stage(hp, f, 0, 1, 64), Stage(hp, f, 1, 2, 64)
+    with pytest.raises(ValueError, match=r"at least one token, got \[0\]"):
+        first(np.array([], np.int64), [SeqChunk(1, 0)])
+    with pytest.raises(ValueError, match=r"at least one token, got \[\]"):
+        first(np.array([], np.int64), [])
+    with pytest.raises(ValueError, match=r"at least one token, got \[2, 0\]"):
+        first(np.array([5, 6]), [SeqChunk(1, 2), SeqChunk(2, 0)])
+    with pytest.raises(ValueError, match="input has 3 rows but the chunks add up to 2"):
+        first(np.array([5, 6, 7]), [SeqChunk(1, 2)])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        first(np.array([hp.n_vocab]), [SeqChunk(1, 1)])
+    with pytest.raises(ValueError, match="hidden states have shape"):
+        middle(np.zeros((1, hp.n_embd + 1), np.float32), [SeqChunk(1, 1)])
+    assert first(np.array([5]), [SeqChunk(1, 1)]).shape == (1, hp.n_embd)  # still computes

@@ -405,6 +405,8 @@ class Stage:
     ) -> npt.NDArray[np.float32]:
         x = np.asarray(x)
         total = sum(c.n for c in chunks)
+        if total < 1 or any(c.n < 1 for c in chunks):  # (ggml would abort the process)
+            raise ValueError(f"every chunk needs at least one token, got {[c.n for c in chunks]}")
         if x.shape[0] != total:
             raise ValueError(f"input has {x.shape[0]} rows but the chunks add up to {total}")
         if self.is_first and x.size and not _within(x, self.hp.n_vocab):
