@@ -12,7 +12,8 @@ standing in for two single-core machines):
   gbit     as pair, each machine a network namespace on a 1 Gbit/s link (tc tbf; needs root)
   fasteth  as pair on 100 Mbit/s links
   gbit-3ms as gbit, every worker behind a proxy that delays each byte 3 ms each way, on both
-           of its ports (gRPC, and the data port that hidden states take)
+           of its ports (gRPC, and the data port that hidden states take); the proxy is
+           bench/delay_proxy.c (compiled with cc), else tests/delay_proxy.py
 Each run is `potluck bench --json` (the planner's figures for the pool and the best single
 machine, then both measured, in one process); the table shows predicted / measured for each and
 whether the two verdicts agree. Target (issue 15): within 15 %. Never asserts a time.
@@ -73,6 +74,28 @@ def _report(done: subprocess.CompletedProcess) -> dict:
     return json.loads(done.stdout)
 
 
+def _delay_proxy(logs: Path) -> list[str]:
+    """The delay proxy's command: bench/delay_proxy.c, compiled here (microseconds of CPU per
+    message), else tests/delay_proxy.py (Python: hundreds, taken from the two cores the workers
+    compute on)."""
+    exe = logs / "delay_proxy"
+    source = Path(__file__).resolve().parent / "delay_proxy.c"
+    try:
+        done = subprocess.run(
+            ["cc", "-O2", "-o", str(exe), str(source)], capture_output=True, text=True
+        )
+        if done.returncode == 0:
+            return [str(exe)]
+        why = done.stderr.strip()[-200:]
+    except OSError as exc:  # no C compiler
+        why = str(exc)
+    print(
+        f"could not compile {source.name} ({why}): the Python proxy takes its place",
+        file=sys.stderr,
+    )
+    return [sys.executable, str(TESTS / "delay_proxy.py")]
+
+
 @contextlib.contextmanager
 def pool(setup: str, model_dir: Path, logs: Path) -> Iterator[Callable[[list[str]], dict]]:
     """Two pinned workers for `setup`; yields run(bench command) -> its JSON report, with the
@@ -104,6 +127,7 @@ def pool(setup: str, model_dir: Path, logs: Path) -> Iterator[Callable[[list[str
     from netns import netns_lan  # noqa: PLC0415 (root and `ip netns` only for these setups)
 
     rate, delay_ms = NETNS[setup]
+    proxy_cmd = _delay_proxy(logs) if delay_ms else []
     env = {**os.environ, "POTLUCK_SECRET": SECRET, "POTLUCK_MDNS": "0"}
     with netns_lan(3, rate=rate) as (head, *hosts):
         peers = []
@@ -122,8 +146,7 @@ def pool(setup: str, model_dir: Path, logs: Path) -> Iterator[Callable[[list[str
                     plog = logs / f"proxy{core}{name}-{setup}.log"
                     with open(plog, "w") as out:
                         proxy = host.popen(
-                            [sys.executable, str(TESTS / "delay_proxy.py"), f"{host.ip}:{listen}",
-                             f"127.0.0.1:{target}", str(delay_ms)],
+                            [*proxy_cmd, f"{host.ip}:{listen}", f"127.0.0.1:{target}", str(delay_ms)],
                             stdout=out, stderr=subprocess.STDOUT,
                         )  # fmt: skip
                     _wait(plog, "ready", proxy, "delay proxy")
