@@ -85,7 +85,8 @@ static void arm_timer(void) {
     int64_t first = INT64_MAX;
     for (int c = 0; c < MAX_CONNS; c++)
         for (int k = 0; k < 2; k++)
-            if (conns[c].used && conns[c].d[k].head && conns[c].d[k].head->due < first)
+            if (conns[c].used && !conns[c].blocked[k] && conns[c].d[k].head &&
+                conns[c].d[k].head->due < first)  /* (a blocked one waits for EPOLLOUT) */
                 first = conns[c].d[k].head->due;
     struct itimerspec its = {0};
     if (first != INT64_MAX) {
