@@ -11,9 +11,10 @@ standing in for two single-core machines):
            worker pinned to core 1, a pool of two single-core machines of which the head is one
   gbit     as pair, each machine a network namespace on a 1 Gbit/s link (tc tbf; needs root)
   fasteth  as pair on 100 Mbit/s links
-  gbit-3ms as gbit, every worker behind a proxy that delays each byte 3 ms each way, on both
-           of its ports (gRPC, and the data port that hidden states take); the proxy is
-           bench/delay_proxy.c (compiled with cc), else tests/delay_proxy.py
+  gbit-1ms, gbit-3ms, fasteth-5ms
+           as gbit or fasteth, every worker behind a proxy that delays each byte 1, 3 or 5 ms
+           each way, on both of its ports (gRPC, and the data port that hidden states take);
+           the proxy is bench/delay_proxy.c (compiled with cc), else tests/delay_proxy.py
 Each run is `potluck bench --json` (the planner's figures for the pool and the best single
 machine, then both measured, in one process); the table shows predicted / measured for each and
 whether the two verdicts agree. Target (issue 15): within 15 %. Never asserts a time.
@@ -35,8 +36,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import MODEL_NAMES, median, model_path, print_table, run_info, write_json  # noqa: E402
 
-SETUPS = ("pair", "head", "gbit", "fasteth", "gbit-3ms")
-NETNS = {"gbit": ("1gbit", 0.0), "fasteth": ("100mbit", 0.0), "gbit-3ms": ("1gbit", 3.0)}
+SETUPS = ("pair", "head", "gbit", "fasteth", "gbit-1ms", "gbit-3ms", "fasteth-5ms")
+NETNS = {
+    "gbit": ("1gbit", 0.0),
+    "fasteth": ("100mbit", 0.0),
+    "gbit-1ms": ("1gbit", 1.0),
+    "gbit-3ms": ("1gbit", 3.0),
+    "fasteth-5ms": ("100mbit", 5.0),
+}
 SECRET = "bench-plan-pool-secret-0123456789"
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 
