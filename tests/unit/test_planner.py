@@ -27,7 +27,6 @@ from potluck.planner import (
 )
 from potluck.planner import footprint as fpmod
 from potluck.planner.cost import CPU_LAYER_NS, DECODE, GPU_LAYER_NS, PROMPT, CostModel
-from potluck.planner.plan import Plan, PlannedStage
 from potluck.planner.search import Route, route_cost, search
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -317,17 +316,17 @@ def test_default_link_for_unmeasured_pairs() -> None:
 
 def test_plan_id_is_stable_and_follows_the_inputs() -> None:
     fp = synth()
-    nodes = [cpu("a", 700 * MiB), cpu("b", 900 * MiB)]
-    links = lan("a", "b")
+    nodes = [cpu("a", 700 * MiB), cpu("b", 900 * MiB), cpu("c", 300 * MiB)]
+    links = lan("a", "b", "c")
     ref = plan_pool(fp, nodes, links)
-    again = plan_pool(fp, list(reversed(nodes)), {("b", "a"): LAN})
-
-    def split(p: Plan) -> list[PlannedStage]:  # (weights come from the head: nodes[0] differs)
-        return [replace(s, weights_from="", fetch_s=0.0) for s in p.stages]
-
-    assert again.plan_id == ref.plan_id and split(again) == split(ref)
+    # the same pool found in another order, with the same head (the first node): the same plan
+    again = plan_pool(fp, [nodes[0], nodes[2], nodes[1]], {(b, a): LAN for a, b in links})
+    assert again.plan_id == ref.plan_id and again.stages == ref.stages
     assert len(ref.plan_id) == 16
+    nodes, links = nodes[:2], lan("a", "b")
+    ref = plan_pool(fp, nodes, links)
     changed = [
+        plan_pool(fp, list(reversed(nodes)), links),  # another head: workers cost it more
         plan_pool(replace(fp, n_ctx=2048), nodes, links),
         plan_pool(fp, [nodes[0], replace(nodes[1], memory_bytes=901 * MiB)], links),
         plan_pool(fp, nodes, {("a", "b"): Link(0.3e-3, 1e9 / 8)}),
@@ -563,3 +562,28 @@ def test_batch_replicas_each_machine_that_holds_the_model_and_one_pipeline() -> 
         f"best single machine: b, {per_hour[0]:.0f} items/hour; the pool {ratio:.2f}× that"
     )
     assert lines[2] == "left out: head (offers no memory (--mem 0))"
+
+
+def test_a_worker_farther_than_its_token_is_paced_by_the_heads_round_trip() -> None:
+    """The head chains one decode step ahead, so a route that starts on a worker takes at least
+    (its cycle + the head's round trip to that worker) / 2 per token; a near worker, or the head
+    itself, only its cycle. (Measured: SmolLM2 on a worker 5 ms away, RESULTS.md.)"""
+    fp = synth()
+    for latency_s, paced in ((0.2e-3, False), (20e-3, True)):
+        nodes = [cpu("head", 0), cpu("w", 4 * GiB, speed=100 * GB)]
+        links = {("head", "w"): Link(latency_s, 1e9 / 8)}
+        plan = plan_pool(fp, nodes, links)
+        costs = CostModel(fp, nodes, links, head="head")
+        cycle = costs.stage(1, 0, fp.n_layer).compute_ns
+        rtt = round(2 * latency_s * 1e9)
+        assert (rtt > cycle) == paced  # the far worker's round trip is longer than its token
+        want = (cycle + rtt) // 2 if paced else cycle
+        assert plan.best_single is not None and plan.best_single.node == "w"
+        assert plan.best_single.ms_per_token == pytest.approx(want / 1e6)
+        assert plan.ms_per_token == pytest.approx(want / 1e6)
+    # the head alone is never paced, and a worker's stage costs REMOTE_STAGE_NS more than its own
+    nodes = [cpu("head", 4 * GiB), cpu("w", 4 * GiB)]
+    costs = CostModel(fp, nodes, {("head", "w"): Link(20e-3, 1e9 / 8)}, head="head")
+    head_alone = costs.stage(0, 0, fp.n_layer).compute_ns
+    assert costs.paced_ns(0, head_alone) == head_alone
+    assert costs.stage(1, 0, fp.n_layer).compute_ns == head_alone + cost.REMOTE_STAGE_NS

@@ -30,7 +30,7 @@ NS = 1_000_000_000
 # kernel launches: an estimate, not measured here (no GPU).
 CPU_LAYER_NS = 15_000
 GPU_LAYER_NS = 30_000
-# Per decoded token and stage on a node other than the head (nodes[0]): the Python around its
+# Per decoded token and stage on a node other than the head: the Python around its
 # compute — the request read and checked, the token sampled, the reply relayed — and the data
 # connection's system calls. Measured over loopback and veth links (bench/bench_plan.py, Zen 5):
 # a pool's token took 0.2-0.9 ms more than its stages' compute and hops, a worker alone 0.4-0.9
@@ -76,14 +76,22 @@ class CostModel:
     """Stage and hop costs of one model on a fixed list of nodes (indexed as given)."""
 
     def __init__(
-        self, model: ModelFootprint, nodes: list[NodeInfo], links: Links, balance: str = DECODE
+        self,
+        model: ModelFootprint,
+        nodes: list[NodeInfo],
+        links: Links,
+        balance: str = DECODE,
+        head: str | None = None,
     ) -> None:
         """balance: which stages the search makes even where one stream's time ties — DECODE
         (many streams decoding at once: `potluck serve`) or PROMPT (prompt micro-batches through
-        the stages: one conversation, where the split does not change its decode time)."""
+        the stages: one conversation, where the split does not change its decode time). head:
+        the name of the node that runs the generation (default: the first of `nodes`)."""
         if balance not in (DECODE, PROMPT):
             raise ValueError(f"balance must be {DECODE!r} or {PROMPT!r}, got {balance!r}")
         self.model, self.nodes, self.balance = model, nodes, balance
+        names = [n.name for n in nodes]
+        self.head = names.index(head) if head in names else (0 if head is None else -1)
         n = model.n_layer
         held = [w + k for w, k in zip(model.layer_weight_bytes, model.layer_kv_bytes, strict=True)]
         self._held = [0, *accumulate(held)]  # prefix sums: bytes of layers [0, i)
@@ -128,7 +136,7 @@ class CostModel:
             else:
                 cpu_read += m.head_read_bytes
         compute = _ns(cpu_read, node.cpu_bytes_per_s) + (s - start) * CPU_LAYER_NS
-        compute += REMOTE_STAGE_NS if i else 0
+        compute += REMOTE_STAGE_NS if i != self.head else 0
         if gpu_read:
             compute += _ns(gpu_read, node.gpu_bytes_per_s) + (stop - s) * GPU_LAYER_NS
         prompt = _ns(self._read[s] - self._read[start], node.cpu_bytes_per_s)
@@ -157,6 +165,18 @@ class CostModel:
         """One token's hidden state from node i's stage to node j's."""
         link = self.links[i][j]
         return round(link.seconds(self.model.wire_bytes) * NS)
+
+    def paced_ns(self, first: int, total_ns: int) -> int:
+        """One stream's time per token on a route that starts on node `first` and takes total_ns
+        (its stages and hops in turn). The head keeps one decode step chained ahead of the one in
+        flight (engine/scheduler.py, follow-ups): the request for token k reaches the first node
+        a round trip after token k - 2 passed through it, so two tokens take at least one cycle
+        plus that round trip. Measured: SmolLM2 on one worker 5 ms away, 7.4 ms of compute per
+        token and a 10.9 ms round trip: 9.0-9.3 ms per token; this gives 9.15."""
+        if first == self.head:
+            return total_ns
+        rtt = 2 * round(self.links[self.head][first].latency_s * NS) if self.head >= 0 else 0
+        return max(total_ns, (total_ns + rtt) // 2)
 
     def return_ns(self, i: int, j: int) -> int:
         """One token id from the last stage (node i) back to the first (node j)."""

@@ -125,13 +125,21 @@ def plan_pool(
             candidates.sort(key=lambda n: n.name)
     else:
         candidates = list(nodes)
-    costs = CostModel(model, candidates, links, balance)
+    head = nodes[0].name
+    costs = CostModel(model, candidates, links, balance, head)
     plan_id = _plan_id(model, costs, tensor_split)
     everyone = (
-        costs if len(candidates) == len(nodes) else CostModel(model, list(nodes), links, balance)
+        costs
+        if len(candidates) == len(nodes)
+        else CostModel(model, list(nodes), links, balance, head)
     )
-    singles = [everyone.stage(i, 0, model.n_layer) for i in range(len(nodes))]
-    single = min((st for st in singles if st.fits), key=lambda st: st.compute_ns, default=None)
+    # each machine alone, as one stream pays for it (a worker: with the head's round trip)
+    singles = [
+        (everyone.paced_ns(i, st.compute_ns), st)
+        for i, st in enumerate(everyone.stage(i, 0, model.n_layer) for i in range(len(nodes)))
+        if st.fits
+    ]
+    single_ns, single = min(singles, key=lambda e: e[0], default=(0, None))
     route: Route | None
     if tensor_split is not None:
         route, multi = _manual_route(costs, tensor_split), None
@@ -145,7 +153,7 @@ def plan_pool(
         costs.transfer_ns(i, j, model.wire_bytes)
         for (i, _, _), (j, _, _) in zip(route.stages, route.stages[1:], strict=False)
     ]
-    worth_it, verdict = _verdict(costs, route, multi, single, len(nodes), tensor_split)
+    worth_it, verdict = _verdict(costs, route, multi, single, single_ns, len(nodes), tensor_split)
     used = {s.node for s in stages}
     return Plan(
         plan_id=plan_id,
@@ -156,7 +164,7 @@ def plan_pool(
         ms_per_token=route.total_ns / 1e6,
         tokens_per_s=NS / route.total_ns,
         tokens_per_s_streams=NS / max(compute + transfers),
-        best_single=None if single is None else _single(single),
+        best_single=None if single is None else _single(single, single_ns),
         worth_it=worth_it,
         verdict=verdict,
         manual=tensor_split is not None,
@@ -199,6 +207,7 @@ def _plan_id(model: ModelFootprint, costs: CostModel, split: Sequence[float] | N
         "links": links,
         "tensor_split": None if split is None else [float(p) for p in split],
         "balance": costs.balance,
+        "head": costs.nodes[costs.head].name if costs.head >= 0 else "",
     }
     blob = json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -341,8 +350,8 @@ def _planned(st: StageCost, net_ns: int) -> PlannedStage:
     )
 
 
-def _single(st: StageCost) -> SingleMachine:
-    return SingleMachine(st.node.name, st.node.device, st.compute_ns / 1e6, NS / st.compute_ns)
+def _single(st: StageCost, ns: int) -> SingleMachine:
+    return SingleMachine(st.node.name, st.node.device, ns / 1e6, NS / ns)
 
 
 def _verdict(
@@ -350,6 +359,7 @@ def _verdict(
     route: Route,
     multi: Route | None,
     single: StageCost | None,
+    single_ns: int,
     n_nodes: int,
     split: Sequence[float] | None,
 ) -> tuple[bool, str]:
@@ -366,7 +376,7 @@ def _verdict(
             f"{fmt_bytes(big.memory_bytes + big.gpu_memory_bytes)} on {big.name}); the pool gives "
             f"{pool_tps:.1f} tok/s"
         )
-    name, single_tps = single.node.name, NS / single.compute_ns
+    name, single_tps = single.node.name, NS / single_ns
     alone = f"use {name} alone ({single_tps:.1f} tok/s)"
     if len(route.stages) >= 2:
         gain = pool_tps / single_tps

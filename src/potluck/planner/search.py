@@ -52,7 +52,7 @@ def route_cost(costs: CostModel, stages: tuple[tuple[int, int, int], ...]) -> Ro
             total += costs.hop_ns(i, stages[k + 1][0])
     if len(stages) > 1:
         total += costs.return_ns(stages[-1][0], stages[0][0])
-    return Route(stages, total, slowest)
+    return Route(stages, costs.paced_ns(stages[0][0], total), slowest)
 
 
 def stage_table(costs: CostModel, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,7 +137,7 @@ def _routes_from(
         for u in members:  # complete routes end at boundary n
             if tot[mask, u, n] < INF:
                 back = costs.return_ns(u, first) if mask != start else 0
-                total = int(tot[mask, u, n]) + back
+                total = costs.paced_ns(first, int(tot[mask, u, n]) + back)
                 stages = _unwind(prev_b, prev_u, mask, u, n)
                 routes.append(Route(stages, total, int(mx[mask, u, n])))
         for v in range(n_nodes):
