@@ -217,7 +217,8 @@ class Stage:
         self.gpu_device: Device | None = None
         self._gpu_buft: int | None = None
         self._gpu_dev: int | None = None
-        self._gpu_stale = False  # a KV buffer on the device was freed since the last graph
+        self._restart_after_free = False  # its backend is one of _RESTART_AFTER_FREE
+        self._gpu_stale = False  # ... and a KV buffer on the device was freed since the last graph
         self.cpu: int | None = None
         self.sched: int | None = None
         self.caches: dict[int, SeqCache] = {}
@@ -225,6 +226,8 @@ class Stage:
         if n_gpu_layers:
             dev, self.gpu_device = gpu_device(device)
             self._gpu_dev = dev
+            reg = lib.ggml_backend_dev_backend_reg(dev)
+            self._restart_after_free = lib.ggml_backend_reg_name(reg) in _RESTART_AFTER_FREE
             self.gpu = lib.ggml_backend_dev_init(dev, None)
             if not self.gpu:
                 raise BackendError(f"ggml could not start {self.gpu_device.name}")
@@ -259,9 +262,8 @@ class Stage:
 
     def _device_kv_freed(self) -> None:
         """Called when a KV buffer of this stage's device is freed (see _RESTART_AFTER_FREE)."""
-        if self._gpu_dev is not None and self.gpu_layers:
-            reg = lib.ggml_backend_dev_backend_reg(self._gpu_dev)
-            self._gpu_stale = lib.ggml_backend_reg_name(reg) in _RESTART_AFTER_FREE
+        if self._restart_after_free and self.gpu_layers:
+            self._gpu_stale = True
 
     def _restart_gpu(self) -> None:
         """A fresh backend (and scheduler) for the device; its buffers (weights, caches) stay."""
@@ -405,7 +407,7 @@ class Stage:
     ) -> npt.NDArray[np.float32]:
         x = np.asarray(x)
         total = sum(c.n for c in chunks)
-        if total < 1 or any(c.n < 1 for c in chunks):  # (ggml would abort the process)
+        if not chunks or any(c.n < 1 for c in chunks):  # (ggml would abort the process)
             raise ValueError(f"every chunk needs at least one token, got {[c.n for c in chunks]}")
         if x.shape[0] != total:
             raise ValueError(f"input has {x.shape[0]} rows but the chunks add up to {total}")
