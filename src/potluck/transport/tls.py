@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from potluck.errors import PotluckError
+from potluck.files import locked, private_tmp
 
 SERVER_NAME = "potluck-worker"  # the name in every worker certificate; clients check this name
 CERT_DAYS = 3650
@@ -47,28 +48,45 @@ def _der_sha256(cert_pem: bytes) -> bytes:
 
 def load_or_create_identity(config: Path) -> TlsIdentity:
     """The worker's certificate from `<config>/tls/`, made on first use."""
+    d = config / "tls"
+    key_path, cert_path = d / "worker-key.pem", d / "worker-cert.pem"
+    if key_path.is_file() and cert_path.is_file():
+        return _read_identity(key_path, cert_path)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with locked(d / ".lock"):  # workers that share this folder and start at once make one pair
+        if key_path.is_file() and cert_path.is_file():
+            return _read_identity(key_path, cert_path)
+        return _create_identity(key_path, cert_path)
+
+
+def _read_identity(key_path: Path, cert_path: Path) -> TlsIdentity:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    d = key_path.parent
+    key_pem, cert_pem = key_path.read_bytes(), cert_path.read_bytes()
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise TlsError(
+            f"cannot read the TLS key or certificate in {d} ({exc}); delete both files and a "
+            "new pair is made"
+        ) from None
+    if cert.public_key().public_numbers() != key.public_key().public_numbers():  # type: ignore[union-attr]
+        raise TlsError(
+            f"{cert_path} does not belong to {key_path}; delete both and a new pair is made"
+        )
+    return TlsIdentity(key_pem, cert_pem, _der_sha256(cert_pem))
+
+
+def _create_identity(key_path: Path, cert_path: Path) -> TlsIdentity:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    d = config / "tls"
-    key_path, cert_path = d / "worker-key.pem", d / "worker-cert.pem"
-    if key_path.is_file() and cert_path.is_file():
-        key_pem, cert_pem = key_path.read_bytes(), cert_path.read_bytes()
-        try:
-            key = serialization.load_pem_private_key(key_pem, password=None)
-            cert = x509.load_pem_x509_certificate(cert_pem)
-        except ValueError as exc:
-            raise TlsError(
-                f"cannot read the TLS key or certificate in {d} ({exc}); delete both files and a "
-                "new pair is made"
-            ) from None
-        if cert.public_key().public_numbers() != key.public_key().public_numbers():  # type: ignore[union-attr]
-            raise TlsError(
-                f"{cert_path} does not belong to {key_path}; delete both and a new pair is made"
-            )
-        return TlsIdentity(key_pem, cert_pem, _der_sha256(cert_pem))
+    d = key_path.parent
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME)])
     now = datetime.datetime.now(datetime.UTC)
@@ -92,8 +110,7 @@ def load_or_create_identity(config: Path) -> TlsIdentity:
     cert_pem = cert.public_bytes(serialization.Encoding.PEM)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     for path, data, mode in ((key_path, key_pem, 0o600), (cert_path, cert_pem, 0o644)):
-        tmp = path.with_suffix(".tmp")
-        tmp.unlink(missing_ok=True)
+        tmp = private_tmp(path)
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
             f.write(data)
         tmp.replace(path)
