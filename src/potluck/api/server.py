@@ -42,6 +42,7 @@ from fastapi import FastAPI
 from potluck.api.app import create_app
 from potluck.api.state import ServerConfig, model_id_of
 from potluck.errors import PotluckError
+from potluck.hosts import is_loopback
 
 __all__ = [
     "ServerConfig",
@@ -52,15 +53,6 @@ __all__ = [
     "serve",
     "uvicorn_server",
 ]
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 def bind(host: str, port: int) -> tuple[socket.socket, str]:

@@ -27,6 +27,7 @@ from potluck.cli.options import (
 from potluck.cli.peers import _announce, _auth, _secret
 from potluck.cli.runtime import _backends, compute_of, places
 from potluck.errors import PotluckError
+from potluck.hosts import is_loopback
 
 
 def worker(
@@ -119,7 +120,7 @@ def worker(
     compute = compute_of(threads, cache_type, no_repack, ngl, device, vram_limit)
 
     value, source = _secret(secret)
-    if value is None and not _loopback_only(host) and not insecure:
+    if value is None and not is_loopback(host) and not insecure:
         raise PotluckError(
             f"refusing to listen on {host} without a pool secret: anyone who can reach port "
             f"{port} could use this machine and see what it computes; make one with `potluck "
@@ -138,7 +139,7 @@ def worker(
     guard = f"pool secret from {source}" if value else "no pool secret"
     if auth.identity is not None:
         guard += f" · TLS, certificate sha256 {auth.identity.sha256.hex()[:16]}…"
-    if value is None and not _loopback_only(host):
+    if value is None and not is_loopback(host):
         err.print(
             f"[bold yellow]warning:[/] no pool secret: anyone who can reach {host}:{bound} can use this machine"
         )
@@ -155,17 +156,3 @@ def worker(
     finally:
         if advertiser is not None:
             advertiser.close()  # goodbye packets: heads drop this worker at once
-
-
-def _loopback_only(host: str) -> bool:
-    """Whether every address `host` names is a loopback one (unresolvable: no)."""
-    import ipaddress
-    import socket
-
-    try:
-        infos = socket.getaddrinfo(host, None)
-        return bool(infos) and all(
-            ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos
-        )
-    except (OSError, ValueError):
-        return False
