@@ -1,12 +1,19 @@
 """Polling for the next frame (transport/spin.py): the rules that
-keep it from taking a core away from compute. Real pipes, sockets and threads."""
+keep it from taking a core away from compute. Real pipes, sockets and threads. And a pool whose
+processes lack the POSIX-only calls (as on Windows) computes what one process does."""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import select
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +22,8 @@ from potluck.transport import spin
 from potluck.transport.auth import PoolAuth
 from potluck.transport.dataplane import DataLink, DataServer
 from potluck.transport.spin import spin_wait
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 
 @pytest.fixture
@@ -124,3 +133,108 @@ def test_rehearses_while_it_polls_and_only_then(pipe) -> None:
     with spin.computing():  # a stage computes: no polling, so no rehearsal (it would block)
         wait(Fd())  # type: ignore[arg-type]
         assert calls == []
+
+
+def test_without_poll_select_and_sleep_answer_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the system has no poll(2) and no sched_yield(2) (Windows), the node polls with
+    select() and yields with time.sleep(0): the same answers (readable on data and on the
+    stream's end, timed out otherwise)."""
+    monkeypatch.delattr(select, "poll")  # (never called below: it is gone)
+    monkeypatch.setattr(spin, "POLL", "select")
+    monkeypatch.setattr(spin, "_yield_core", functools.partial(time.sleep, 0))
+    r, w = os.pipe()
+    try:
+        t = time.perf_counter()
+        assert spin.poll_readable(r, 0.05) == spin.TIMED_OUT
+        assert time.perf_counter() - t >= 0.045
+        threading.Timer(0.05, os.write, args=(w, b"x")).start()
+        assert spin.poll_readable(r, 5.0) == spin.READABLE
+        assert os.read(r, 1) == b"x"
+        with spin.computing():
+            assert spin.poll_readable(r, 5.0) == spin.NOT_POLLING
+        os.close(w)
+        w = -1
+        assert spin.poll_readable(r, 5.0) == spin.READABLE  # the end of the stream
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+# Run first in a child process, before potluck is imported: takes away what Windows lacks on a
+# worker's and a head's path, so that Linux runs the code a Windows machine runs there.
+_WITHOUT_POSIX = """
+import os, select, sys
+del select.poll, os.sched_yield  # transport/spin.py
+"""
+# `potluck worker ...` (tests/workers.py starts `PREFIX python -m potluck.cli worker ...`)
+_WORKER = (
+    _WITHOUT_POSIX
+    + """
+from potluck.cli import main
+assert sys.argv[1:4] == [sys.executable, "-m", "potluck.cli"], sys.argv
+sys.argv = ["potluck", *sys.argv[4:]]
+main()
+"""
+)
+# a head that sends token ids to two workers, each half of the layers, over their data ports
+_HEAD = (
+    _WITHOUT_POSIX
+    + """
+import json
+from potluck.engine.contract import Assignment
+from potluck.engine.generate import generate, load_model
+from potluck.sampling import GREEDY, Sampler
+
+path, prompt, n, n_layer, first, second = sys.argv[1:]
+half = int(n_layer) // 2
+plan = [Assignment(first, 0, half), Assignment(second, half, int(n_layer))]
+pool = load_model(path, n_ctx=256, assignments=plan)
+ids = pool.tokenizer.encode(pool.chat.render([{"role": "user", "content": prompt}]))
+tokens = [int(t) for t in generate(pool, ids, int(n), Sampler(GREEDY))]
+links = [type(c.link).__name__ for c in pool.pipeline.clients]
+pool.close()
+print(json.dumps({"tokens": tokens, "links": links}))
+"""
+)
+
+
+def test_a_pool_without_poll_and_sched_yield_equals_one_process(
+    spawn_worker: Spawn, smollm2_path: Path
+) -> None:
+    """Two workers and a head, each a process without select.poll and os.sched_yield (Windows
+    has neither): the workers poll their data connections (the head's and the one between them)
+    with the fallbacks, and the tokens are one process's."""
+    from potluck.engine.generate import generate, load_model
+    from potluck.sampling import GREEDY, Sampler
+
+    prompt, n = "Name three planets.", 8
+    single = load_model(smollm2_path, n_ctx=256)
+    ids = single.tokenizer.encode(single.chat.render([{"role": "user", "content": prompt}]))
+    want = list(generate(single, ids, n, Sampler(GREEDY)))
+    prefix = [sys.executable, "-c", _WORKER]
+    with ThreadPoolExecutor(2) as ex:  # (both start at once: a worker takes ≈ 2 s)
+        workers = list(ex.map(lambda _: spawn_worker(prefix=prefix), range(2)))
+    assert all(w.data_port for w in workers)
+    args = [
+        str(smollm2_path),
+        prompt,
+        str(n),
+        str(single.hp.n_layer),
+        *(w.address for w in workers),
+    ]
+    try:  # (≈ 5 s; a worker whose poll fails drops the connection, and the head waits on)
+        head = subprocess.run(
+            [sys.executable, "-c", _HEAD, *args], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            "the head did not finish; the workers said:\n" + "".join(w.stop() for w in workers)
+        )
+    logs = [w.stop() for w in workers]
+    assert head.returncode == 0, head.stderr + "".join(logs)
+    for log in logs:  # (an exception in a connection's thread: the head might recover)
+        assert "Traceback" not in log, log
+    pooled = json.loads(head.stdout.splitlines()[-1])
+    assert pooled["links"] == ["DataLink", "DataLink"]
+    assert pooled["tokens"] == want

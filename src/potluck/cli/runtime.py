@@ -66,6 +66,9 @@ def _backends() -> str:
 
 
 def _backends_check() -> tuple[str, str | None]:
-    from potluck.model.ggml_lib import build_advice, describe
+    """doctor's `backend` check: the devices line, and what to do about a build that lacks a
+    kernel or a GPU backend that finds no device (None: nothing)."""
+    from potluck.model.ggml_lib import build_advice, describe, device_advice
 
-    return describe(), build_advice()
+    advice = [a for a in (device_advice(), build_advice()) if a]
+    return describe(), "; ".join(advice) or None

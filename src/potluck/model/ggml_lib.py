@@ -8,10 +8,10 @@ This module declares every function Potluck calls, pointers as `c_void_p`, and l
 Everything else in Potluck calls ggml through `lib` below.
 
 `use_library` swaps in another build of ggml before the first call (cli/__init__.py: `POTLUCK_GGML`): a
-folder with `libggml.so` (a llama.cpp build folder, a ggml built with other flags), or the one
-`llama-cpp-python` installs. Every declaration below was checked equal in the headers of ggml
-0.15.3 (the older ggml that ggml-python 0.0.45 vendors; its build works too) and 0.25.3, as is
-`struct ggml_tensor`.
+folder with `libggml.so` (`libggml.dylib` on macOS, `ggml.dll` on Windows: `GGML_FILE`; a llama.cpp
+build folder, a ggml built with other flags), or the one `llama-cpp-python` installs. Every
+declaration below was checked equal in the headers of ggml 0.15.3 (the older ggml that
+ggml-python 0.0.45 vendors; its build works too) and 0.25.3, as is `struct ggml_tensor`.
 
 Tensors, contexts, graphs, backends and buffers are plain ints (addresses) here. `lib`'s
 functions are ctypes' and untyped (Any): a caller names the type of what it keeps,
@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import sys
+from collections.abc import Mapping, Sequence
 from ctypes import POINTER, c_bool, c_char_p, c_float, c_int, c_int64, c_size_t, c_uint8, c_void_p
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +136,9 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ggml_backend_dev_buffer_type": ([P], P),
     "ggml_backend_dev_backend_reg": ([P], P),
     "ggml_backend_reg_name": ([P], c_char_p),
+    "ggml_backend_reg_count": ([], c_size_t),
+    "ggml_backend_reg_get": ([c_size_t], P),
+    "ggml_backend_reg_dev_count": ([P], c_size_t),
     "ggml_backend_reg_get_proc_address": ([P, c_char_p], P),
     # types
     "ggml_get_type_traits": ([c_int], P),
@@ -218,8 +224,20 @@ REBUILD = (
 _library: list[tuple[Path, str]] = []  # use_library's choice: (folder, what to call it)
 
 
+def library_file(name: str) -> str:
+    """The file of ggml's library `name` ("ggml", "ggml-base", "ggml-cpu") as ggml's CMake names it
+    on this system: libggml.so on Linux, libggml.dylib on macOS, ggml.dll on Windows (ggml drops
+    the lib prefix there)."""
+    if sys.platform == "win32":
+        return f"{name}.dll"
+    return f"lib{name}.dylib" if sys.platform == "darwin" else f"lib{name}.so"
+
+
+GGML_FILE = library_file("ggml")  # the library every declaration below is looked up in
+
+
 def use_library(where: str) -> None:
-    """Compute with the ggml in folder `where` (its libggml.so, beside its libggml-base and
+    """Compute with the ggml in folder `where` (its GGML_FILE, beside its libggml-base and
     backend libraries), or with llama-cpp-python's (`where` = "llama-cpp-python"), instead of
     the one Potluck's install built. Only before the first ggml call; BackendError if there is no
     such build."""
@@ -238,22 +256,35 @@ def use_library(where: str) -> None:
         folder, name = Path(spec.submodule_search_locations[0]) / "lib", LLAMA_CPP_PYTHON
     else:
         folder, name = Path(where).expanduser(), str(Path(where).expanduser())
-    if not (folder / "libggml.so").is_file():
+    if not (folder / GGML_FILE).is_file():
         raise BackendError(
-            f"POTLUCK_GGML={where}: no libggml.so in {folder}; name the folder of a ggml build "
-            f"(its libggml.so and libggml-base.so), or {LLAMA_CPP_PYTHON}"
+            f"POTLUCK_GGML={where}: no {GGML_FILE} in {folder}; name the folder of a ggml build "
+            f"(its {GGML_FILE} and {library_file('ggml-base')}), or {LLAMA_CPP_PYTHON}"
         )
     _library[:] = [(folder, name)]
 
 
 def _load_folder(folder: Path) -> ctypes.CDLL:
-    """libggml.so of a ggml build in `folder`, after the libraries it needs from there (global,
+    """GGML_FILE of a ggml build in `folder`, after the libraries it needs from there (global,
     so that its backends find libggml-base's symbols whatever their rpath says)."""
+    _toolkit_dll_folders()
     mode = getattr(ctypes, "RTLD_GLOBAL", 0)
-    for dep in ("libggml-base.so", "libggml-cpu.so"):
-        if (folder / dep).is_file():
-            ctypes.CDLL(str(folder / dep), mode=mode)
-    return ctypes.CDLL(str(folder / "libggml.so"), mode=mode)
+    for dep in ("ggml-base", "ggml-cpu"):
+        if (folder / library_file(dep)).is_file():
+            ctypes.CDLL(str(folder / library_file(dep)), mode=mode)
+    return ctypes.CDLL(str(folder / GGML_FILE), mode=mode)
+
+
+def _toolkit_dll_folders() -> None:
+    """Windows, a workaround: Python loads a DLL's dependencies from its own folder and System32,
+    not from PATH, so a CUDA (or HIP) build's runtime DLLs are found through the toolkit's
+    folder, which its installer names in CUDA_PATH (HIP_PATH), as llama-cpp-python does."""
+    if sys.platform != "win32":
+        return
+    for var in ("CUDA_PATH", "HIP_PATH"):
+        root = os.environ.get(var)
+        if root and (Path(root) / "bin").is_dir():
+            os.add_dll_directory(str(Path(root) / "bin"))
 
 
 class _Lib:
@@ -261,9 +292,9 @@ class _Lib:
 
     def __init__(self) -> None:
         folder, self.source = _library[0] if _library else (BUILT, BUILT_NAME)
-        if not (folder / "libggml.so").is_file():
+        if not (folder / GGML_FILE).is_file():
             raise BackendError(
-                f"ggml is not built: no libggml.so in {folder}; reinstall Potluck, which compiles "
+                f"ggml is not built: no {GGML_FILE} in {folder}; reinstall Potluck, which compiles "
                 f"it (a C/C++ compiler and CMake are needed): {REBUILD}"
             )
         try:
@@ -364,10 +395,73 @@ def gpu_device(name: str | None = None) -> tuple[int, Device]:
             return lib.ggml_backend_dev_get(d.index), d
     have = ", ".join(d.name for d in found) or "none"
     want = f"device {name!r}" if name else "GPU"
+    if name is None and (advice := device_advice()) is not None:
+        raise BackendError(f"this machine's ggml has no GPU (devices: {have}): {advice}")
     raise BackendError(
         f"this machine's ggml has no {want} (devices: {have}); build ggml with a GPU backend: "
         'CMAKE_ARGS="-DGGML_LLAMAFILE=ON -DGGML_VULKAN=ON" (or -DGGML_CUDA=ON, -DGGML_HIP=ON, -DGGML_METAL=ON) '
         "pip install --force-reinstall --no-deps -e . (in the clone of Potluck)"
+    )
+
+
+def registries() -> dict[str, int]:
+    """The backends this ggml was built with ("CPU", "Vulkan", "CUDA", ...) and how many devices
+    each found on this machine."""
+    out = {}
+    for i in range(lib.ggml_backend_reg_count()):
+        reg = lib.ggml_backend_reg_get(i)
+        out[lib.ggml_backend_reg_name(reg).decode()] = int(lib.ggml_backend_reg_dev_count(reg))
+    return out
+
+
+# where the Vulkan loader looks for drivers (ICD manifests) on Linux, unless VK_DRIVER_FILES /
+# VK_ICD_FILENAMES name them
+VULKAN_ICD_DIRS = ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d", "/usr/local/share/vulkan/icd.d")
+
+
+def device_advice(
+    found: dict[str, int] | None = None,
+    icd_dirs: Sequence[str] = VULKAN_ICD_DIRS,
+    env: Mapping[str, str] | None = None,
+) -> str | None:
+    """Why a GPU backend this ggml was built with found no device, and what to do; None when each
+    found one (or none was built in). found: registries() (the default); env: os.environ."""
+    found = registries() if found is None else found
+    env = os.environ if env is None else env
+    empty = sorted(name for name, n in found.items() if n == 0 and name not in ("CPU", "BLAS"))
+    if not empty:
+        return None
+    if empty != ["Vulkan"]:
+        return (
+            f"ggml was built with {', '.join(empty)} but finds no device there: check the "
+            "GPU's driver (nvidia-smi for CUDA, rocminfo for ROCm), then run potluck again"
+        )
+    named = env.get("VK_DRIVER_FILES") or env.get("VK_ICD_FILENAMES")
+    drivers = (
+        [Path(f).name for f in named.split(os.pathsep) if f]
+        if named
+        else sorted(p.name for d in icd_dirs for p in Path(d).glob("*.json"))
+    )
+    if not drivers:
+        return (
+            "ggml was built with Vulkan but this machine has no Vulkan driver: install the GPU's "
+            "(Debian/Ubuntu: apt-get install mesa-vulkan-drivers for AMD and Intel; NVIDIA's "
+            "driver brings its own), check with vulkaninfo --summary"
+        )
+    if all(d.startswith("lvp_icd") for d in drivers):
+        hidden = "" if env.get("GGML_VK_VISIBLE_DEVICES") else (
+            "; ggml leaves it out unless GGML_VK_VISIBLE_DEVICES=0 names it (it computes on the "
+            "CPU, slower than the CPU backend: for tests)"
+        )  # fmt: skip
+        return (
+            "ggml was built with Vulkan but the only Vulkan driver here is Mesa's software "
+            f"device (lavapipe){hidden}; for a GPU install its driver (mesa-vulkan-drivers for "
+            "AMD and Intel, NVIDIA's driver)"
+        )
+    return (
+        f"ggml was built with Vulkan and this machine has Vulkan drivers ({', '.join(drivers)}) "
+        "but none found a GPU: check that the GPU's own driver is installed and see "
+        "vulkaninfo --summary; GGML_VK_VISIBLE_DEVICES, if set, must name a device it lists"
     )
 
 

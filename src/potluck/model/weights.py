@@ -255,15 +255,18 @@ def _repackable(buft: int, info: TensorInfo) -> bool:
 
 def _drop_pages(raw: np.ndarray) -> None:
     """Give back the memory-mapped pages wholly inside `raw`: a file's, read again on demand.
-    Only for an array over a file mapping (on ordinary memory DONTNEED would zero it)."""
+    Only for an array over a file mapping (on ordinary memory DONTNEED would zero it). No-op
+    where the system has no madvise (Windows)."""
     import ctypes
+    import mmap
 
+    dontneed = getattr(mmap, "MADV_DONTNEED", None)
     base: np.ndarray | None = raw
     while base is not None and not isinstance(base, np.memmap):
         base = base.base if isinstance(base, np.ndarray) else None
-    if base is None:
+    if base is None or dontneed is None:
         return
-    page = 4096
+    page = mmap.PAGESIZE  # 4 KiB on x86-64; 16 KiB on Apple silicon (madvise wants it aligned)
     start = -(-raw.ctypes.data // page) * page
     end = (raw.ctypes.data + raw.nbytes) // page * page
     if end <= start:
@@ -273,7 +276,7 @@ def _drop_pages(raw: np.ndarray) -> None:
     except OSError:
         return
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(start, end - start, 4)  # MADV_DONTNEED
+    libc.madvise(start, end - start, dontneed)
 
 
 def cpu_buffer_over(addr: int, nbytes: int) -> int:

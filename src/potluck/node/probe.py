@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +115,8 @@ def physical_cores() -> int:
 
 
 def last_level_cache_bytes() -> int:
-    """Size of the largest CPU cache Linux reports (0 where it does not)."""
+    """Size of the largest CPU cache Linux reports (0 where it does not, as on Windows and macOS,
+    which have no /sys: the probes then fill their floor of matrices)."""
     sizes = [0]
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         try:
@@ -234,6 +236,8 @@ def trim_heap() -> None:
     """Give freed memory back to the OS: a garbage collection, then glibc's malloc_trim (a few
     ms; no-op without glibc). A worker calls it after a Load, a replaced or idle-freed plan."""
     gc.collect()
+    if not sys.platform.startswith("linux"):
+        return  # no glibc (and on Windows ctypes.CDLL(None), the process itself, is a TypeError)
     try:
         libc = ctypes.CDLL(None)
         libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int

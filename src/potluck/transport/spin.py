@@ -9,11 +9,16 @@ polls its data connections for a while before it blocks, as llama.cpp's threads 
 (its --poll). One thread per process polls at a time, never while a stage of this process
 computes (`computing`), and each round yields the core to any other thread or process that wants
 it (`os.sched_yield`; the poll and the yield both release the GIL).
+
+Windows has neither `select.poll` nor `os.sched_yield`: there a node polls with `select.select`
+(which takes sockets on every system) and yields with `time.sleep(0)` (Windows' Sleep(0)), chosen
+once, at import, by what the system has (`POLL`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import socket
@@ -28,6 +33,11 @@ DEFAULT_SPIN_S = 0.02  # how long a node polls a data connection for the next fr
 REHEARSE_EVERY_S = 250e-6  # while polling, how often the node rehearses its receive path
 READABLE, TIMED_OUT, NOT_POLLING = 1, 0, -1  # what poll_readable says
 
+# What this system polls and yields with: poll(2) and sched_yield(2) on Linux and macOS; on
+# Windows select() and time.sleep(0) (its Sleep(0): the rest of the time slice to another
+# thread). tests/test_spin.py runs a pool with the POSIX pair taken away.
+POLL = "poll" if hasattr(select, "poll") else "select"
+_yield_core: Callable[[], None] = getattr(os, "sched_yield", functools.partial(time.sleep, 0))
 _computing = [0]  # threads of this process inside a stage's compute
 _spinning = threading.Lock()  # held by the one thread that polls
 
@@ -50,19 +60,28 @@ def poll_readable(fd: int, budget_s: float) -> int:
     if budget_s <= 0 or not _spinning.acquire(blocking=False):
         return NOT_POLLING
     try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
+        ready = _readable_now(fd)
         end = time.monotonic() + budget_s
         while True:
-            if poller.poll(0):
+            if ready(0):
                 return READABLE  # data, end of stream or an error
             if _computing[0]:
                 return NOT_POLLING
             if time.monotonic() >= end:
                 return TIMED_OUT
-            os.sched_yield()  # whatever else wants this core (the head, a reply's reader) first
+            _yield_core()  # whatever else wants this core (the head, a reply's reader) first
     finally:
         _spinning.release()
+
+
+def _readable_now(fd: int) -> Callable[[float], object]:
+    """A check, `ready(0)`, true when `fd` is readable (data, end of stream or an error): a
+    poll object's `poll` where the system has poll(2), else `select.select` on `fd` alone."""
+    if POLL == "poll":
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return poller.poll
+    return lambda timeout: select.select([fd], [], [], timeout)[0]
 
 
 def spin_readable(fd: int, budget_s: float) -> bool:
