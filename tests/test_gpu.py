@@ -12,6 +12,7 @@ streams 1 TB/s (POTLUCK_GPU_BYTES_PER_S) so that it plans GPU layers.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -201,3 +202,31 @@ def test_a_worker_offering_its_gpu_is_planned_with_gpu_layers(
     want = single.tokenizer.decode(list(generate(single, ids, 12, Sampler(GREEDY))))
     # the same text until a near-tie: here the first line at least ("1. Mars" on this CPU)
     assert run.stdout.split("\n")[0] == want.split("\n")[0], (run.stdout, want)
+
+
+@pytest.mark.skipif(
+    not all("llvmpipe" in d.description for d in GPUS), reason="a real GPU is here: it is found"
+)
+def test_doctor_says_why_a_vulkan_build_finds_no_device() -> None:
+    """Here the only Vulkan device is Mesa's software one, which ggml hides unless
+    GGML_VK_VISIBLE_DEVICES names it: without that variable the build finds no device, and
+    doctor's backend check says so and what to do (it used to report the CPU alone as fine)."""
+    env = {k: v for k, v in os.environ.items() if k != "GGML_VK_VISIBLE_DEVICES"}
+    done = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "doctor", "--load-seconds", "0", "--json"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    checks = {c["check"]: c for c in json.loads(done.stdout)}
+    backend = checks["backend"]
+    assert backend["status"] == "warn", backend
+    assert (
+        "built with Vulkan" in backend["advice"]
+        and "GGML_VK_VISIBLE_DEVICES=0" in backend["advice"]
+    )
+    # with the variable (as every other test here runs), the device is found: nothing to say
+    done = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "doctor", "--load-seconds", "0", "--json"],
+        capture_output=True, text=True, timeout=120, env={**env, "GGML_VK_VISIBLE_DEVICES": "0"},
+    )  # fmt: skip
+    checks = {c["check"]: c for c in json.loads(done.stdout)}
+    assert "built with Vulkan" not in checks["backend"]["advice"], checks["backend"]

@@ -40,6 +40,7 @@ def test_drivers_that_see_no_gpu(tmp_path: Path) -> None:
     icds = _icds(tmp_path, "lvp_icd.x86_64.json", "radeon_icd.x86_64.json")
     said = device_advice({"CPU": 1, "Vulkan": 0}, icds, {})
     assert said is not None and "radeon_icd.x86_64.json" in said and "vulkaninfo" in said
+    assert "GGML_VK_VISIBLE_DEVICES=0" in said  # lavapipe is among them, hidden
     # drivers named by the loader's own variable are the ones it uses
     said = device_advice({"CPU": 1, "Vulkan": 0}, icds, {"VK_ICD_FILENAMES": "/x/lvp_icd.json"})
     assert said is not None and "lavapipe" in said

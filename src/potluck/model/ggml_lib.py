@@ -448,11 +448,14 @@ def device_advice(
             "(Debian/Ubuntu: apt-get install mesa-vulkan-drivers for AMD and Intel; NVIDIA's "
             "driver brings its own), check with vulkaninfo --summary"
         )
+    software = any(d.startswith("lvp_icd") for d in drivers)
+    hidden = (
+        "; Mesa's software device (lavapipe) is left out unless GGML_VK_VISIBLE_DEVICES=0 names "
+        "it (it computes on the CPU, slower than the CPU backend: for tests)"
+        if software and not env.get("GGML_VK_VISIBLE_DEVICES")
+        else ""
+    )
     if all(d.startswith("lvp_icd") for d in drivers):
-        hidden = "" if env.get("GGML_VK_VISIBLE_DEVICES") else (
-            "; ggml leaves it out unless GGML_VK_VISIBLE_DEVICES=0 names it (it computes on the "
-            "CPU, slower than the CPU backend: for tests)"
-        )  # fmt: skip
         return (
             "ggml was built with Vulkan but the only Vulkan driver here is Mesa's software "
             f"device (lavapipe){hidden}; for a GPU install its driver (mesa-vulkan-drivers for "
@@ -462,6 +465,7 @@ def device_advice(
         f"ggml was built with Vulkan and this machine has Vulkan drivers ({', '.join(drivers)}) "
         "but none found a GPU: check that the GPU's own driver is installed and see "
         "vulkaninfo --summary; GGML_VK_VISIBLE_DEVICES, if set, must name a device it lists"
+        f"{hidden}"
     )
 
 
