@@ -19,33 +19,33 @@ def _icds(tmp_path: Path, *names: str) -> list[str]:
 
 
 def test_nothing_to_say_when_every_backend_found_a_device(tmp_path: Path) -> None:
-    assert device_advice({"CPU": 1}, _icds(tmp_path), {}) is None
-    assert device_advice({"CPU": 1, "Vulkan": 1}, _icds(tmp_path), {}) is None
+    assert device_advice({}, {"CPU": 1}, _icds(tmp_path)) is None
+    assert device_advice({}, {"CPU": 1, "Vulkan": 1}, _icds(tmp_path)) is None
 
 
 def test_no_vulkan_driver(tmp_path: Path) -> None:
-    said = device_advice({"CPU": 1, "Vulkan": 0}, _icds(tmp_path), {})
+    said = device_advice({}, {"CPU": 1, "Vulkan": 0}, _icds(tmp_path))
     assert said is not None and "no Vulkan driver" in said and "mesa-vulkan-drivers" in said
 
 
 def test_only_lavapipe_hidden_and_named(tmp_path: Path) -> None:
     icds = _icds(tmp_path, "lvp_icd.x86_64.json")
-    said = device_advice({"CPU": 1, "Vulkan": 0}, icds, {})
+    said = device_advice({}, {"CPU": 1, "Vulkan": 0}, icds)
     assert said is not None and "lavapipe" in said and "GGML_VK_VISIBLE_DEVICES=0" in said
-    said = device_advice({"CPU": 1, "Vulkan": 0}, icds, {"GGML_VK_VISIBLE_DEVICES": "3"})
+    said = device_advice({"GGML_VK_VISIBLE_DEVICES": "3"}, {"CPU": 1, "Vulkan": 0}, icds)
     assert said is not None and "lavapipe" in said and "GGML_VK_VISIBLE_DEVICES=0" not in said
 
 
 def test_drivers_that_see_no_gpu(tmp_path: Path) -> None:
     icds = _icds(tmp_path, "lvp_icd.x86_64.json", "radeon_icd.x86_64.json")
-    said = device_advice({"CPU": 1, "Vulkan": 0}, icds, {})
+    said = device_advice({}, {"CPU": 1, "Vulkan": 0}, icds)
     assert said is not None and "radeon_icd.x86_64.json" in said and "vulkaninfo" in said
     assert "GGML_VK_VISIBLE_DEVICES=0" in said  # lavapipe is among them, hidden
     # drivers named by the loader's own variable are the ones it uses
-    said = device_advice({"CPU": 1, "Vulkan": 0}, icds, {"VK_ICD_FILENAMES": "/x/lvp_icd.json"})
+    said = device_advice({"VK_ICD_FILENAMES": "/x/lvp_icd.json"}, {"CPU": 1, "Vulkan": 0}, icds)
     assert said is not None and "lavapipe" in said
 
 
 def test_other_backends(tmp_path: Path) -> None:
-    said = device_advice({"CPU": 1, "CUDA": 0}, _icds(tmp_path), {})
+    said = device_advice({}, {"CPU": 1, "CUDA": 0}, _icds(tmp_path))
     assert said is not None and "built with CUDA" in said and "nvidia-smi" in said

@@ -56,9 +56,10 @@ app.command()(version)
 def main() -> None:
     code: int = 0
     try:
-        if where := os.environ.get("POTLUCK_GGML"):  # another build of ggml (model/ggml_lib.py)
-            from potluck.model.ggml_lib import use_library
+        from potluck.model.ggml_lib import toolkit_dll_folders, use_library
 
+        toolkit_dll_folders(os.environ)  # Windows: where a GPU build's runtime DLLs are
+        if where := os.environ.get("POTLUCK_GGML"):  # another build of ggml (model/ggml_lib.py)
             use_library(where)
         app()
     except PotluckError as exc:

@@ -44,9 +44,16 @@ def compute_of(
     if device is not None and device.lower() == "cpu":
         n_gpu_layers, device = 0, None
     if n_gpu_layers:
-        from potluck.model.ggml_lib import gpu_device
+        from potluck.model.ggml_lib import BackendError, device_advice, gpu_device
 
-        gpu_device(device)  # BackendError (one line) when this machine's ggml has no such GPU
+        try:
+            gpu_device(device)  # BackendError (one line) when this machine's ggml has no such GPU
+        except BackendError:  # a GPU backend built in that found no device: say why
+            if device is None and (advice := device_advice(os.environ)) is not None:
+                raise BackendError(
+                    f"-ngl {n_gpu_layers}: this machine has no GPU: {advice}"
+                ) from None
+            raise
     elif device is not None:
         raise typer.BadParameter(f"--device {device} needs -ngl N (how many layers go there)")
     speed = os.environ.get("POTLUCK_GPU_BYTES_PER_S")
@@ -70,5 +77,5 @@ def _backends_check() -> tuple[str, str | None]:
     kernel or a GPU backend that finds no device (None: nothing)."""
     from potluck.model.ggml_lib import build_advice, describe, device_advice
 
-    advice = [a for a in (device_advice(), build_advice()) if a]
+    advice = [a for a in (device_advice(os.environ), build_advice()) if a]
     return describe(), "; ".join(advice) or None

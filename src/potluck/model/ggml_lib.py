@@ -267,7 +267,6 @@ def use_library(where: str) -> None:
 def _load_folder(folder: Path) -> ctypes.CDLL:
     """GGML_FILE of a ggml build in `folder`, after the libraries it needs from there (global,
     so that its backends find libggml-base's symbols whatever their rpath says)."""
-    _toolkit_dll_folders()
     mode = getattr(ctypes, "RTLD_GLOBAL", 0)
     for dep in ("ggml-base", "ggml-cpu"):
         if (folder / library_file(dep)).is_file():
@@ -275,14 +274,15 @@ def _load_folder(folder: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(folder / GGML_FILE), mode=mode)
 
 
-def _toolkit_dll_folders() -> None:
+def toolkit_dll_folders(env: Mapping[str, str]) -> None:
     """Windows, a workaround: Python loads a DLL's dependencies from its own folder and System32,
     not from PATH, so a CUDA (or HIP) build's runtime DLLs are found through the toolkit's
-    folder, which its installer names in CUDA_PATH (HIP_PATH), as llama-cpp-python does."""
+    folder, which its installer names in CUDA_PATH (HIP_PATH), as llama-cpp-python does. Called
+    by the CLI (the environment is read there) before ggml is loaded; a no-op elsewhere."""
     if sys.platform != "win32":
         return
     for var in ("CUDA_PATH", "HIP_PATH"):
-        root = os.environ.get(var)
+        root = env.get(var)
         if root and (Path(root) / "bin").is_dir():
             os.add_dll_directory(str(Path(root) / "bin"))
 
@@ -395,8 +395,6 @@ def gpu_device(name: str | None = None) -> tuple[int, Device]:
             return lib.ggml_backend_dev_get(d.index), d
     have = ", ".join(d.name for d in found) or "none"
     want = f"device {name!r}" if name else "GPU"
-    if name is None and (advice := device_advice()) is not None:
-        raise BackendError(f"this machine's ggml has no GPU (devices: {have}): {advice}")
     raise BackendError(
         f"this machine's ggml has no {want} (devices: {have}); build ggml with a GPU backend: "
         'CMAKE_ARGS="-DGGML_LLAMAFILE=ON -DGGML_VULKAN=ON" (or -DGGML_CUDA=ON, -DGGML_HIP=ON, -DGGML_METAL=ON) '
@@ -420,14 +418,14 @@ VULKAN_ICD_DIRS = ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d", "/usr/local/s
 
 
 def device_advice(
+    env: Mapping[str, str],
     found: dict[str, int] | None = None,
     icd_dirs: Sequence[str] = VULKAN_ICD_DIRS,
-    env: Mapping[str, str] | None = None,
 ) -> str | None:
     """Why a GPU backend this ggml was built with found no device, and what to do; None when each
-    found one (or none was built in). found: registries() (the default); env: os.environ."""
+    found one (or none was built in). env: the process's environment (the Vulkan loader's and
+    ggml's variables; the CLI passes it); found: registries() (the default)."""
     found = registries() if found is None else found
-    env = os.environ if env is None else env
     empty = sorted(name for name, n in found.items() if n == 0 and name not in ("CPU", "BLAS"))
     if not empty:
         return None
