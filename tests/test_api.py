@@ -552,11 +552,9 @@ def test_sixteen_streaming_clients(server: Server, ref: Model) -> None:
         )
         return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
 
-    t0 = time.monotonic()
     with ThreadPoolExecutor(16) as pool:
-        got = list(pool.map(one, msgs, timeout=180))
+        got = list(pool.map(one, msgs, timeout=180))  # a hang fails here, not a slow machine
     assert got == want
-    assert time.monotonic() - t0 < 180
     assert server.scheduler.stats.decode_rows > 1  # they really were batched together
     assert server.idle()
 

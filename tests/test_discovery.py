@@ -477,7 +477,9 @@ def test_empty_network_browse_is_short(tmp_path: Path) -> None:
     with netns_lan(1) as (alone,):
         r = alone.run([sys.executable, "-c", code], env=env, timeout=60)
     n, seconds = r.stdout.split()
-    assert n == "0" and 0.9 <= float(seconds) < 2.5, r.stdout
+    # at least its window; the bound above is loose (a shared machine's load), but a browse that
+    # waited for a timeout of its own (zeroconf's are 3 s and more) would still fail it
+    assert n == "0" and 0.9 <= float(seconds) < 1.0 + 2.5, r.stdout
 
 
 def test_announce_scope() -> None:

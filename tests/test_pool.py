@@ -25,7 +25,7 @@ from potluck.sampling import GREEDY, Sampler, SamplingParams
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc
 from potluck.transport.client import NodeError
-from workers import Spawn
+from workers import Spawn, Worker
 from workers import spawn_module_worker as spawn_module_worker
 from workers import spawn_worker as spawn_worker
 
@@ -37,9 +37,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def workers(
+def worker_pair(
     spawn_module_worker: Spawn, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[str]]:
+) -> Iterator[list[Worker]]:
     """Two workers: the first finds the model in the shared cache, the second has an empty cache
     (as on a machine that never downloaded it), so the head ships it only its layers' tensors."""
     empty = tmp_path_factory.mktemp("empty-cache")
@@ -47,13 +47,19 @@ def workers(
         spawn_module_worker(),
         spawn_module_worker(env={"POTLUCK_CACHE": str(empty), "HOME": str(empty)}),
     ]
-    yield [w.address for w in pair]
+    yield pair
     for w in pair:  # (before the check below: the shipped blobs are then all written)
         w.stop()
     empty_blobs = empty / "blobs"
     assert empty_blobs.is_dir() and any(empty_blobs.iterdir()), (
         "no tensors were shipped to the bare worker"
     )
+
+
+@pytest.fixture(scope="module")
+def workers(worker_pair: list[Worker]) -> list[str]:
+    """The pair's addresses."""
+    return [w.address for w in worker_pair]
 
 
 def _single(path: Path, prompt: str, n: int, params: SamplingParams = GREEDY) -> list[int]:
@@ -300,7 +306,7 @@ def _whole_model_on(worker: str, path: Path):
 
 
 def test_batches_arriving_out_of_order_run_in_sequence_order(
-    workers: list[str], smollm2_path: Path
+    worker_pair: list[Worker], smollm2_path: Path
 ) -> None:
     """With several batches in flight, a node may receive a sequence's second batch first: it
     waits for the first and computes them in position order (tokens equal one process)."""
@@ -310,8 +316,9 @@ def test_batches_arriving_out_of_order_run_in_sequence_order(
     ids = m.tokenizer.encode("The history of astronomy is long and")
     assert len(ids) >= 6
     want = list(generate(m, ids, 1, Sampler(GREEDY)))[0]
-    pool = _whole_model_on(workers[0], smollm2_path)
-    stub = pb_grpc.NodeStub(grpc.insecure_channel(workers[0]))
+    node = worker_pair[0]
+    pool = _whole_model_on(node.address, smollm2_path)
+    stub = pb_grpc.NodeStub(grpc.insecure_channel(node.address))
     cut = len(ids) // 2
     greedy = sampling_to_proto(GREEDY, 0)
 
@@ -324,7 +331,8 @@ def test_batches_arriving_out_of_order_run_in_sequence_order(
         )
 
     second = stub.Forward.future(req(cut, ids[cut:], True), timeout=30)
-    time.sleep(0.3)  # the second batch is now waiting on the node
+    # the node says when the second batch is there, waiting (not a guess by the clock)
+    assert node.wait_for(f"sequence 77: the batch at position {cut} came before", timeout=20)
     first = stub.Forward(req(0, ids[:cut], False), timeout=30)
     assert list(first.tokens) == [-1]
     assert list(second.result().tokens) == [want]

@@ -10,6 +10,7 @@ a batch waits ≤ ORDER_WAIT_S for its sequence's earlier batch, and a stale one
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -38,6 +39,8 @@ from potluck.transport.codec import (
 from potluck.transport.dataplane import Answer
 from potluck.transport.limits import check_message
 from potluck.transport.spin import computing
+
+log = logging.getLogger(__name__)
 
 REHEARSE_MAX_BYTES = 64 << 10  # largest input rehearsed while waiting (Forwarder.rehearse)
 ORDER_WAIT_S = 30.0  # longest a batch waits for an earlier batch of its sequence (seconds)
@@ -262,6 +265,7 @@ class Forwarder:
         """Hold `self.turn` until every chunk's sequence is exactly at the chunk's position: batches
         of one sequence may arrive out of order when several are in flight (pipelining)."""
         deadline = time.monotonic() + wait_s
+        said = False
         while True:
             late = None
             for c in chunks:
@@ -275,6 +279,12 @@ class Forwarder:
                     late = (c, at)
             if late is None:
                 return
+            if not said:  # rare: batches of one sequence reach a node over one connection in order
+                said = True
+                log.info(
+                    "sequence %d: the batch at position %d came before tokens %d–%d; it waits",
+                    late[0].seq_id, late[0].pos, late[1], late[0].pos - 1,
+                )  # fmt: skip
             left = deadline - time.monotonic()
             if left <= 0 or not self.turn.wait(left):
                 c, at = late
