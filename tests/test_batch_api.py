@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from potluck.api.batch import REVIVE_S
 from potluck.engine.generate import generate, load_model
 from potluck.sampling import GREEDY, Sampler
 from workers import Spawn
@@ -28,8 +30,13 @@ pytestmark = pytest.mark.slow  # ≈ 1 min: 200 requests, a kill and a restart
 
 
 def _serve(
-    model: Path, batch_dir: Path, *extra: str, env: dict[str, str] | None = None
+    model: Path,
+    batch_dir: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    said: list[str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
+    """A server started; `said` gets what it said until it listens."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "potluck.cli", "serve", "-m", str(model), "-c", "512", "--port",
          "0", "-np", "4", "--batch-dir", str(batch_dir), "--no-mdns", *extra],
@@ -44,6 +51,8 @@ def _serve(
             break
         seen.append(line)
         if found := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line):
+            if said is not None:
+                said += seen
             return proc, found.group(1)
     proc.kill()
     raise AssertionError("".join(seen))
@@ -263,3 +272,45 @@ def test_a_worker_started_after_the_server_joins_a_running_batch(
     assert sorted(o["custom_id"] for o in out) == sorted(f"r{i}" for i in range(120))
     assert done.request_counts.completed == 120 and done.request_counts.failed == 1
     _greedy_as_alone(smollm2_path, out, 120)
+
+
+def test_serve_starts_while_a_peer_is_down_and_takes_it_in_when_it_answers(
+    spawn_worker: Spawn, smollm2_path: Path, batch_dir: Path, tmp_path: Path
+) -> None:
+    """serve --peer a --peer b with b down (the head holding none): it starts on a, names b and
+    why, and answers; b, started while a batch runs, is taken in as a replica of its own. (`run`
+    fails fast instead: test_pool's test_unreachable_peer.)"""
+    with socket.socket() as s:  # b's port: nothing listens there until b starts
+        s.bind(("127.0.0.1", 0))
+        port_b = s.getsockname()[1]
+    addr_b = f"127.0.0.1:{port_b}"
+    a = spawn_worker()
+    said: list[str] = []
+    proc, url = _serve(smollm2_path, batch_dir, "--peer", a.address, "--peer", addr_b,
+                       "--mem", "0", said=said)  # fmt: skip
+    server_said = _follow(proc)
+    try:
+        start = " ".join("".join(said).split())  # rich wraps long lines when not a terminal
+        assert f"left out {addr_b} (--peer): it does not accept connections" in start, start
+        assert "asked again while a batch job runs" in start, start
+        c = _client(url)
+        chat = c.chat.completions.create(
+            model=smollm2_path.stem, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert chat.usage.completion_tokens >= 1
+        inp = tmp_path / "in.jsonl"
+        _input(inp, smollm2_path.stem, 1000)  # more than the time b needs to join; cancelled then
+        batch = _submit(c, inp)
+        # the server asks for newcomers every REVIVE_S while the batch runs: b, still down, is
+        # asked once (and must not count as tried), then started
+        time.sleep(REVIVE_S + 1)
+        b = spawn_worker(port=port_b)
+        deadline = time.monotonic() + 120
+        while f"replica {addr_b} joins" not in "".join(server_said):  # it takes requests ...
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(server_said)
+            time.sleep(0.2)
+        assert "layers 0–29" in b.log, b.log  # ... with the whole model
+        c.batches.cancel(batch.id)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -201,7 +201,8 @@ def test_a_dead_machine_in_the_peers_file_is_left_out(
 ) -> None:
     """The peers file is a standing list: a laptop on it that is closed is left out with a line
     that says so, and the command goes on with the machines that answer. (A peer typed with
-    --peer still fails loudly: test_pool's test_unreachable_peer.)"""
+    --peer still fails loudly here and in run: test_pool's test_unreachable_peer; serve and batch
+    leave it out too and ask it again: test_batch_api's test_serve_starts_while_a_peer_is_down...)"""
     dead = _free_port()  # nothing listens there
     worker = spawn_worker("--no-mdns", env={"POTLUCK_CONFIG": str(tmp_path)})
     port = worker.port

@@ -93,7 +93,7 @@ def batch(
 
     compute, here = compute_of(threads), places()
     spec = ReplicaSpec(resolve_model(model, here), ctx, net.auth(), parallel, compute, here.cache)
-    finder = net.finder()
+    finder = net.finder(keep_asking=True)  # a --peer down is left out, and joins once it answers
     workers: list[str] = []
     replicas, reload = _replicas(spec, finder, net, _head_mem(mem), workers)
     schedulers: list[Scheduler] = []

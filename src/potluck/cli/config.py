@@ -107,11 +107,13 @@ class PeersFlags:
 
         return _auth(self.secret, self.tls)
 
-    def finder(self, no_mdns: bool = False) -> PeerFinder:
-        """The static peers and (unless --no-mdns or no_mdns) an mDNS browse that starts now."""
+    def finder(self, no_mdns: bool = False, keep_asking: bool = False) -> PeerFinder:
+        """The static peers and (unless --no-mdns or no_mdns) an mDNS browse that starts now.
+        keep_asking: a --peer that does not answer is left out and asked again (serve, batch),
+        instead of failing the command (cli/peers.py's `_peers`)."""
         from potluck.cli.peers import _peers
 
-        return _peers(self.peer, self.rpc, self.pool, self.no_mdns or no_mdns)
+        return _peers(self.peer, self.rpc, self.pool, self.no_mdns or no_mdns, keep_asking)
 
     def found(self, finder: PeerFinder | None = None) -> list[str]:
         """The workers of the pool that answer and admit this machine (said on stderr)."""

@@ -353,8 +353,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a t
 
 
 def no_workers_for(what: str) -> PotluckError:
-    """--mem 0 (nothing on this machine) with no worker found: `what` would run nowhere."""
+    """--mem 0 (nothing on this machine) with no worker found (or none that answers, the ones
+    left out said above): `what` would run nowhere."""
     return PotluckError(
-        f"--mem 0 keeps {what} off this machine, and no worker was found: name them with "
-        "--peer HOST:PORT (or start `potluck worker` on them)"
+        f"--mem 0 keeps {what} off this machine, and no worker was found that answers: name "
+        "them with --peer HOST:PORT (or start `potluck worker` on them)"
     )

@@ -53,15 +53,21 @@ def _static_peers(peer: list[str] | None, rpc: str | None) -> list[Peer]:
 
 
 def _peers(
-    peer: list[str] | None, rpc: str | None, pool: str = DEFAULT_POOL, no_mdns: bool = True
+    peer: list[str] | None,
+    rpc: str | None,
+    pool: str = DEFAULT_POOL,
+    no_mdns: bool = True,
+    keep_asking: bool = False,
 ) -> PeerFinder:
     """The static peers and, unless no_mdns, an mDNS browse for workers of `pool` that starts now
-    (it overlaps loading the model); `_found` ends it."""
+    (it overlaps loading the model); `_found` ends it. keep_asking: a long-running command (serve,
+    batch) leaves out a --peer that does not answer, as any other, and asks it again while it
+    runs; the others fail when they dial it."""
     from potluck.discovery.mdns import DEFAULT_BROWSE_S
     from potluck.discovery.pool import PeerFinder
 
     browse_s = DEFAULT_BROWSE_S if _mdns_on(no_mdns) else None
-    return PeerFinder(_static_peers(peer, rpc), pool, browse_s)
+    return PeerFinder(_static_peers(peer, rpc), pool, browse_s, vet_typed=keep_asking)
 
 
 def _found(finder: PeerFinder, auth_of: Callable[[], PoolAuth] | None = None) -> list[str]:
@@ -82,8 +88,11 @@ def _found(finder: PeerFinder, auth_of: Callable[[], PoolAuth] | None = None) ->
     elif browsing:
         err.print(f"[dim]pool {finder.pool!r} ({how}): no workers found, this machine alone[/]")
     for p, why in found.skipped:  # one of your peers file's machines is worth a yellow line
-        style = "dim" if p.source == "mDNS" else "yellow"
-        err.print(f"[{style}]  left out {describe_peer(p)}: {why}[/]")
+        if p.source == "mDNS":
+            err.print(f"[dim]  left out {describe_peer(p)}: {why}[/]")
+        else:  # with keep_asking, the Recruiter (pool/replicas.py) asks it again
+            again = "; asked again while a batch job runs" if finder.vet_typed else ""
+            err.print(f"[yellow]  left out {describe_peer(p)}: {why}{again}[/]")
     return [p.address for p in found.peers]
 
 

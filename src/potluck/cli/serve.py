@@ -76,7 +76,9 @@ def serve(
         raise typer.BadParameter(str(exc)) from None
     here = places()
     workers: list[str] = []
-    finder = net.finder()
+    # a --peer that does not answer yet is left out, not fatal: the server starts on the rest and
+    # takes it in as a batch replica once it answers (the Recruiter below)
+    finder = net.finder(keep_asking=True)
     # many streams at once: stages even in decode time
     m = _load(flags, net, balance="decode", n_seq=parallel, found=workers, finder=finder)
     sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, flags.batch))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from potluck.discovery.mdns import WorkerAdvert
 from potluck.discovery.measure import REACHED, session_error, tcp_reach
 from potluck.discovery.static import CONFIG, MDNS, Peer, dedupe
+from potluck.hosts import is_loopback
 from potluck.transport.client import NodeClient
 from potluck.transport.codec import PROTOCOL_VERSION
 
@@ -56,7 +57,7 @@ def usable_reason(advert: WorkerAdvert, pool: str) -> str:
     return ""
 
 
-Vet = Callable[[Peer], str]  # why an announced worker cannot be used ("" if it can)
+Vet = Callable[[Peer], str]  # why a peer cannot be used ("" if it can)
 
 
 def reachable(peer: Peer) -> str:
@@ -64,8 +65,8 @@ def reachable(peer: Peer) -> str:
     r = tcp_reach(peer.host, peer.port, REACH_TIMEOUT_S)
     if r.outcome == REACHED:
         return ""
-    where = "announced on mDNS" if peer.source == MDNS else "in the peers file"
-    return f"it is {where} but does not accept connections ({r.outcome}: {r.detail})"
+    where = {MDNS: "it is announced on mDNS but", CONFIG: "it is in the peers file but"}
+    return f"{where.get(peer.source, 'it')} does not accept connections ({r.outcome}: {r.detail})"
 
 
 def member(dial: Callable[[str], NodeClient]) -> Vet:
@@ -89,15 +90,17 @@ def gather(
     adverts: Sequence[WorkerAdvert],
     pool: str,
     vet: Vet = reachable,
+    vet_typed: bool = False,
 ) -> Found:
     """Peers typed on the command line as given (a bad one fails loudly later, when the head dials
-    it: the user named it just now); those of the peers file, a standing list (a laptop on it may
-    be closed), and each announced worker of `pool` that speaks this protocol, when they pass
-    `vet`."""
+    it: the user named it just now), or with `vet_typed` when they pass `vet` (a long-running head
+    starts on the peers that answer and asks the others again); those of the peers file, a
+    standing list (a laptop on it may be closed), and each announced worker of `pool` that speaks
+    this protocol, when they pass `vet`."""
     peers: list[Peer] = []
     skipped: list[tuple[Peer, str]] = []
     for p in dedupe(static):
-        why = vet(p) if p.source == CONFIG else ""
+        why = vet(p) if vet_typed or p.source == CONFIG else ""
         if why:
             skipped.append((p, why))
         else:
@@ -116,8 +119,8 @@ def gather(
         known |= {(ip, a.port) for ip in a.addresses}
     # Workers send hidden states straight to the next one: a worker that listens on this
     # machine's loopback cannot be reached by the others, so it only joins a pool of loopbacks.
-    if any(not _loopback(p.host) for p in peers):
-        for p in [p for p in peers if p.source == MDNS and _loopback(p.host)]:
+    if any(not is_loopback(p.host) for p in peers):
+        for p in [p for p in peers if p.source == MDNS and is_loopback(p.host)]:
             peers.remove(p)
             skipped.append((p, LOOPBACK_ONLY))
     return Found(tuple(peers), tuple(skipped))
@@ -127,11 +130,6 @@ LOOPBACK_ONLY = (
     "it listens on this machine's loopback only, which the other workers cannot reach "
     "(start it with -H 0.0.0.0)"
 )
-
-
-def _loopback(host: str) -> bool:
-    ips = _ips(host)
-    return bool(ips) and all(ipaddress.ip_address(ip).is_loopback for ip in ips)
 
 
 def describe_peer(peer: Peer) -> str:
@@ -146,13 +144,17 @@ def describe_peer(peer: Peer) -> str:
 class PeerFinder:
     """Static peers plus, with `browse_s`, an mDNS browse that starts at construction (so it
     overlaps the head's start-up) and ends when `find()` is called and the window has passed.
+    vet_typed: find() vets the peers typed on the command line too (gather()'s `vet_typed`).
 
     error: why mDNS could not run ("" if it ran or was not asked for)."""
 
-    def __init__(self, static: Sequence[Peer], pool: str, browse_s: float | None) -> None:
+    def __init__(
+        self, static: Sequence[Peer], pool: str, browse_s: float | None, vet_typed: bool = False
+    ) -> None:
         from potluck.discovery.mdns import Browser, DiscoveryError, check_pool_name
 
         self.static, self.pool, self.browse_s = list(static), check_pool_name(pool), browse_s
+        self.vet_typed = vet_typed
         self.error = ""
         self.browser: Browser | None = None
         if browse_s:
@@ -169,12 +171,13 @@ class PeerFinder:
         """End the browse (after its window) and merge; `vet` as in gather()."""
         adverts = self.browser.results() if self.browser is not None else []
         self.browser = None
-        return gather(self.static, adverts, self.pool, vet)
+        return gather(self.static, adverts, self.pool, vet, self.vet_typed)
 
     def again(self, vet: Vet = reachable) -> Found:
         """Look once more, after find(): the static peers and a fresh browse of `browse_s` (when
-        mDNS is on), vetted (blocking; a running server calls it on a thread to find workers
-        started after it)."""
+        mDNS is on), every one vetted, those typed too: one that does not answer yet is no
+        newcomer, and is asked again next time (blocking; a running server calls it on a thread
+        to find workers started after it)."""
         from potluck.discovery.mdns import Browser, DiscoveryError
 
         adverts = []
@@ -183,7 +186,7 @@ class PeerFinder:
                 adverts = Browser(self.pool, self.browse_s).results()
             except DiscoveryError as exc:
                 self.error = str(exc)
-        return gather(self.static, adverts, self.pool, vet)
+        return gather(self.static, adverts, self.pool, vet, vet_typed=True)
 
     def close(self) -> None:
         if self.browser is not None:
