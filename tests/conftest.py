@@ -4,6 +4,7 @@ test outside tests/unit/ is marked `slow` here (`pytest -m "not slow"` runs the 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,12 +31,50 @@ _UNIT = (Path(__file__).parent / "unit").resolve()
 PLACES = Places.of(os.environ, Path.home())
 
 
+# The files whose tests take longest, longest first (measured by .ci/run's --durations). Run in
+# parallel (the README's `-n 2 --dist loadfile`), each process takes the next file when it is
+# done; starting the long ones first keeps one of them from running alone at the end.
+LONG_FILES = (
+    "test_finetune.py",
+    "test_batch_api.py",
+    "test_batch.py",
+    "test_failover.py",
+    "test_real_models.py",
+    "test_pool.py",
+    "test_follow_up.py",
+    "test_real_size.py",
+    "test_gpu.py",
+    "test_pool_netns.py",
+    "test_discovery.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `slow` every test outside tests/unit/: those load real models or start processes and
-    sockets; the unit tests run against in-memory fakes (tests/unit/fakes.py)."""
+    sockets; the unit tests run against in-memory fakes (tests/unit/fakes.py). Then the files of
+    LONG_FILES first, in that order (the same order in every process: a stable sort)."""
     for item in items:
         if not item.path.resolve().is_relative_to(_UNIT):
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_per_parallel_process() -> Iterator[None]:
+    """With test files run in parallel (pytest-xdist's -n), a stage made in a test process
+    without -t computes on one thread instead of every core: two processes that each start a
+    thread per core on the same cores wait for each other at every barrier of ggml's graphs.
+    Processes the tests start (workers, `potluck run`) keep their own -t."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import potluck.model.stage as stage
+
+    every_core = stage.every_core
+    stage.every_core = lambda: 1  # type: ignore[assignment]
+    yield
+    stage.every_core = every_core  # type: ignore[assignment]
 
 
 @pytest.fixture(scope="session")
