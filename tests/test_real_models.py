@@ -110,7 +110,8 @@ def test_split_pipeline_equals_whole(case) -> None:
     n = model.hp.n_layer
     prompt = model.tokenizer.encode(TEXT)
     whole = list(generate(model, prompt, 12, Sampler(GREEDY)))
-    for splits in [(n // 2,), (1, n - 1), (n // 3, 2 * n // 3)]:
+    # a cut at each end (one-layer stages) and a three-way split (two cuts in the middle)
+    for splits in [(1, n - 1), (n // 3, 2 * n // 3)]:
         split_model = load_model(path, n_ctx=512, splits=splits)
         assert len(split_model.pipeline.stages) == len(splits) + 1
         assert list(generate(split_model, prompt, 12, Sampler(GREEDY))) == whole, (
@@ -130,7 +131,7 @@ def test_perplexity_matches_reference(case) -> None:
     name, _, model, ref = case
     text = " ".join(
         f"In the year {1800 + 7 * i}, the town council met {i % 5 + 2} times and discussed the bridge, the mill and the harvest."
-        for i in range(40)
+        for i in range(16)  # ≈ 6 chunks of 64: enough for the statistic's rules, chunk by chunk
     )
     n_ctx = 64
     ours = perplexity(model, text, n_ctx)
