@@ -38,6 +38,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return model, data
 
 
+@pytest.fixture(scope="module")
+def want(tiny, tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    """The adapter of one process alone (CONFIG): what every pooled run must give."""
+    model, data = tiny
+    f, hp, examples = _examples(model, data)
+    out = tmp_path_factory.mktemp("alone") / "alone.gguf"
+    run(Trainer(hp, f, examples, CONFIG), out)
+    return _pairs(out, f)
+
+
 def _examples(model: Path, data: Path):
     f = GGUFFile(model)
     hp = hparams_from_metadata(f.metadata)
@@ -59,12 +69,9 @@ def _close(got: dict, want: dict) -> float:
     return max(float(np.abs(got[k] - want[k]).max() / np.abs(want[k]).max()) for k in want)
 
 
-def test_two_workers_train_as_one_process(spawn_worker: Spawn, tiny, tmp_path: Path) -> None:
+def test_two_workers_train_as_one_process(spawn_worker: Spawn, tiny, want, tmp_path: Path) -> None:
     model, data = tiny
-    f, hp, examples = _examples(model, data)
-    alone = Trainer(hp, f, examples, CONFIG)
-    run(alone, tmp_path / "alone.gguf")
-    want = _pairs(tmp_path / "alone.gguf", f)
+    f = GGUFFile(model)
     workers = [spawn_worker("--model-dir", str(model.parent)) for _ in range(2)]
     r = subprocess.run(
         [sys.executable, "-m", "potluck.cli", "finetune", "-m", str(model), "--data",
@@ -82,15 +89,14 @@ def test_two_workers_train_as_one_process(spawn_worker: Spawn, tiny, tmp_path: P
     assert err < 1e-4, f"the pool's adapter differs from one process's by {err:.2e}"
 
 
-def test_a_worker_killed_and_back_costs_nothing(spawn_worker: Spawn, tiny, tmp_path: Path) -> None:
+def test_a_worker_killed_and_back_costs_nothing(
+    spawn_worker: Spawn, tiny, want, tmp_path: Path
+) -> None:
     from potluck.train.pool import PoolTrainer
     from potluck.transport.client import NodeClient
 
     model, data = tiny
     f, hp, examples = _examples(model, data)
-    alone = Trainer(hp, f, examples, CONFIG)
-    run(alone, tmp_path / "alone.gguf")
-    want = _pairs(tmp_path / "alone.gguf", f)
     a, b = (spawn_worker("--model-dir", str(model.parent)) for _ in range(2))
     addr_a, addr_b = a.address, b.address
     events: list[str] = []
@@ -139,7 +145,7 @@ def test_a_worker_without_room_is_left_out_with_the_numbers(
 
 
 def test_a_worker_without_the_model_file_receives_it_once(
-    spawn_worker: Spawn, tiny, tmp_path: Path
+    spawn_worker: Spawn, tiny, want, tmp_path: Path
 ) -> None:
     """A worker with an empty cache (no model file): the head sends it the model's tensors
     (kept by hash), and it trains its share as one with the file would."""
@@ -148,8 +154,6 @@ def test_a_worker_without_the_model_file_receives_it_once(
 
     model, data = tiny
     f, hp, examples = _examples(model, data)
-    alone = Trainer(hp, f, examples, CONFIG)
-    run(alone, tmp_path / "alone.gguf")
     empty = tmp_path / "empty-cache"
     empty.mkdir()
     w = spawn_worker(env={"POTLUCK_CACHE": str(empty), "HOME": str(empty)})
@@ -164,5 +168,5 @@ def test_a_worker_without_the_model_file_receives_it_once(
         events
     )
     assert any((empty / "blobs").iterdir())  # kept by hash, for the next time
-    err = _close(_pairs(tmp_path / "pool.gguf", f), _pairs(tmp_path / "alone.gguf", f))
+    err = _close(_pairs(tmp_path / "pool.gguf", f), want)
     assert err < 1e-4, f"the adapter differs from one process's by {err:.2e}"

@@ -132,26 +132,48 @@ def _run(model: Path, *extra: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def test_run_with_lora_on_smollm2(smollm2_path: Path, tmp_path: Path) -> None:
+# a strong random adapter (0.2 N(0, 1), alpha 16) on SmolLM2: ffn_down of every third layer and
+# the last layer's attn_q
+STRONG = [f"blk.{i}.ffn_down.weight" for i in range(0, 30, 3)] + ["blk.29.attn_q.weight"]
+Ran = subprocess.CompletedProcess
+Strong = tuple[Path, Ran]  # the adapter, and `potluck run --lora` with it
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_path: Path) -> Ran:
+    """`potluck run` without an adapter (each test compares with it: run once per module)."""
+    r = _run(smollm2_path)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def strong(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Strong:
+    """The strong adapter (STRONG) and `potluck run --lora` with it on this machine alone."""
+    path = tmp_path_factory.mktemp("strong") / "a.gguf"
+    f = GGUFFile(smollm2_path)
+    write_lora(path, f.arch, 16.0, _adapter(f, STRONG))
+    r = _run(smollm2_path, "--lora", str(path))
+    assert r.returncode == 0, r.stderr
+    return path, r
+
+
+def test_run_with_lora_on_smollm2(smollm2_path: Path, plain: Ran, strong: Strong) -> None:
     """`potluck run --lora`: a strong random adapter changes the greedy text, scale 0 does not;
     a model passed as the adapter is a one-line error."""
-    f = GGUFFile(smollm2_path)
-    targets = [f"blk.{i}.ffn_down.weight" for i in range(0, 30, 3)]
-    write_lora(tmp_path / "a.gguf", f.arch, 16.0, _adapter(f, targets))
-    plain = _run(smollm2_path)
-    assert plain.returncode == 0, plain.stderr
-    zero = _run(smollm2_path, "--lora", f"{tmp_path / 'a.gguf'}:0")
+    adapter, on = strong
+    zero = _run(smollm2_path, "--lora", f"{adapter}:0")
     assert zero.returncode == 0, zero.stderr
     assert zero.stdout == plain.stdout
-    on = _run(smollm2_path, "--lora", str(tmp_path / "a.gguf"))
-    assert on.returncode == 0, on.stderr
     assert on.stdout != plain.stdout and "a.gguf" in on.stderr
     bad = _run(smollm2_path, "--lora", str(smollm2_path))
     assert bad.returncode != 0 and "is not a LoRA adapter" in bad.stderr
     assert "Traceback" not in bad.stderr
 
 
-def test_serve_picks_the_adapter_per_request(smollm2_path: Path, tmp_path: Path) -> None:
+def test_serve_picks_the_adapter_per_request(
+    smollm2_path: Path, plain: Ran, tmp_path: Path
+) -> None:
     """`potluck serve --lora A.gguf`: /v1/models lists the base and BASE+A; a request alone
     answers as `potluck run` with and without the adapter; requests for either at once (in the
     same decode batches) each get their own: the base's rows give the base's tokens, the
@@ -171,9 +193,8 @@ def test_serve_picks_the_adapter_per_request(smollm2_path: Path, tmp_path: Path)
     f = GGUFFile(smollm2_path)
     targets = [f"blk.{i}.ffn_down.weight" for i in range(0, 30, 3)]
     write_lora(tmp_path / "a.gguf", f.arch, 16.0, _adapter(f, targets, std=0.05))
-    plain = _run(smollm2_path)
     adapted = _run(smollm2_path, "--lora", str(tmp_path / "a.gguf"))
-    assert plain.returncode == 0 and adapted.returncode == 0 and plain.stdout != adapted.stdout
+    assert adapted.returncode == 0 and plain.stdout != adapted.stdout
     proc = subprocess.Popen(
         [sys.executable, "-m", "potluck.cli", "serve", "-m", str(smollm2_path), "--port", "0",
          "--no-mdns", "-np", "4", "--lora", str(tmp_path / "a.gguf")],
@@ -233,19 +254,15 @@ def test_serve_picks_the_adapter_per_request(smollm2_path: Path, tmp_path: Path)
 
 
 def test_adapter_over_a_pool_equals_one_machine(
-    spawn_worker: Spawn, smollm2_path: Path, tmp_path: Path
+    spawn_worker: Spawn, smollm2_path: Path, plain: Ran, strong: Strong
 ) -> None:
     """`potluck run --lora` over two workers (this machine holding no layers): each node gets
     its layers' part of the adapter (LoadRequest.adapters) and the text is one machine's."""
-    f = GGUFFile(smollm2_path)
-    targets = [f"blk.{i}.ffn_down.weight" for i in range(0, 30, 3)] + ["blk.29.attn_q.weight"]
-    write_lora(tmp_path / "a.gguf", f.arch, 16.0, _adapter(f, targets))
-    alone = _run(smollm2_path, "--lora", str(tmp_path / "a.gguf"))
-    plain = _run(smollm2_path)
-    assert alone.returncode == 0 and alone.stdout != plain.stdout
+    adapter, alone = strong
+    assert alone.stdout != plain.stdout
     workers = [spawn_worker(), spawn_worker()]
     peers = [x for w in workers for x in ("--peer", w.address)]
-    pooled = _run(smollm2_path, "--lora", str(tmp_path / "a.gguf"), "--mem", "0", *peers)
+    pooled = _run(smollm2_path, "--lora", str(adapter), "--mem", "0", *peers)
     for w in workers:
         w.kill()
     assert pooled.returncode == 0, pooled.stderr
