@@ -20,9 +20,9 @@ os.environ["POTLUCK_MDNS"] = "0"
 os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
 # ggml's threads meet at an OpenMP barrier after every operation; by default libgomp spins there
 # before it sleeps. With test processes on every core (two files at once, workers, heads), a
-# spinning thread holds the core its partner needs: a 2-thread `potluck run` of 32 tokens took
-# 8-22 s instead of 2.5-3.3 s here. Passive waiting sleeps at once; every process the tests
-# start inherits it.
+# spinning thread holds the core its partner needs: runs took several times longer
+# (bench/RESULTS.md, "The test suite's time"). Passive waiting sleeps at once; every process the
+# tests start inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 # The whole suite against another build of ggml (as cli.py: POTLUCK_GGML=DIR|llama-cpp-python);
 # the processes the tests start read the same variable.

@@ -99,10 +99,10 @@ def test_sequences_that_come_and_go_keep_the_device_computing(tmp_path: Path) ->
     Run in a child process, so that a crash fails this test only. The new sequence's logits equal
     those of a stage that never saw the dropped one (same device, same graph shapes).
 
-    Without the restart it crashed every time. With it, it crashed once in 12 runs here (the
-    suite's second parallel run, 2026-12-05; 10 runs alone or under load passed), in lavapipe: a
-    crash is run once more and reported as a warning with the child's stack (faulthandler), and
-    two crashes fail the test. Where exactly ggml-vulkan keeps the stale pointer is not known."""
+    Without the restart it crashed every time. With it, lavapipe still crashed now and then
+    (bench/RESULTS.md, "The test suite's time"): a crash is run once more and reported as a
+    warning with the child's stack (faulthandler), and two crashes fail the test. Where exactly
+    ggml-vulkan keeps the stale pointer is not known."""
     path = write_tiny_model(tmp_path / "m.gguf", "llama", None, T.Q8_0, n_layer=4)
     ngl = 99
     out = tmp_path / "rows.npy"
