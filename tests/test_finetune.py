@@ -128,14 +128,14 @@ def _questions() -> list[dict]:
     return [json.loads(x) for x in (DATA / "town_heldout.jsonl").read_text().splitlines()]
 
 
-def _answers(model: Path, lora: Path | None) -> tuple[int, list[str]]:
-    """Greedy answers to the held-out questions: (how many name the fact, the answers)."""
+def _answers(model: Path, lora: Path | None, n: int = 40) -> tuple[int, list[str]]:
+    """Greedy answers to the first n held-out questions: (how many name the fact, the answers)."""
     from potluck.engine.generate import generate, load_model
     from potluck.sampling import GREEDY, Sampler
 
     m = load_model(model, 512, loras=[(lora, 1.0)] if lora else [])
     hits, said = 0, []
-    for q in _questions():
+    for q in _questions()[:n]:
         prompt = m.tokenizer.encode(m.chat.render([{"role": "user", "content": q["question"]}]))
         ids = generate(m, prompt, 24, Sampler(GREEDY))
         text = m.tokenizer.decode([t for t in ids if t not in m.tokenizer.eot_ids])
@@ -161,11 +161,12 @@ def town(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_learns_made_up_facts(smollm2_path: Path, town: Path) -> None:
     """Asked again in other words (held out), SmolLM2 names the fact far more often with the
     adapter than without."""
-    before, _ = _answers(smollm2_path, None)
+    # the base model knows none of the facts (0 of 40 on a Zen 3): 12 questions show it
+    before, _ = _answers(smollm2_path, None, n=12)
     after, said = _answers(smollm2_path, town)
     # here (Zen 3, 2 threads; 5 epochs at lr 2e-3): 0 of 40 before, 20 after (4 epochs: 17;
     # 8 epochs at lr 1e-3 on a Zen 4: 20)
-    assert before <= 2 and after >= 12, (before, after, said)
+    assert before <= 1 and after >= 12, (before, after, said)
 
 
 LLAMA_BIN = Path(
