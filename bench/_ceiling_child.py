@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 
+from potluck.model.archs import hparams_from_metadata
 from potluck.model.stage import Compute, SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
-from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.sampling import GREEDY, Sampler
 from potluck.transport.spin import spin_readable
 

@@ -81,8 +81,8 @@ def main() -> None:
         args.models, args.reps, tasks = "smollm2", 1, dict(QUICK_TASKS)
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs two cores")
+    from potluck.model.archs import hparams_from_metadata
     from potluck.modelfile.gguf_file import GGUFFile
-    from potluck.modelfile.hparams import hparams_from_metadata
 
     result: dict = {"info": run_info(), "tasks": tasks, "models": {}}
     rows = []

@@ -231,8 +231,8 @@ def main() -> None:
             for w in (w0, w1):
                 w.terminate()
                 w.wait()
+        from potluck.model.archs import hparams_from_metadata
         from potluck.modelfile.gguf_file import GGUFFile
-        from potluck.modelfile.hparams import hparams_from_metadata
 
         gguf = GGUFFile(path)
         hp = hparams_from_metadata(gguf.metadata)

@@ -123,8 +123,8 @@ def measure(path: Path, n_ctx: int, n_prompt: int, n_predict: int, vulkan: bool)
 
 def _buffers(path: Path, n_ctx: int) -> int:
     """The planner's compute-buffer estimate for one stage of this model at n_ctx."""
+    from potluck.model.archs import hparams_from_metadata
     from potluck.modelfile.gguf_file import GGUFFile
-    from potluck.modelfile.hparams import hparams_from_metadata
     from potluck.planner.footprint import DEFAULT_BATCH, activation_bytes
 
     f = GGUFFile(path)

@@ -1,4 +1,7 @@
-"""Write tiny random GGUF models of any llama-family architecture and quantization mix.
+"""Write tiny random GGUF models of any architecture Potluck runs and any quantization mix.
+
+The tensors written are those the architecture's module declares (potluck.model.archs), so a new
+architecture needs no change here beyond its metadata keys.
 
 Types that `gguf.quants.quantize` supports are quantized from random fp32 weights; K-quants (which
 it cannot quantize) are written as random blocks whose fp16 scale fields are set to small finite
@@ -14,6 +17,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from potluck.model.archs import hparams_from_metadata, layer_tensors
 from potluck.modelfile.gguf_file import GGUFFile
 
 # byte offsets of the fp16 super-block scales (d, dmin) inside one K-quant block (ggml's layout)
@@ -118,11 +122,19 @@ def write_tiny_model(
     seed: int = 0,
     extra: dict[str, Any] | None = None,
     add: dict[str, np.ndarray] | None = None,
+    n_expert: int = 0,
+    n_expert_used: int = 2,
+    n_ff_exp: int | None = None,
+    n_ff_shexp: int | None = None,
+    optional: bool = False,
 ) -> Path:
     """A random model of `arch` with the vocabulary of `tokenizer_from` (default: tiny_vocab()).
     qtypes overrides the
     quantization per tensor-name suffix (e.g. {"ffn_down": T.Q6_K}). add: arrays added to F32
-    matrices by name (the same seed otherwise gives the same model: a merged LoRA, say)."""
+    matrices by name (the same seed otherwise gives the same model: a merged LoRA, say).
+    n_expert > 0: a mixture of experts (n_expert_used per token, each n_ff_exp wide, default
+    n_ff; n_ff_shexp: the shared expert's width where the architecture has one). optional: also
+    the tensors the architecture takes where a file has them (llama's q/k/v biases)."""
     rng = np.random.default_rng(seed)
     hd = head_dim or n_embd // n_head
     tok_meta = tokenizer_from.metadata if tokenizer_from is not None else tiny_vocab()
@@ -142,6 +154,12 @@ def write_tiny_model(
     w.add_vocab_size(vocab)
     if arch == "gemma3":
         w.add_sliding_window(8)
+    if n_expert:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        w.add_expert_feed_forward_length(n_ff_exp or n_ff)
+        if n_ff_shexp:
+            w.add_expert_shared_feed_forward_length(n_ff_shexp)
     for key in _TOKENIZER_KEYS:
         if key in tok_meta:
             _add_value(w, key, tok_meta[key])
@@ -157,34 +175,23 @@ def write_tiny_model(
             v = rng.standard_normal(shape).astype(np.float32) * (0.1 if "bias" in name else 0.2)
             w.add_tensor(name, v + (0.0 if "bias" in name else 1.0))
             return
-        raw = random_blocks(rng, q, shape, std=0.08)
+        if len(shape) == 3:  # a stack of experts: [E, rows, cols]
+            raw = random_blocks(rng, q, (shape[0] * shape[1], shape[2]), std=0.08)
+            raw = raw.reshape(shape[0], shape[1], -1)
+        else:  # a router's logits spread wide, so that rounding rarely flips an expert's choice
+            std = 1.0 if "ffn_gate_inp" in name else 0.08
+            raw = random_blocks(rng, q, shape, std=std)  # type: ignore[arg-type]
         if add and name in add:
             assert q == T.F32, f"add needs an F32 {name}"
             raw = (raw + add[name]).astype(np.float32)
         w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=q)
 
     tensor("token_embd.weight", (vocab, n_embd), qtype)
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        tensor(p + "attn_norm.weight", (n_embd,), T.F32)
-        tensor(p + "attn_q.weight", (n_head * hd, n_embd), qtype)
-        tensor(p + "attn_k.weight", (n_head_kv * hd, n_embd), qtype)
-        tensor(p + "attn_v.weight", (n_head_kv * hd, n_embd), qtype)
-        tensor(p + "attn_output.weight", (n_embd, n_head * hd), qtype)
-        if arch == "qwen2":
-            tensor(p + "attn_q.bias", (n_head * hd,), T.F32)
-            tensor(p + "attn_k.bias", (n_head_kv * hd,), T.F32)
-            tensor(p + "attn_v.bias", (n_head_kv * hd,), T.F32)
-        if arch in ("qwen3", "gemma3"):
-            tensor(p + "attn_q_norm.weight", (hd,), T.F32)
-            tensor(p + "attn_k_norm.weight", (hd,), T.F32)
-        tensor(p + "ffn_norm.weight", (n_embd,), T.F32)
-        tensor(p + "ffn_gate.weight", (n_ff, n_embd), qtype)
-        tensor(p + "ffn_up.weight", (n_ff, n_embd), qtype)
-        tensor(p + "ffn_down.weight", (n_embd, n_ff), qtype)
-        if arch == "gemma3":
-            tensor(p + "post_attention_norm.weight", (n_embd,), T.F32)
-            tensor(p + "post_ffw_norm.weight", (n_embd,), T.F32)
+    for t in layer_tensors(hparams_from_metadata(_metadata(w), str(path)), 0, n_layer):
+        if t.required or optional:
+            # the router and the shared expert's gate stay F32, as in the files people run
+            q = T.F32 if "gate_inp" in t.name else qtype
+            tensor(t.name, t.shape, q)
     tensor("output_norm.weight", (n_embd,), T.F32)
     if not tied:
         tensor("output.weight", (vocab, n_embd), qtype)
@@ -193,6 +200,11 @@ def write_tiny_model(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _metadata(w: gguf.GGUFWriter) -> dict[str, Any]:
+    """The key-value pairs written so far, as GGUFFile.metadata gives them."""
+    return {k: v.value for k, v in w.kv_data[0].items()}
 
 
 def _add_value(w: gguf.GGUFWriter, key: str, value: Any) -> None:

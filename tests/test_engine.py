@@ -215,9 +215,9 @@ def test_cache_type_f32_holds_twice_the_bytes_and_agrees(tmp_path: Path) -> None
     """--cache-type f32: K and V in f32 (twice f16's bytes); the logits stay close to the default
     cache's (with f16 K/V ggml's flash attention also rounds q to f16 and sums V·p in f16, as
     llama.cpp's: through two random layers ≈ 3 % of the logits' range at most)."""
+    from potluck.model.archs import hparams_from_metadata
     from potluck.model.stage import Stage
     from potluck.modelfile.gguf_file import GGUFFile
-    from potluck.modelfile.hparams import hparams_from_metadata
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", n_layer=2)
     f = GGUFFile(path)
@@ -242,9 +242,9 @@ def test_repacked_weights_compute_the_same(tmp_path: Path) -> None:
     rounding (the interleaved kernels sum the same products in another order)."""
     from gguf import GGMLQuantizationType as T
 
+    from potluck.model.archs import hparams_from_metadata
     from potluck.model.stage import Stage
     from potluck.modelfile.gguf_file import GGUFFile
-    from potluck.modelfile.hparams import hparams_from_metadata
 
     for qtype in (T.Q4_0, T.Q4_K):
         path = write_tiny_model(

@@ -115,8 +115,8 @@ def test_unrecoverable_pool_fails_fast_with_a_clear_error(
     """When the survivors cannot hold the model, the waiting request ends with PoolLostError
     within the timeout. (The re-plan here is the real planner told that this machine has no
     memory to spare: standing in for a head too small for the model.)"""
+    from potluck.model.archs import hparams_from_metadata
     from potluck.modelfile.gguf_file import GGUFFile
-    from potluck.modelfile.hparams import hparams_from_metadata
     from potluck.planner import NodeInfo, footprint_from_gguf, plan_pool
 
     victim = spawn_worker()

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from potluck.model.archs import hparams_from_metadata
 from potluck.modelfile.chat import ChatTemplate
 from potluck.modelfile.gguf_file import GGUFFile
-from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.modelfile.lora import open_lora
 from potluck.modelfile.tokenizer import Tokenizer
 from potluck.train.data import read_examples
@@ -118,6 +118,15 @@ def test_errors_are_one_line_with_the_numbers(smollm2_path: Path, tmp_path: Path
         "512",
     )  # fmt: skip  (64 × 482 tokens of SmolLM2 at once: ~60 GiB)
     assert r.returncode != 0 and "GiB free: lower --batch" in r.stderr, r.stderr
+    moe = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", None, T.Q8_0, n_expert=4)
+    r = _cli("finetune", "-m", str(moe), "--data", str(data), "-o", out)
+    assert (
+        r.returncode != 0
+        and "fine-tuning a mixture of experts (qwen3moe: 4 experts, 2 "
+        "per token) is not supported yet"
+        in r.stderr
+    ), r.stderr
+    assert "Traceback" not in r.stderr
     (tmp_path / "a.gguf.ckpt").write_bytes(b"x")
     r = _cli("finetune", "-m", str(path), "--data", str(data), "-o", out)
     assert r.returncode != 0 and "holds an unfinished run: --resume" in r.stderr

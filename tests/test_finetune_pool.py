@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from potluck.model.archs import hparams_from_metadata
 from potluck.modelfile.chat import ChatTemplate
 from potluck.modelfile.gguf_file import GGUFFile
-from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.modelfile.lora import open_lora
 from potluck.modelfile.tokenizer import Tokenizer
 from potluck.train.data import read_examples

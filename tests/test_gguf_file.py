@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from potluck.errors import ModelFileError, UnsupportedError
+from potluck.model.archs import hparams_from_metadata
 from potluck.modelfile.gguf_file import GGUFFile
-from potluck.modelfile.hparams import hparams_from_metadata
 
 
 def test_header_matches_gguf_reader(smollm2_path: Path) -> None:

@@ -23,10 +23,10 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from potluck.engine.generate import generate, load_model
+from potluck.model.archs import hparams_from_metadata
 from potluck.model.ggml_lib import BackendError, devices
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
-from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.sampling import GREEDY, Sampler, log_softmax
 from workers import Spawn
 from workers import spawn_worker as spawn_worker
@@ -75,7 +75,7 @@ import sys
 import numpy as np
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
-from potluck.modelfile.hparams import hparams_from_metadata
+from potluck.model.archs import hparams_from_metadata
 
 path, out, ngl = sys.argv[1], sys.argv[2], int(sys.argv[3])
 f = GGUFFile(path)

@@ -16,9 +16,9 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from potluck.errors import ModelFileError, UnsupportedError
+from potluck.model.archs import hparams_from_metadata
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
-from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.modelfile.lora import open_lora, parse_lora_arg, write_lora
 from workers import Spawn
 from workers import spawn_worker as spawn_worker

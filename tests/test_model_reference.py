@@ -16,9 +16,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from potluck.model.archs import hparams_from_metadata
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
-from potluck.modelfile.hparams import hparams_from_metadata
 
 from ggufgen import write_tiny_model
 
@@ -42,7 +42,18 @@ CASES = [
         {"n_embd": 256, "n_ff": 512, "n_head_kv": 1, "head_dim": 256},
     ),
     ("llama", T.Q2_K, {"attn_": T.Q3_K, "token_embd": T.F32}, {"n_embd": 256, "n_ff": 512}),
+    # mixtures of experts: 8 experts, 2 per token (the last: a Mixtral, a llama file with experts)
+    ("qwen3moe", T.Q8_0, {"ffn_down_exps": T.Q4_0}, {"n_expert": 8, "n_ff_exp": 64}),
+    (
+        "qwen2moe",
+        T.Q4_K,  # the routed experts; a Q4_K shared expert of 512 alone doubles the rounding
+        {"attn_": T.Q8_0, "shexp": T.Q8_0},
+        {"n_expert": 8, "n_ff_exp": 256, "n_ff_shexp": 512, "n_embd": 256},
+    ),
+    ("llama", T.Q8_0, {"ffn_up_exps": T.Q6_K}, {"n_expert": 8, "n_ff_exp": 128, "n_embd": 256}),
 ]
+# what transformers' GGUF loader does not read from the file (it keeps its config's defaults)
+HF_CONFIG = {"n_ff_exp": "moe_intermediate_size", "n_ff_shexp": "shared_expert_intermediate_size"}
 
 
 def _ids(case: tuple) -> str:
@@ -56,12 +67,67 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     path = write_tiny_model(
         tmp_path_factory.mktemp("m") / f"{arch}.gguf", arch, None, qtype, qtypes=over, **shape
     )
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
+    if arch == "llama" and shape.get("n_expert"):
+        ref = _mixtral(path)
+    else:
+        config = {HF_CONFIG[k]: v for k, v in shape.items() if k in HF_CONFIG}
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32, **config
+        )
     with torch.no_grad():
         ref_logits = ref(torch.tensor([TOKENS])).logits[0].double()  # [T, V]
     return path, ref_logits
+
+
+def _mixtral(path: Path) -> torch.nn.Module:
+    """transformers' Mixtral over the file's tensors, dequantized (its GGUF loader reads a llama
+    file with experts as a dense llama): q and k un-permuted as its llama loader does."""
+    from gguf.quants import dequantize
+
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    config = transformers.MixtralConfig(
+        vocab_size=hp.n_vocab, hidden_size=hp.n_embd, intermediate_size=hp.n_ff_exp,
+        num_hidden_layers=hp.n_layer, num_attention_heads=hp.n_head,
+        num_key_value_heads=hp.n_head_kv, head_dim=hp.head_dim, rms_norm_eps=hp.rms_eps,
+        rope_theta=hp.rope_base, num_local_experts=hp.n_expert,
+        num_experts_per_tok=hp.n_expert_used, tie_word_embeddings="output.weight" not in f.tensors,
+        max_position_embeddings=hp.n_ctx_train,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config).float()
+
+    def get(name: str) -> torch.Tensor:
+        info = f.tensors[name]
+        w = np.array(dequantize(f.raw(name), info.qtype), np.float32)  # (a writable copy)
+        return torch.from_numpy(w.reshape(info.shape))
+
+    def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:  # GGUF's rope pairs -> halves
+        return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+    state = {"model.embed_tokens.weight": get("token_embd.weight"),
+             "model.norm.weight": get("output_norm.weight")}  # fmt: skip
+    if "output.weight" in f.tensors:
+        state["lm_head.weight"] = get("output.weight")
+    for i in range(hp.n_layer):
+        p, q = f"blk.{i}.", f"model.layers.{i}."
+        state |= {
+            q + "input_layernorm.weight": get(p + "attn_norm.weight"),
+            q + "post_attention_layernorm.weight": get(p + "ffn_norm.weight"),
+            q + "self_attn.q_proj.weight": unpermute(get(p + "attn_q.weight"), hp.n_head),
+            q + "self_attn.k_proj.weight": unpermute(get(p + "attn_k.weight"), hp.n_head_kv),
+            q + "self_attn.v_proj.weight": get(p + "attn_v.weight"),
+            q + "self_attn.o_proj.weight": get(p + "attn_output.weight"),
+            q + "mlp.gate.weight": get(p + "ffn_gate_inp.weight"),
+            # [E, 2F, D]: gate then up, as transformers' fused experts hold them
+            q + "mlp.experts.gate_up_proj": torch.cat(
+                [get(p + "ffn_gate_exps.weight"), get(p + "ffn_up_exps.weight")], dim=1
+            ),
+            q + "mlp.experts.down_proj": get(p + "ffn_down_exps.weight"),
+        }
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
 
 
 def _ours(path: Path, exact: bool, splits: tuple[int, ...] = ()) -> torch.Tensor:

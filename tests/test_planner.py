@@ -13,9 +13,9 @@ from gguf import GGMLQuantizationType as T
 
 from potluck.engine.generate import load_model
 from potluck.errors import PotluckError
+from potluck.model.archs import hparams_from_metadata
 from potluck.model.stage import Stage
 from potluck.modelfile.gguf_file import GGUFFile
-from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.planner import (
     ModelFootprint,
     NodeInfo,

@@ -498,9 +498,9 @@ def test_a_broken_transfer_resumes_where_it_stopped(
     """A head that stops halfway through sending a tensor (its process killed, the link cut):
     the worker keeps what arrived; the next head sends only the rest of that tensor, and the
     blob passes its sha256 (so the pool computes what one process computes)."""
+    from potluck.model.archs import hparams_from_metadata
     from potluck.model.layout import stage_tensor_names
     from potluck.modelfile.gguf_file import GGUFFile
-    from potluck.modelfile.hparams import hparams_from_metadata
     from potluck.node.weights import sha256_file, tensor_digests
     from potluck.transport.client import NodeClient
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from potluck.model.archs import hparams_from_metadata
 from potluck.modelfile.gguf_file import GGUFFile
-from potluck.modelfile.hparams import hparams_from_metadata
 from potluck.train.model import DEFAULT_TARGETS, LoraModel
 
 from ggufgen import write_tiny_model

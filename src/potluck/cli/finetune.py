@@ -87,9 +87,9 @@ def finetune(
             "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)"
         ) from None
     from potluck.cli.runtime import places
+    from potluck.model.archs import hparams_from_metadata, training_refusal
     from potluck.modelfile.chat import ChatTemplate
     from potluck.modelfile.gguf_file import GGUFFile
-    from potluck.modelfile.hparams import hparams_from_metadata
     from potluck.modelfile.sources import resolve_model
     from potluck.modelfile.tokenizer import Tokenizer
     from potluck.node.probe import usable_memory_bytes
@@ -115,6 +115,8 @@ def finetune(
     path = resolve_model(model, here)
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata, str(path))
+    if why := training_refusal(hp):
+        raise PotluckError(f"{path}: {why}")
     if ctx > hp.n_ctx_train:
         raise PotluckError(
             f"--ctx {ctx} is longer than the model was trained for ({hp.n_ctx_train}); use "

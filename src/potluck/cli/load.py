@@ -77,8 +77,8 @@ def _load(
         def on_layer(i: int) -> None:
             bar.update(task, completed=i + 1)
 
+        from potluck.model.archs import hparams_from_metadata
         from potluck.modelfile.gguf_file import GGUFFile
-        from potluck.modelfile.hparams import hparams_from_metadata
 
         bar.update(task, total=hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer)
         assignments, auth, plan = [], None, None

@@ -265,8 +265,8 @@ def model_checks(path: Path, ctx: int | None, nodes: Sequence[NodeInfo], links: 
     """Does the model at this context fit the pool's free memory (KV cache counted)? When not,
     the longest context that would."""
     from potluck.engine.generate import DEFAULT_CTX
+    from potluck.model.archs import hparams_from_metadata
     from potluck.modelfile.gguf_file import GGUFFile
-    from potluck.modelfile.hparams import hparams_from_metadata
     from potluck.planner import footprint_from_gguf, held_bytes, plan_pool
 
     f = GGUFFile(path)

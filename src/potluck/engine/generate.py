@@ -16,10 +16,11 @@ import numpy as np
 from potluck.engine.contract import DEFAULT_TIMEOUT_S, LOCAL, Assignment, Pipeline
 from potluck.engine.local import LocalPipeline
 from potluck.errors import ContextError
+from potluck.model.archs import hparams_from_metadata
 from potluck.model.stage import DEFAULT_COMPUTE, Compute, SeqChunk, Stage
 from potluck.modelfile.chat import ChatTemplate
 from potluck.modelfile.gguf_file import GGUFFile
-from potluck.modelfile.hparams import HParams, hparams_from_metadata
+from potluck.modelfile.hparams import HParams
 from potluck.modelfile.lora import LoraAdapter, open_lora
 from potluck.modelfile.tokenizer import Tokenizer
 from potluck.sampling import Sampler

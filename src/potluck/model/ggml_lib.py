@@ -75,6 +75,13 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ggml_mul_mat": ([P, P, P], P),
     "ggml_add": ([P, P, P], P),
     "ggml_mul": ([P, P, P], P),
+    "ggml_div": ([P, P, P], P),
+    "ggml_mul_mat_id": ([P, P, P, P], P),
+    "ggml_soft_max": ([P, P], P),
+    "ggml_sigmoid": ([P, P], P),
+    "ggml_argsort_top_k": ([P, P, c_int], P),
+    "ggml_sum_rows": ([P, P], P),
+    "ggml_clamp": ([P, P, c_float, c_float], P),
     "ggml_scale": ([P, P, c_float], P),
     "ggml_rms_norm": ([P, P, c_float], P),
     "ggml_rope_ext": (

@@ -1,7 +1,9 @@
-"""The ggml graph of one forward step through the layers [start, stop) of a llama-family model.
+"""The ggml graph of one forward step through the layers [start, stop) of a model.
 
-One builder serves every architecture; what differs (RoPE pairing, activation, QK-norm, post-norms,
-embedding scale, sliding windows, biases) comes from `HParams.rules` as data. Shapes in comments
+Each layer is its architecture's block (model/archs/), written with the helpers here: norms,
+linear maps (with LoRA adapters), attention over the KV caches, a dense FFN, a mixture of
+experts. What differs inside the shared helpers (RoPE pairing, activation, QK-norm, sliding
+windows, biases, expert gating) comes from `HParams` and its rules as data. Shapes in comments
 are ggml's, innermost first: hidden states are [D, T] for T tokens of all sequences together.
 
 A built graph is reused for every step of the same shape (`StepShape`: per sequence its cache,
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from potluck.model.archs import architecture
 from potluck.model.ggml_lib import (
     PREC_F32,
     ROPE_NEOX,
@@ -86,7 +89,11 @@ class StepGraph:
         self.n_kv = [k for _, _, _, k in shape.chunks]
         self.total = sum(self.sizes)
         self.windows = sorted({hp.sliding_window if hp.is_sliding(i) else 0 for i in layers})
-        n_nodes = len(layers) * (40 + 16 * len(self.sizes) + 28 * len(loras)) + 64
+        self.block = architecture(hp.arch).block
+        per_layer = 40 + 16 * len(self.sizes) + 28 * len(loras)
+        if hp.is_moe:  # router, top-k, weights, three mul_mat_id, the sum, a shared expert
+            per_layer += 40 + hp.n_expert_used
+        n_nodes = len(layers) * per_layer + 64
         self.ctx = new_context(2 * n_nodes + 16, n_nodes)
         self.gf: int = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
         self._inputs: list[int] = []
@@ -131,21 +138,27 @@ class StepGraph:
         self.inp_lora: dict[int, int] = {}
         self.inp_lora_rows: dict[int, int] = {}
         self._lora_on, self._lora_width = self.inp_lora, T
+        self.caches = caches
         for i in self.layers:
-            x = self._block(i, x, caches)
+            x = self.block(self, i, x)
         if not self.is_last or self.shape.n_rows == 0:
             return x
         self.inp_rows = self._input(TYPE_I32, self.shape.n_rows)
         x = lib.ggml_get_rows(ctx, x, self.inp_rows)  # [D, R]
-        x = self._norm(x, "output_norm.weight")
+        x = self.norm(x, "output_norm.weight")
         head = "output.weight" if "output.weight" in self.w else "token_embd.weight"
         self._lora_on, self._lora_width = self.inp_lora_rows, self.shape.n_rows
         return self._adapted(head, x, lib.ggml_mul_mat(ctx, self.w.tensor(head), x))  # [V, R]
 
-    def _norm(self, x: int, weight: str) -> int:
+    # -- the helpers a block is written with (archs/common.py Block) -------------------------
+    def norm(self, x: int, weight: str) -> int:
         x = lib.ggml_rms_norm(self.ctx, x, self.hp.rms_eps)
         x = lib.ggml_mul(self.ctx, x, self.w.tensor(weight))
         return x
+
+    def add(self, a: int, b: int) -> int:
+        y: int = lib.ggml_add(self.ctx, a, b)
+        return y
 
     def _linear(self, name: str, x: int) -> int:
         w = name + ".weight"
@@ -168,31 +181,61 @@ class StepGraph:
                 y = lib.ggml_add(ctx, y, bax)
         return y
 
-    def _block(self, i: int, x: int, caches: Sequence[SeqCache]) -> int:
-        hp, ctx, p = self.hp, self.ctx, f"blk.{i}."
-        h = self._norm(x, p + "attn_norm.weight")
-        a = self._attention(i, h, caches)  # [D, T]
-        if hp.rules.post_norms:
-            a = self._norm(a, p + "post_attention_norm.weight")
-        x = lib.ggml_add(ctx, x, a)
-        h = self._norm(x, p + "ffn_norm.weight")
-        gate, up = self._linear(p + "ffn_gate", h), self._linear(p + "ffn_up", h)  # [F, T]
-        glu = lib.ggml_swiglu_split if hp.rules.activation == "silu" else lib.ggml_geglu_split
-        f = self._linear(p + "ffn_down", glu(ctx, gate, up))  # [D, T]
-        if hp.rules.post_norms:
-            f = self._norm(f, p + "post_ffw_norm.weight")
-        x = lib.ggml_add(ctx, x, f)
-        return x
+    def ffn(self, i: int, h: int, suffix: str = "") -> int:
+        ctx, p = self.ctx, f"blk.{i}."
+        gate = self._linear(f"{p}ffn_gate{suffix}", h)  # [F, T]
+        up = self._linear(f"{p}ffn_up{suffix}", h)
+        glu = lib.ggml_swiglu_split if self.hp.rules.activation == "silu" else lib.ggml_geglu_split
+        return self._linear(f"{p}ffn_down{suffix}", glu(ctx, gate, up))  # [D, T]
 
-    def _attention(self, i: int, h: int, caches: Sequence[SeqCache]) -> int:
-        hp, ctx, p, T = self.hp, self.ctx, f"blk.{i}.", self.total
+    def gate(self, name: str, h: int, y: int) -> int:
+        g = lib.ggml_sigmoid(self.ctx, lib.ggml_mul_mat(self.ctx, self.w.tensor(name), h))  # [1, T]
+        out: int = lib.ggml_mul(self.ctx, y, g)
+        return out
+
+    def moe(self, i: int, h: int) -> int:
+        """The router picks k = n_expert_used of E experts per token; each runs as a gated FFN
+        (three mul_mat_id over the stacked experts) and their outputs are summed, weighted by
+        the router's probabilities (renormalised over the k where the model says so)."""
+        hp, ctx, p, T, D = self.hp, self.ctx, f"blk.{i}.", self.total, self.hp.n_embd
+        E, k = hp.n_expert, hp.n_expert_used
+        logits = self._linear(p + "ffn_gate_inp", h)  # [E, T]
+        if hp.expert_gating == "softmax":
+            probs = lib.ggml_soft_max(ctx, logits)
+        else:
+            probs = lib.ggml_sigmoid(ctx, logits)
+        experts = lib.ggml_argsort_top_k(ctx, probs, k)  # i32 [k, T]
+        weights = lib.ggml_get_rows(ctx, lib.ggml_reshape_3d(ctx, probs, 1, E, T), experts)
+        if hp.expert_norm:  # [1, k, T] -> each token's k weights over their sum
+            weights = lib.ggml_reshape_2d(ctx, weights, k, T)
+            total = lib.ggml_clamp(ctx, lib.ggml_sum_rows(ctx, weights), 6.103515625e-5, 3.4e38)
+            weights = lib.ggml_reshape_3d(ctx, lib.ggml_div(ctx, weights, total), 1, k, T)
+        if hp.expert_scale != 1.0:
+            weights = lib.ggml_scale(ctx, weights, hp.expert_scale)
+        x = lib.ggml_reshape_3d(ctx, h, D, 1, T)
+        up = lib.ggml_mul_mat_id(ctx, self.w.tensor(p + "ffn_up_exps.weight"), x, experts)
+        gate = lib.ggml_mul_mat_id(ctx, self.w.tensor(p + "ffn_gate_exps.weight"), x, experts)
+        glu = lib.ggml_swiglu_split if hp.rules.activation == "silu" else lib.ggml_geglu_split
+        act = glu(ctx, gate, up)  # [F, k, T]
+        out = lib.ggml_mul_mat_id(ctx, self.w.tensor(p + "ffn_down_exps.weight"), act, experts)
+        out = lib.ggml_mul(ctx, out, weights)  # [D, k, T]
+        row = D * _F32  # the k outputs of a token are rows of out: summed by views
+        y: int = lib.ggml_view_2d(ctx, out, D, T, k * row, 0)
+        for j in range(1, k):
+            y = lib.ggml_add(ctx, y, lib.ggml_view_2d(ctx, out, D, T, k * row, j * row))
+        if k == 1:
+            y = lib.ggml_cont(ctx, y)
+        return y  # [D, T]
+
+    def attention(self, i: int, h: int) -> int:
+        hp, ctx, p, T, caches = self.hp, self.ctx, f"blk.{i}.", self.total, self.caches
         H, Hkv, hd, hdv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
         q = lib.ggml_reshape_3d(ctx, self._linear(p + "attn_q", h), hd, H, T)  # [hd, H, T]
         k = lib.ggml_reshape_3d(ctx, self._linear(p + "attn_k", h), hd, Hkv, T)
         v = self._linear(p + "attn_v", h)  # [Hkv hdv, T]
         if hp.rules.qk_norm:
-            q = self._norm(q, p + "attn_q_norm.weight")
-            k = self._norm(k, p + "attn_k_norm.weight")
+            q = self.norm(q, p + "attn_q_norm.weight")
+            k = self.norm(k, p + "attn_k_norm.weight")
         q, k = self._rope(i, q), self._rope(i, k)
         window = hp.sliding_window if hp.is_sliding(i) else 0
         outs: list[int] = []

@@ -1,4 +1,4 @@
-"""A stage: the layers [start, stop) of a llama-family model on ggml, with its own KV caches.
+"""A stage: the layers [start, stop) of a model on ggml, with its own KV caches.
 
 The weights are the model file's tensors mapped in place (model/weights.py) under their GGUF
 names (`token_embd.weight`, `blk.12.attn_q.weight`, ...); a stage keeps global layer indices.
@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from potluck.errors import UnsupportedError
+from potluck.model.archs import layer_tensors
 from potluck.model.ggml_lib import BackendError, Device, gpu_device, lib
 from potluck.model.graph import Lora, StepGraph, StepShape
 from potluck.model.kv_cache import CACHE_TYPES, SeqCache, cache_bytes
@@ -124,34 +125,16 @@ class SeqChunk:
 def stage_shapes(
     hp: HParams, src: WeightSource, start: int, stop: int
 ) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, logical shape) of every tensor the stage [start, stop) computes with."""
-    d, H, Hkv, hd, hdv, F = (
-        hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v, hp.n_ff,
-    )  # fmt: skip
+    """(name, logical shape) of every tensor the stage [start, stop) computes with: its blocks'
+    as their architecture declares them (model/archs/), the embedding on the first stage, the
+    output norm and head on the last."""
+    d = hp.n_embd
     out: list[tuple[str, tuple[int, ...]]] = []
     if start == 0:
         out.append(("token_embd.weight", (hp.n_vocab, d)))
-    linears = {
-        "attn_q": (H * hd, d),
-        "attn_k": (Hkv * hd, d),
-        "attn_v": (Hkv * hdv, d),
-        "attn_output": (d, H * hdv),
-        "ffn_gate": (F, d),
-        "ffn_up": (F, d),
-        "ffn_down": (d, F),
-    }
-    for i in range(start, stop):
-        p = f"blk.{i}."
-        out.append((p + "attn_norm.weight", (d,)))
-        out.append((p + "ffn_norm.weight", (d,)))
-        for name, shape in linears.items():
-            out.append((p + name + ".weight", shape))
-            if p + name + ".bias" in src.tensors:  # qwen2's q/k/v biases
-                out.append((p + name + ".bias", (shape[0],)))
-        if hp.rules.qk_norm:
-            out += [(p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,))]
-        if hp.rules.post_norms:
-            out += [(p + "post_attention_norm.weight", (d,)), (p + "post_ffw_norm.weight", (d,))]
+    for t in layer_tensors(hp, start, stop):
+        if t.required or t.name in src.tensors:
+            out.append((t.name, t.shape))
     if stop == hp.n_layer:
         out.append(("output_norm.weight", (d,)))
         head = "output.weight" if "output.weight" in src.tensors else "token_embd.weight"

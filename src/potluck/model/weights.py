@@ -233,7 +233,7 @@ def _repackable(buft: int, info: TensorInfo) -> bool:
     """Whether the repack buffer has a layout for this type and shape on this CPU: asked of ggml
     itself (a probe tensor in a probe buffer: its init_tensor sets `extra` to the layout or
     NULL), once per (type, shape)."""
-    if len(info.shape) != 2:
+    if len(info.shape) not in (2, 3):  # matrices, and stacks of experts (mul_mat_id)
         return False
     key = (int(info.qtype), info.shape)
     if key not in _REPACKABLE:

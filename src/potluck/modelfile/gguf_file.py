@@ -55,13 +55,19 @@ class Matrix:
         return self.n_out * self.n_in // block * type_size
 
 
-def layer_matrices(tensors: Mapping[str, TensorInfo], layer: int) -> tuple[Matrix, ...]:
-    """The weight matrices of block `layer` (what a decode step streams through it)."""
-    return tuple(
-        Matrix(t.qtype, *t.shape)
-        for t in tensors.values()
-        if t.layer == layer and len(t.shape) == 2
-    )
+def layer_matrices(
+    tensors: Mapping[str, TensorInfo], layer: int, experts_used: int = 0
+) -> tuple[Matrix, ...]:
+    """The weight matrices of block `layer` (what a decode step streams through it): its
+    matrices, and of each stack of routed experts [n_expert, n_out, n_in] the `experts_used`
+    that a token reads."""
+    out: list[Matrix] = []
+    for t in tensors.values():
+        if t.layer == layer and len(t.shape) == 2:
+            out.append(Matrix(t.qtype, *t.shape))
+        elif t.layer == layer and len(t.shape) == 3:
+            out += [Matrix(t.qtype, t.shape[1], t.shape[2])] * min(experts_used, t.shape[0])
+    return tuple(out)
 
 
 class GGUFFile:

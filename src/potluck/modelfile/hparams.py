@@ -1,4 +1,8 @@
-"""Model shape from GGUF metadata: one frozen dataclass, with per-architecture rules as data."""
+"""Model shape from GGUF metadata: one frozen dataclass, with per-architecture rules as data.
+
+The rules of each architecture are declared by its module (model/archs/); `parse_hparams` reads
+the keys every architecture shares (`{arch}.block_count`, ...; the experts' keys where a file
+has them) under those rules. model/archs `hparams_from_metadata` picks the module."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from potluck.errors import ModelFileError, UnsupportedError
 
 @dataclass(frozen=True)
 class ArchRules:
-    """What differs between members of the llama family, as data (see model/block.py)."""
+    """What differs between architectures that the shared graph helpers read, as data (each
+    architecture's module in model/archs/ declares its own)."""
 
     rope_style: Literal["norm", "neox"]  # adjacent pairs (llama's GGUF permutation) or half-split
     activation: Literal["silu", "gelu_tanh"]
@@ -19,23 +24,11 @@ class ArchRules:
     embed_scale_sqrt: bool = False  # multiply embeddings by sqrt(n_embd) (gemma)
     sliding_pattern: int = 0  # every Nth layer is global, the rest use the sliding window (gemma3)
     local_rope_base: float | None = None  # RoPE base of sliding-window layers (gemma3: 10 000)
+    expert_norm: bool = True  # routed experts' top-k weights renormalised to sum to 1 (where the
+    # file has no {arch}.expert_weights_norm key: qwen3moe and Mixtral do, qwen2moe does not)
 
 
-ARCHITECTURES: dict[str, ArchRules] = {
-    "llama": ArchRules(rope_style="norm", activation="silu"),
-    "mistral": ArchRules(rope_style="norm", activation="silu"),
-    "qwen2": ArchRules(rope_style="neox", activation="silu"),
-    "qwen3": ArchRules(rope_style="neox", activation="silu", qk_norm=True),
-    "gemma3": ArchRules(
-        rope_style="neox",
-        activation="gelu_tanh",
-        qk_norm=True,
-        post_norms=True,
-        embed_scale_sqrt=True,
-        sliding_pattern=6,
-        local_rope_base=10_000.0,
-    ),
-}
+GATING = {1: "softmax", 2: "sigmoid"}  # {arch}.expert_gating_func, as llama.cpp numbers them
 
 
 @dataclass(frozen=True)
@@ -58,6 +51,24 @@ class HParams:
     sliding_window: int  # 0 = none
     sliding_pattern: int  # every Nth layer is global when sliding_window > 0 (0 = all sliding)
     attn_scale: float  # softmax scale on q·k
+    # a mixture of experts (n_expert = 0: a dense model): per layer n_expert FFNs of n_ff_exp,
+    # n_expert_used of them per token chosen by a router; n_ff_shexp: a shared expert every
+    # token goes through (0: none); the first n_dense_lead layers have a dense FFN instead
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    expert_gating: Literal["softmax", "sigmoid"] = "softmax"
+    expert_norm: bool = True
+    expert_scale: float = 1.0
+    n_dense_lead: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_expert > 0 and layer >= self.n_dense_lead
 
     def is_sliding(self, layer: int) -> bool:
         """Whether global layer `layer` attends only to the last `sliding_window` positions."""
@@ -75,18 +86,10 @@ class HParams:
         return n * self.n_head_kv * (self.head_dim + self.head_dim_v) * dtype_bytes
 
 
-def supported_list() -> str:
-    return ", ".join(sorted(ARCHITECTURES))
-
-
-def hparams_from_metadata(meta: dict[str, Any], source: str = "model") -> HParams:
-    """Build HParams from GGUF metadata; unknown arch or missing key -> one clear error."""
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise UnsupportedError(
-            f"{source}: architecture {arch!r} is not supported; supported: {supported_list()}"
-        )
-    rules = ARCHITECTURES[arch]
+def parse_hparams(meta: dict[str, Any], rules: ArchRules, source: str = "model") -> HParams:
+    """HParams from GGUF metadata under `rules` (the architecture's); a missing key -> one clear
+    error."""
+    arch = str(meta.get("general.architecture"))
 
     def get(key: str, default: Any = None) -> Any:
         full = f"{arch}.{key}"
@@ -118,6 +121,18 @@ def hparams_from_metadata(meta: dict[str, Any], source: str = "model") -> HParam
         raise UnsupportedError(
             f"{source}: RoPE scaling type {scaling!r} is not supported (none, linear are)"
         )
+    n_expert = int(get("expert_count", 0))
+    n_used = int(get("expert_used_count", 0))
+    if n_expert and not 0 < n_used <= n_expert:
+        raise ModelFileError(
+            f"{source}: {arch}.expert_used_count is {n_used}; a mixture of {n_expert} experts "
+            f"needs 1 to {n_expert}"
+        )
+    gating = int(get("expert_gating_func", 1))
+    if gating not in GATING:
+        raise UnsupportedError(
+            f"{source}: {arch}.expert_gating_func {gating} is not supported (1 softmax, 2 sigmoid)"
+        )
     return HParams(
         arch=arch,
         rules=rules,
@@ -137,4 +152,12 @@ def hparams_from_metadata(meta: dict[str, Any], source: str = "model") -> HParam
         sliding_window=int(get("attention.sliding_window", 0)) if rules.sliding_pattern else 0,
         sliding_pattern=int(get("attention.sliding_window_pattern", rules.sliding_pattern)),
         attn_scale=float(get("attention.scale", head_dim**-0.5)),
+        n_expert=n_expert,
+        n_expert_used=n_used,
+        n_ff_exp=int(get("expert_feed_forward_length", 0)) or (n_ff // n_used if n_used else 0),
+        n_ff_shexp=int(get("expert_shared_feed_forward_length", 0)),
+        expert_gating=GATING[gating],  # type: ignore[arg-type]
+        expert_norm=bool(get("expert_weights_norm", rules.expert_norm)),
+        expert_scale=float(get("expert_weights_scale", 1.0)),
+        n_dense_lead=int(get("leading_dense_block_count", 0)),
     )

@@ -21,10 +21,11 @@ import psutil
 
 from potluck.errors import PotluckError
 from potluck.files import private_tmp
+from potluck.model.archs import hparams_from_metadata
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import Compute, Stage, WeightSource
 from potluck.modelfile.gguf_file import GGUFFile, TensorInfo, read_header
-from potluck.modelfile.hparams import HParams, hparams_from_metadata
+from potluck.modelfile.hparams import HParams
 from potluck.modelfile.lora import LoraAdapter, open_lora
 from potluck.node.plans import LoadedStage, NodeBusyError, NodeMemoryError, PlanStore
 from potluck.node.probe import GpuOffer, trim_heap

@@ -98,9 +98,9 @@ class TrainSessions:
                 "this worker has no PyTorch, which training needs: pip install 'potluck[train]' "
                 "on it (CPU build: torch==2.13.0)"
             ) from None
+        from potluck.model.archs import hparams_from_metadata
         from potluck.model.stage import WeightSource
         from potluck.modelfile.gguf_file import GGUFFile, read_header
-        from potluck.modelfile.hparams import hparams_from_metadata
         from potluck.node.weights import BlobSource, lacking
         from potluck.train.loop import big_blocks_to_the_os
         from potluck.train.model import LoraModel

@@ -139,9 +139,10 @@ class CostModel:
         compute += REMOTE_STAGE_NS if i != self.head else 0
         if gpu_read:
             compute += _ns(gpu_read, node.gpu_bytes_per_s) + (stop - s) * GPU_LAYER_NS
-        prompt = _ns(self._read[s] - self._read[start], node.cpu_bytes_per_s)
+        # (every weight: a mixture of experts' prompt reads nearly all of its experts)
+        prompt = _ns(self._weights[s] - self._weights[start], node.cpu_bytes_per_s)
         if s < stop:
-            prompt += _ns(self._read[stop] - self._read[s], node.gpu_bytes_per_s)
+            prompt += _ns(self._weights[stop] - self._weights[s], node.gpu_bytes_per_s)
         weights = self._weights[stop] - self._weights[start]
         weights += (m.embd_bytes if first else 0) + (m.head_bytes if last else 0)
         weights -= m.shared_bytes(start, stop)

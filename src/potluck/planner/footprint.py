@@ -12,12 +12,15 @@ their bytes): every tensor is the file's own bytes, mapped in place, whatever it
 Activation buffers, per stage (they are reused layer after layer, so they do not grow with the
 number of layers): one micro-batch of n_batch tokens in one block holds in fp32 the residual and
 its norm (2 n_embd), q (n_head * head_dim), k and v (n_head_kv * (head_dim + head_dim_v)), the
-attention output (n_head * head_dim_v) and the FFN's gate, up and product (3 n_ff) per token, plus
+attention output (n_head * head_dim_v) and the FFN's gate, up and product (3 n_ff; of a mixture
+of experts, its k experts' and shared expert's, and the router's scores) per token, plus
 the attention scores n_head x min(n_batch, n_ctx) x n_ctx. An estimate on the safe side: ggml's
 allocator reuses these buffers within a graph, and flash attention never holds all the scores. Logits are one row per sequence: left out.
 
 Decode reads every weight of a layer once per token, so a layer's read bytes are its in-memory
-bytes; the first stage reads one embedding row, the last the whole head. Reading the KV cache
+bytes — but of a mixture of experts' stacks only the n_expert_used of n_expert experts that the
+router picks (a prompt's many tokens read nearly all of them: its cost counts every byte); the
+first stage reads one embedding row, the last the whole head. Reading the KV cache
 (it grows with the position) is left out: it is small next to the weights for short chats and it
 scales every machine alike.
 """
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from potluck.errors import UnsupportedError
+from potluck.model.archs.common import is_routed
 from potluck.model.weights import SUPPORTED_TYPES
 from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import HParams
@@ -131,12 +135,15 @@ class ModelFootprint:
 
 def activation_bytes(hp: HParams, n_ctx: int, n_batch: int) -> int:
     """The per-stage buffer estimate described in the module docstring."""
+    ff = hp.n_ff  # a mixture of experts: the router's scores and the k experts' products
+    if hp.is_moe:
+        ff = max(ff, hp.n_expert + hp.n_expert_used * hp.n_ff_exp + hp.n_ff_shexp)
     per_token = (
         2 * hp.n_embd
         + hp.n_head * hp.head_dim
         + hp.n_head_kv * (hp.head_dim + hp.head_dim_v)
         + hp.n_head * hp.head_dim_v
-        + 3 * hp.n_ff
+        + 3 * ff
     )
     scores = hp.n_head * min(n_batch, n_ctx) * n_ctx
     return F32_BYTES * (n_batch * per_token + scores)
@@ -174,9 +181,12 @@ def footprint_from_gguf(
             raise UnsupportedError(f"tensor {t.name}: {exc}") from None
 
     layers = [0] * hp.n_layer
+    read = [0] * hp.n_layer  # weight bytes one decoded token reads, per layer
     for t in tensors.values():
         if t.layer is not None and t.layer < hp.n_layer:
-            layers[t.layer] += held_by(t)
+            n = held_by(t)
+            layers[t.layer] += n
+            read[t.layer] += n * hp.n_expert_used // hp.n_expert if is_routed(t.name) else n
     head_matrix = tensors.get("output.weight", embd)  # tied: the head reads token_embd
     head = held_by(head_matrix)
     if norm := tensors.get("output_norm.weight"):
@@ -186,7 +196,7 @@ def footprint_from_gguf(
     seen = min(n_ctx, DEFAULT_ATTENDED if attended is None else max(attended, 1))
     reads = [
         w + kv_row * (min(seen, hp.sliding_window) if hp.is_sliding(i) else seen)
-        for i, w in enumerate(layers)
+        for i, w in enumerate(read)
     ]
     return ModelFootprint(
         n_layer=hp.n_layer,

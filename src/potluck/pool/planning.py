@@ -47,8 +47,8 @@ def survey_model(
     its decode through the model's middle layer, and says whether it has the file (by its hash:
     hashed once and remembered in inputs.cache, as loading it would; no cache, no hash)."""
     from potluck.engine.generate import DEFAULT_CTX
+    from potluck.model.archs import hparams_from_metadata
     from potluck.modelfile.gguf_file import GGUFFile, layer_matrices
-    from potluck.modelfile.hparams import hparams_from_metadata
     from potluck.node.weights import sha256_file
     from potluck.planner import footprint_from_gguf, held_bytes
     from potluck.pool.survey import survey
@@ -56,7 +56,7 @@ def survey_model(
     f = GGUFFile(inputs.path)
     hp = hparams_from_metadata(f.metadata, str(inputs.path))
     n_ctx = inputs.ctx or min(hp.n_ctx_train, DEFAULT_CTX)
-    layer = layer_matrices(f.tensors, hp.n_layer // 2)
+    layer = layer_matrices(f.tensors, hp.n_layer // 2, hp.n_expert_used)
     sha = sha256_file(inputs.path, inputs.cache) if inputs.cache else ""
     nodes, links = survey(
         list(peers), auth=inputs.auth, mem_limit=inputs.mem, matrices=layer,

@@ -118,8 +118,8 @@ def _reload(
 
 
 def _n_layer(path: Path) -> int:
+    from potluck.model.archs import hparams_from_metadata
     from potluck.modelfile.gguf_file import GGUFFile
-    from potluck.modelfile.hparams import hparams_from_metadata
 
     return hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from potluck.errors import UnsupportedError
+from potluck.model.archs import training_refusal
 from potluck.model.ggml_lib import dequantize_rows
 from potluck.model.weights import WeightSource
 from potluck.modelfile.hparams import HParams
@@ -102,6 +103,8 @@ class LoraModel(nn.Module):
         about a third more compute."""
         super().__init__()
         self.recompute = recompute
+        if why := training_refusal(hp):
+            raise UnsupportedError(why)
         if "rope_freqs.weight" in f.tensors:
             raise UnsupportedError(
                 "the model has per-frequency RoPE factors (rope_freqs, Llama 3.1+), which "

@@ -1,0 +1,88 @@
+"""The architectures Potluck runs, one module each, as llama.cpp's `src/models/*.cpp`.
+
+A module declares its rules (modelfile/hparams.py `ArchRules`: what the shared helpers read), its
+tensors per layer and its block graph (archs/common.py). Everything else derives from that
+declaration: the stage's tensor list (model/stage.py), the planner's footprint (its experts are
+read top-k of n), the tests' model generator (tests/ggufgen.py), and the trainer's support.
+Adding an architecture is one module and one line in `_MODULES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from potluck.errors import UnsupportedError
+from potluck.model.archs import gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe
+from potluck.model.archs.common import Block, Tensor
+from potluck.modelfile.hparams import ArchRules, HParams, parse_hparams
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # general.architecture
+    rules: ArchRules
+    tensors: Callable[[HParams, int], list[Tensor]]  # layer i's tensors
+    block: Callable[[Block, int, int], int]  # (graph, layer i, hidden states) -> hidden states
+    trains: str | None = None  # None: the LoRA trainer runs it; else why not
+
+
+_MODULES = (llama, qwen2, qwen3, gemma3, qwen3moe, qwen2moe)
+ARCHITECTURES: dict[str, Architecture] = {
+    name: Architecture(name, m.RULES, m.tensors, m.block, getattr(m, "TRAINS", None))
+    for m in _MODULES
+    for name in m.NAMES
+}
+
+
+def supported_list() -> str:
+    return ", ".join(sorted(ARCHITECTURES))
+
+
+def architecture(name: str, source: str = "model") -> Architecture:
+    arch = ARCHITECTURES.get(name)
+    if arch is None:
+        raise UnsupportedError(
+            f"{source}: architecture {name!r} is not supported; supported: {supported_list()}"
+        )
+    return arch
+
+
+def hparams_from_metadata(meta: dict[str, Any], source: str = "model") -> HParams:
+    """HParams from GGUF metadata under its architecture's rules; an unknown architecture or a
+    missing key -> one clear error."""
+    arch = architecture(str(meta.get("general.architecture")), source)
+    return parse_hparams(meta, arch.rules, source)
+
+
+def layer_tensors(hp: HParams, start: int, stop: int) -> list[Tensor]:
+    """Every tensor the blocks [start, stop) read, as their architecture declares them."""
+    tensors = architecture(hp.arch).tensors
+    return [t for i in range(start, stop) for t in tensors(hp, i)]
+
+
+def training_refusal(hp: HParams) -> str | None:
+    """Why the LoRA trainer cannot fine-tune this model (None: it can)."""
+    arch = architecture(hp.arch)
+    if arch.trains is not None:
+        return arch.trains
+    if hp.is_moe:
+        return (
+            f"fine-tuning a mixture of experts ({hp.arch}: {hp.n_expert} experts, "
+            f"{hp.n_expert_used} per token) is not supported yet; run it with potluck run/serve"
+        )
+    return None
+
+
+__all__ = [
+    "ARCHITECTURES",
+    "Architecture",
+    "Block",
+    "Tensor",
+    "architecture",
+    "hparams_from_metadata",
+    "layer_tensors",
+    "supported_list",
+    "training_refusal",
+]

@@ -1,0 +1,109 @@
+"""What every architecture module is made of: tensor declarations and the graph helpers a block
+is written with.
+
+An architecture declares, per layer, the tensors its block reads (`Tensor`: GGUF name, logical
+shape outermost first, whether a file must have it) and writes its block as a function over a
+`Block` (model/graph.py's StepGraph implements it): norms, linear maps, attention over the
+stage's KV cache, a dense FFN, a mixture of experts. The helpers below declare the tensors of
+those shared pieces so that each module lists its own in a few lines.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+from potluck.modelfile.hparams import HParams
+
+# the routed experts' matrices, stacked [n_expert, rows, cols]: a token reads n_expert_used of
+# each stack's n_expert matrices (the planner's read bytes; --n-cpu-moe keeps them in RAM)
+ROUTED = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def is_routed(name: str) -> bool:
+    """Whether `name` (a GGUF tensor name) is a stack of routed experts (or their biases)."""
+    parts = name.split(".")
+    return len(parts) >= 3 and parts[2] in ROUTED
+
+
+class Tensor(NamedTuple):
+    name: str  # "blk.3.attn_q.weight"
+    shape: tuple[int, ...]  # logical, outermost first: (n_out, n_in) for a matrix
+    required: bool = True  # False: used when the file has it (a bias some files carry)
+
+
+class Block(Protocol):
+    """The graph helpers a block is written with; tensors are ggml addresses, hidden states
+    [D, T] for the step's T tokens (model/graph.py)."""
+
+    hp: HParams
+
+    def norm(self, x: int, weight: str) -> int:
+        """RMSNorm times `weight` (a GGUF name)."""
+        ...
+
+    def add(self, a: int, b: int) -> int: ...
+
+    def attention(self, i: int, h: int) -> int:
+        """Layer i's self-attention of h [D, T] over the stage's KV caches, output projection
+        included: [D, T]."""
+        ...
+
+    def ffn(self, i: int, h: int, suffix: str = "") -> int:
+        """Layer i's gated FFN (`ffn_gate{suffix}`, `ffn_up{suffix}`, `ffn_down{suffix}`; the
+        architecture's activation): [D, T]."""
+        ...
+
+    def moe(self, i: int, h: int) -> int:
+        """Layer i's routed experts (router `ffn_gate_inp`, stacks `ffn_*_exps`), weighted and
+        summed: [D, T]."""
+        ...
+
+    def gate(self, name: str, h: int, y: int) -> int:
+        """y [D, T] times sigmoid(`name` · h), a scalar per token (qwen2moe's shared expert)."""
+        ...
+
+
+def norm(name: str, width: int) -> Tensor:
+    return Tensor(name + ".weight", (width,))
+
+
+def attention_tensors(
+    hp: HParams, i: int, bias: bool | None = False, qk_norm: bool = False
+) -> list[Tensor]:
+    """Layer i's attention: q, k, v, output; bias: q/k/v biases required (True), used where the
+    file has them (None) or absent (False); qk_norm: per-head norms of q and k."""
+    p, d = f"blk.{i}.", hp.n_embd
+    q, kv, o = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_head * hp.head_dim_v
+    v = hp.n_head_kv * hp.head_dim_v
+    out = [norm(p + "attn_norm", d)]
+    rows = {"attn_q": q, "attn_k": kv, "attn_v": v}
+    out += [Tensor(f"{p}{name}.weight", (n, d)) for name, n in rows.items()]
+    out.append(Tensor(p + "attn_output.weight", (d, o)))
+    if bias is not False:
+        out += [Tensor(f"{p}{name}.bias", (n,), required=bool(bias)) for name, n in rows.items()]
+    if bias is None:
+        out.append(Tensor(p + "attn_output.bias", (d,), required=False))
+    if qk_norm:
+        out += [norm(p + "attn_q_norm", hp.head_dim), norm(p + "attn_k_norm", hp.head_dim)]
+    return out
+
+
+def ffn_tensors(hp: HParams, i: int, suffix: str = "", n_ff: int | None = None) -> list[Tensor]:
+    """A gated FFN's three matrices (`blk.i.ffn_gate{suffix}`, ...), n_ff wide (default hp's)."""
+    p, d, f = f"blk.{i}.", hp.n_embd, hp.n_ff if n_ff is None else n_ff
+    return [
+        Tensor(f"{p}ffn_gate{suffix}.weight", (f, d)),
+        Tensor(f"{p}ffn_up{suffix}.weight", (f, d)),
+        Tensor(f"{p}ffn_down{suffix}.weight", (d, f)),
+    ]
+
+
+def moe_tensors(hp: HParams, i: int) -> list[Tensor]:
+    """The router and the three stacks of routed experts."""
+    p, d, e, f = f"blk.{i}.", hp.n_embd, hp.n_expert, hp.n_ff_exp
+    return [
+        Tensor(p + "ffn_gate_inp.weight", (e, d)),
+        Tensor(p + "ffn_gate_exps.weight", (e, f, d)),
+        Tensor(p + "ffn_up_exps.weight", (e, f, d)),
+        Tensor(p + "ffn_down_exps.weight", (e, d, f)),
+    ]

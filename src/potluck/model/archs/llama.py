@@ -1,0 +1,30 @@
+"""llama and mistral: pre-norm blocks, RoPE on adjacent pairs (GGUF's permuted q and k), SwiGLU.
+A llama file with expert tensors is a Mixtral: a softmax router, the top k renormalised."""
+
+from __future__ import annotations
+
+from potluck.model.archs.common import (
+    Block,
+    Tensor,
+    attention_tensors,
+    ffn_tensors,
+    moe_tensors,
+    norm,
+)
+from potluck.modelfile.hparams import ArchRules, HParams
+
+NAMES = ("llama", "mistral")
+RULES = ArchRules(rope_style="norm", activation="silu")
+
+
+def tensors(hp: HParams, i: int) -> list[Tensor]:
+    out = attention_tensors(hp, i, bias=None)  # (some llama files carry q/k/v biases)
+    out.append(norm(f"blk.{i}.ffn_norm", hp.n_embd))
+    return out + (moe_tensors(hp, i) if hp.is_moe_layer(i) else ffn_tensors(hp, i))
+
+
+def block(g: Block, i: int, x: int) -> int:
+    p = f"blk.{i}."
+    x = g.add(x, g.attention(i, g.norm(x, p + "attn_norm.weight")))
+    h = g.norm(x, p + "ffn_norm.weight")
+    return g.add(x, g.moe(i, h) if g.hp.is_moe_layer(i) else g.ffn(i, h))
