@@ -49,6 +49,7 @@ def plan(
 ) -> None:
     """Dry run: who would get which layers, memory per node, predicted tok/s, and whether pooling
     beats the best single machine at all (--batch: the replicas of a batch job)."""
+    from potluck.cli.run import model_line
     from potluck.modelfile.sources import resolve_model
     from potluck.planner import PLAN_COLUMNS, format_plan, format_summary
     from potluck.pool.planning import PlanInputs, plan_model, survey_model
@@ -84,6 +85,7 @@ def plan(
     for row in format_plan(p):
         table.add_row(*row)
     Console().print(table)
+    print(model_line(path))
     for line in format_summary(p):
         print(line)
 

@@ -240,7 +240,21 @@ def models() -> None:
             f"no models found in {roots}; `potluck run` fetches the default model on first use"
         )
         return
-    table = Table("name", "source", "size", "path")
+    table = Table("name", "source", "size", "model", "path")
     for f in found:
-        table.add_row(f.name, f.source, f"{f.size_bytes / 2**20:.1f} MiB", str(f.path))
+        table.add_row(f.name, f.source, f"{f.size_bytes / 2**20:.1f} MiB", model_line(f.path),
+                      str(f.path))  # fmt: skip
     Console().print(table)
+
+
+def model_line(path: Path) -> str:
+    """What the file holds (architecture, layers, parameters; experts), or why it cannot say."""
+    from potluck.errors import PotluckError
+    from potluck.model.archs import describe, hparams_from_metadata
+    from potluck.modelfile.gguf_file import GGUFFile
+
+    try:
+        f = GGUFFile(path)
+        return describe(hparams_from_metadata(f.metadata, str(path)), f.tensors)
+    except PotluckError as exc:  # (a listing goes on: an unsupported file says so in its row)
+        return str(exc).removeprefix(f"{path}: ")

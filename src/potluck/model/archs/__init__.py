@@ -9,13 +9,15 @@ Adding an architecture is one module and one line in `_MODULES`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from potluck.errors import UnsupportedError
 from potluck.model.archs import gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe
-from potluck.model.archs.common import Block, Tensor
+from potluck.model.archs.common import Block, Tensor, is_routed
+from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import ArchRules, HParams, parse_hparams
 
 
@@ -75,12 +77,39 @@ def training_refusal(hp: HParams) -> str | None:
     return None
 
 
+def _count(n: float) -> str:
+    """1_234_567_890 -> '1.2B', 134_515_008 -> '135M'."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
+
+
+def describe(hp: HParams, tensors: Mapping[str, TensorInfo]) -> str:
+    """One line for listings and plans: 'llama, 30 layers, 135M parameters', or for a mixture
+    of experts 'qwen3moe, 48 layers, 30.5B parameters, 3.3B active (mixture of 128 experts, 8
+    per token)': a token's weights are everything but the routed experts, and k of n of those."""
+    total = active = 0.0
+    for t in tensors.values():
+        n = math.prod(t.shape)
+        total += n
+        active += n * hp.n_expert_used / hp.n_expert if hp.is_moe and is_routed(t.name) else n
+    line = f"{hp.arch}, {hp.n_layer} layers, {_count(total)} parameters"
+    if hp.is_moe:
+        line += (
+            f", {_count(active)} active (mixture of {hp.n_expert} experts, "
+            f"{hp.n_expert_used} per token)"
+        )
+    return line
+
+
 __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "Block",
     "Tensor",
     "architecture",
+    "describe",
     "hparams_from_metadata",
     "layer_tensors",
     "supported_list",
