@@ -24,8 +24,9 @@ from gguf import GGMLQuantizationType as T
 
 from potluck.engine.generate import generate, load_model
 from potluck.model.archs import hparams_from_metadata
+from potluck.model.archs.common import is_routed
 from potluck.model.ggml_lib import BackendError, devices
-from potluck.model.stage import SeqChunk, Stage
+from potluck.model.stage import Compute, GpuConfig, SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.sampling import GREEDY, Sampler, log_softmax
 from workers import Spawn
@@ -68,6 +69,38 @@ def test_every_architecture_on_the_gpu_equals_the_cpu(arch: str, tmp_path: Path)
     rel = float(np.abs(gpu - cpu).max() / np.abs(cpu).max())
     assert rel < 5e-2, f"{arch}: GPU logits differ from the CPU's by {rel:.2e} of their range"
     assert (gpu.argmax(-1) == cpu.argmax(-1)).mean() >= 0.9
+
+
+def test_experts_in_ram_attention_on_the_gpu(tmp_path: Path) -> None:
+    """A qwen3moe with every layer on the device: its logits equal the CPU's with all experts
+    there, the first layer's kept in RAM (--n-cpu-moe 1) or every layer's (--cpu-moe). The device
+    holds exactly the stage's weights less those expert stacks, and their products run on the
+    CPU: the logits change (before weight buffers were marked as such, ggml's scheduler copied
+    them to the device for every step and the logits were bit-identical)."""
+    path = write_tiny_model(
+        tmp_path / "m.gguf", "qwen3moe", None, T.Q8_0, n_layer=2, n_expert=8, n_ff_exp=64
+    )
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    rows = np.arange(len(TOKENS))
+    cpu = Stage(hp, f, 0, hp.n_layer, 64)(np.array(TOKENS), [SeqChunk(0, 20)], rows)
+    out, held = {}, {}
+    for n_cpu_moe in (0, 1, 99):
+        compute = Compute(gpu=GpuConfig(n_gpu_layers=hp.n_layer + 1, n_cpu_moe=n_cpu_moe))
+        stage = Stage(hp, f, 0, hp.n_layer, 64, compute=compute)
+        out[n_cpu_moe] = gpu = stage(np.array(TOKENS), [SeqChunk(0, len(TOKENS))], rows)
+        held[n_cpu_moe] = stage.device_weight_bytes()
+        # a router's near-tie turns one backend's rounding into another expert: the mean, as
+        # tests/test_model_reference.py's quantized path
+        mean = float(np.abs(gpu - cpu).mean() / np.abs(cpu).max())
+        assert mean < 1.5e-2, f"--n-cpu-moe {n_cpu_moe}: logits differ from the CPU's by {mean}"
+        assert (gpu.argmax(-1) == cpu.argmax(-1)).mean() >= 0.9
+    for n_cpu_moe in (1, 99):
+        in_ram = sum(
+            t.nbytes for t in f.tensors.values() if is_routed(t.name) and t.layer < n_cpu_moe
+        )
+        assert 0 < in_ram <= held[0] - held[n_cpu_moe] < in_ram + 256 * 6  # (256-byte alignment)
+        assert not np.array_equal(out[n_cpu_moe], out[0])
 
 
 _SEQUENCES_COME_AND_GO = """

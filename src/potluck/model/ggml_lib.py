@@ -74,11 +74,13 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ggml_set_rows": ([P, P, P, P], P),
     "ggml_mul_mat": ([P, P, P], P),
     "ggml_add": ([P, P, P], P),
+    "ggml_add_id": ([P, P, P, P], P),
     "ggml_mul": ([P, P, P], P),
     "ggml_div": ([P, P, P], P),
     "ggml_mul_mat_id": ([P, P, P, P], P),
     "ggml_soft_max": ([P, P], P),
     "ggml_sigmoid": ([P, P], P),
+    "ggml_tanh": ([P, P], P),
     "ggml_argsort_top_k": ([P, P, c_int], P),
     "ggml_sum_rows": ([P, P], P),
     "ggml_clamp": ([P, P, c_float, c_float], P),
@@ -90,8 +92,10 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     ),
     "ggml_flash_attn_ext": ([P, P, P, P, P, c_float, c_float, c_float], P),
     "ggml_flash_attn_ext_set_prec": ([P, c_int], None),
+    "ggml_flash_attn_ext_add_sinks": ([P, P], None),
     "ggml_swiglu_split": ([P, P, P], P),
     "ggml_geglu_split": ([P, P, P], P),
+    "ggml_swiglu_oai": ([P, P, P, c_float, c_float], P),
     "ggml_view_1d": ([P, P, c_int64, c_size_t], P),
     "ggml_view_2d": ([P, P, c_int64, c_int64, c_size_t, c_size_t], P),
     "ggml_view_3d": ([P, P, c_int64, c_int64, c_int64, c_size_t, c_size_t, c_size_t], P),
@@ -118,6 +122,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ggml_backend_buffer_clear": ([P, c_uint8], None),
     "ggml_backend_buffer_get_size": ([P], c_size_t),
     "ggml_backend_buffer_get_base": ([P], P),
+    "ggml_backend_buffer_set_usage": ([P, c_int], None),
     "ggml_backend_buft_alloc_buffer": ([P, c_size_t], P),
     "ggml_backend_buft_name": ([P], c_char_p),
     "ggml_backend_tensor_set": ([P, P, c_size_t, c_size_t], None),
@@ -334,6 +339,9 @@ class _Proxy:
 
 
 lib: Any = _Proxy()
+# ggml_backend_buffer_usage: a buffer of weights makes ggml's scheduler run each op where its
+# weights are (an op over a weight in RAM on the CPU, whatever device its input comes from)
+BUFFER_USAGE_WEIGHTS = 1
 
 # ggml enums (ggml.h) that the gguf package has no table for
 PREC_F32 = 10  # GGML_PREC_F32
@@ -528,6 +536,11 @@ def tensor_extra(t: int) -> int:
     """A tensor's `extra` pointer (the repack buffer sets it to the layout it chose, NULL when it
     has none for that type and shape)."""
     return int(ctypes.cast(t, POINTER(_Tensor)).contents.extra or 0)
+
+
+def tensor_ne(t: int) -> tuple[int, ...]:
+    """A tensor's shape as ggml holds it (ne, innermost first, 4 dims)."""
+    return tuple(ctypes.cast(t, POINTER(_Tensor)).contents.ne)
 
 
 def version() -> str:
