@@ -250,6 +250,53 @@ def test_a_worker_offering_its_gpu_is_planned_with_gpu_layers(
     assert run.stdout.split("\n")[0] == want.split("\n")[0], (run.stdout, want)
 
 
+def test_a_gpu_too_small_for_the_experts_gets_attention_and_kv(
+    spawn_worker: Spawn, tmp_path: Path
+) -> None:
+    """A worker whose GPU (--vram) holds every layer's attention and KV but the experts of only
+    the last two layers: the planner keeps the first two layers' experts in RAM (--n-cpu-moe),
+    `potluck plan` says so, and the worker computes so: its greedy tokens equal those of a stage
+    here with the same placement (same backends; the CPU's tokens may part at a near-tie)."""
+    from potluck.planner import footprint_from_gguf
+    from potluck.pool.planning import PlanInputs, plan_model
+    from potluck.pool.survey import assignments_of
+
+    path = write_tiny_model(
+        tmp_path / "moe.gguf", "qwen3moe", None, T.Q8_0, n_layer=4, n_embd=256, n_expert=8,
+        n_ff_exp=256, tied=False,
+    )  # fmt: skip
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    fp = footprint_from_gguf(f.tensors, hp, n_ctx=256)
+    experts = fp.layer_expert_bytes
+    rest = sum(w + kv for w, kv in zip(fp.layer_weight_bytes, fp.layer_kv_bytes, strict=True))
+    vram = fp.buffer_bytes + rest - experts[0] - experts[1] + fp.head_bytes + 4096
+    gpu_speed = {"POTLUCK_GPU_BYTES_PER_S": "1e12"}  # (lavapipe is no faster than the CPU)
+    addr = spawn_worker("-ngl", "99", "--vram", str(vram), env=gpu_speed, timeout=120).address
+    env = {**os.environ, "POTLUCK_MDNS": "0", **gpu_speed, "COLUMNS": "200"}
+    shown = subprocess.run(
+        [sys.executable, "-m", "potluck.cli", "plan", "-m", str(path), "-c", "256", "--peer", addr,
+         "--mem", "0"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "0–3 + head, experts of 0–1 in RAM" in shown.stdout, shown.stdout
+    plan = plan_model(PlanInputs(path, 256, mem=0), [addr])
+    (a,) = [a for a in assignments_of(plan) if a.node == addr]
+    assert (a.start, a.stop, a.ram_experts) == (0, 4, 2)
+    prompt = [5, 70, 71, 72, 100, 3, 200, 150, 9, 33]
+    pool = load_model(path, n_ctx=256, assignments=assignments_of(plan))
+    try:
+        got = list(generate(pool, prompt, 12, Sampler(GREEDY)))
+    finally:
+        pool.close()
+    here = Stage(hp, f, 0, 4, 256, n_gpu_layers=5, ram_experts=2)
+    assert (
+        here.device_weight_bytes() < Stage(hp, f, 0, 4, 256, n_gpu_layers=5).device_weight_bytes()
+    )
+    assert got == _greedy(here, prompt, 12)[0]
+
+
 @pytest.mark.skipif(
     not all("llvmpipe" in d.description for d in GPUS), reason="a real GPU is here: it is found"
 )

@@ -214,6 +214,39 @@ def test_small_gain_verdict_names_the_bottleneck() -> None:
     assert "needs +20%" in plan.verdict and "the slowest stage (big, layers 0–" in plan.verdict
 
 
+def test_experts_in_ram_when_the_gpu_cannot_hold_whole_layers() -> None:
+    """A mixture of experts: each layer 100 MiB of attention and 900 MiB of experts, of which a
+    token reads 1/8. A 6 GiB GPU holds 5 whole layers; with every layer's attention and KV there
+    and the experts of the first layers in RAM (llama.cpp's --n-cpu-moe) it decodes faster, and
+    the plan says so."""
+    n = 10
+    fp = replace(
+        synth(layers=(1000 * MiB,) * n),
+        layer_read_bytes=(100 * MiB + 900 * MiB // 8,) * n,
+        layer_expert_bytes=(900 * MiB,) * n,
+        layer_expert_read_bytes=(900 * MiB // 8,) * n,
+    )
+    node = gpu("g", 32 * GiB, 6 * GiB)
+    (st,) = plan_pool(fp, [node]).stages
+    # every layer on the GPU; experts in RAM for the first k, k the fewest that make it fit:
+    # 20 MiB buffers + 10 x 110 MiB (attention + KV) + (10 - k) x 900 MiB <= 6 GiB -> k = 5;
+    # the head (80 MiB) fits beside them
+    assert (st.gpu_start, st.n_gpu_layers, st.ram_experts, st.head_on_gpu) == (0, 10, 5, True)
+    assert st.gpu_bytes == 20 * MiB + 10 * 110 * MiB + 5 * 900 * MiB + 80 * MiB <= 6 * GiB
+    assert st.ram_bytes == 50 * MiB + 5 * 900 * MiB + 20 * MiB
+    cpu_read = 5 * (900 * MiB // 8) + fp.embd_read_bytes
+    gpu_read = 10 * (100 * MiB + 900 * MiB // 8) - 5 * (900 * MiB // 8) + fp.head_bytes
+    want = cpu_read / (10 * GB) + gpu_read / (200 * GB) + 10 * GPU_LAYER_NS / 1e9
+    assert st.compute_ms == pytest.approx(want * 1e3, rel=1e-6)
+    assert format_plan(plan_pool(fp, [node]))[0][3] == "0–9 + head, experts of 0–4 in RAM"
+    # the same model planned as if dense (the same bytes, no expert tensors): whole layers, 6 on
+    # the GPU and 4 on the CPU, slower
+    dense = replace(fp, layer_expert_bytes=(), layer_expert_read_bytes=())
+    (whole,) = plan_pool(dense, [node]).stages
+    assert (whole.gpu_start, whole.ram_experts) == (4, 0)
+    assert whole.compute_ms > 1.5 * st.compute_ms
+
+
 def test_gpu_cpu_split() -> None:
     fp = synth()
     # VRAM for the buffers and 3 layers of 110 MiB (weights + KV), not 4

@@ -28,6 +28,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 from potluck.cli.options import (
     DEFAULT_POOL,
     CacheTypeOpt,
+    CpuMoeOpt,
     CtxOpt,
     DeviceOpt,
     FailoverOpt,
@@ -35,6 +36,7 @@ from potluck.cli.options import (
     LoraOpt,
     MinPOpt,
     ModelOpt,
+    NCpuMoeOpt,
     NglOpt,
     NoMdnsOpt,
     NoRepackOpt,
@@ -56,6 +58,7 @@ from potluck.cli.options import (
     _head_mem,
     _sampling,
     _shares,
+    cpu_moe_layers,
 )
 
 if typing.TYPE_CHECKING:
@@ -80,13 +83,18 @@ class ModelFlags:
     no_repack: NoRepackOpt = False
     lora: LoraOpt = None
     batch: PromptBatchOpt = None
+    cpu_moe: CpuMoeOpt = False
+    n_cpu_moe: NCpuMoeOpt = 0
 
     def compute(self) -> Compute:
         """This machine's compute settings from these flags (threads: physical cores by default;
         the GPU checked now)."""
         from potluck.cli.runtime import compute_of
 
-        return compute_of(self.threads, self.cache_type, self.no_repack, self.ngl, self.device)
+        return compute_of(
+            self.threads, self.cache_type, self.no_repack, self.ngl, self.device,
+            n_cpu_moe=cpu_moe_layers(self.cpu_moe, self.n_cpu_moe),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,32 @@ DeviceOpt = Annotated[
 ]
 
 
+CpuMoeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--cpu-moe",
+        help="A mixture of experts: every layer's routed experts stay in RAM, its attention, KV "
+        "cache and shared expert go to the GPU (-ngl) (llama.cpp's --cpu-moe).",
+    ),
+]
+EVERY_LAYER = 1 << 30  # --cpu-moe as a layer count: more than any model has
+
+
+def cpu_moe_layers(cpu_moe: bool, n_cpu_moe: int) -> int:
+    """--cpu-moe / --n-cpu-moe N as one count: the first N layers keep their experts in RAM."""
+    return EVERY_LAYER if cpu_moe else n_cpu_moe
+
+
+NCpuMoeOpt = Annotated[
+    int,
+    typer.Option(
+        "--n-cpu-moe",
+        min=0,
+        help="As --cpu-moe for the first N layers only (llama.cpp's --n-cpu-moe).",
+    ),
+]
+
+
 ThreadsOpt = Annotated[
     int | None,
     typer.Option(

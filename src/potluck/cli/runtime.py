@@ -32,12 +32,14 @@ def compute_of(
     n_gpu_layers: int = 0,
     device: str | None = None,
     vram: int | None = None,
+    n_cpu_moe: int = 0,
 ) -> Compute:
     """The settings from the flags: threads default to the physical cores; stages put their last
     n_gpu_layers layers on `device` (at most `vram` bytes there), checked now, so that a machine
     without that GPU says so before any load. POTLUCK_GPU_BYTES_PER_S gives the GPU's speed
     instead of measuring it: for tests on a software GPU (Mesa's lavapipe), whose speed is not a
-    GPU's."""
+    GPU's. n_cpu_moe: the first that many layers keep their routed experts in RAM (--cpu-moe,
+    --n-cpu-moe)."""
     from potluck.model.stage import Compute, GpuConfig
     from potluck.node.probe import physical_cores
 
@@ -56,8 +58,12 @@ def compute_of(
             raise
     elif device is not None:
         raise typer.BadParameter(f"--device {device} needs -ngl N (how many layers go there)")
+    elif n_cpu_moe:
+        raise typer.BadParameter(
+            "--cpu-moe / --n-cpu-moe keep experts in RAM beside layers on the GPU: give -ngl N too"
+        )
     speed = os.environ.get("POTLUCK_GPU_BYTES_PER_S")
-    gpu = GpuConfig(n_gpu_layers, device, vram, float(speed) if speed else None)
+    gpu = GpuConfig(n_gpu_layers, device, vram, float(speed) if speed else None, n_cpu_moe)
     try:
         return Compute(threads or physical_cores(), cache_type, not no_repack, gpu)
     except ValueError as exc:

@@ -13,7 +13,9 @@ from potluck.cli.console import err
 from potluck.cli.options import (
     DEFAULT_POOL,
     CacheTypeOpt,
+    CpuMoeOpt,
     DeviceOpt,
+    NCpuMoeOpt,
     NglOpt,
     NoMdnsOpt,
     NoRepackOpt,
@@ -23,6 +25,7 @@ from potluck.cli.options import (
     TlsOpt,
     _port,
     _size,
+    cpu_moe_layers,
 )
 from potluck.cli.peers import _announce, _auth, _secret
 from potluck.cli.runtime import _backends, compute_of, places
@@ -67,6 +70,8 @@ def worker(
         ),
     ] = None,
     ngl: NglOpt = 0,
+    cpu_moe: CpuMoeOpt = False,
+    n_cpu_moe: NCpuMoeOpt = 0,
     device: DeviceOpt = None,
     cache_type: CacheTypeOpt = "f16",
     no_repack: NoRepackOpt = False,
@@ -117,7 +122,10 @@ def worker(
         raise typer.BadParameter(f"--spin-ms must be in [0, 1000], got {spin_ms:g}")
     mem_limit = _size(mem, "--mem") if mem else None
     vram_limit = _size(vram, "--vram") if vram else None
-    compute = compute_of(threads, cache_type, no_repack, ngl, device, vram_limit)
+    compute = compute_of(
+        threads, cache_type, no_repack, ngl, device, vram_limit,
+        cpu_moe_layers(cpu_moe, n_cpu_moe),
+    )  # fmt: skip
 
     value, source = _secret(secret)
     if value is None and not is_loopback(host) and not insecure:

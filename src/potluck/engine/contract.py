@@ -34,7 +34,7 @@ DEFAULT_TIMEOUT_S = 5.0  # a node silent this long is declared gone (the CLI's -
 class Assignment:
     """Layers [start, stop) on `node` ("local" = this process, else host:port); the last
     n_gpu_layers of them on the node's GPU (Stage's -ngl: one more than the layers puts the
-    output head there too)."""
+    output head there too), the routed experts of the first ram_experts of those in RAM."""
 
     node: str
     start: int
@@ -42,6 +42,7 @@ class Assignment:
     n_gpu_layers: int = 0
     # peers the node asks for the tensors it lacks before this head sends them (the plan's)
     sources: tuple[str, ...] = ()
+    ram_experts: int = 0
 
     def describe(self) -> str:
         n = self.stop - self.start
@@ -49,6 +50,8 @@ class Assignment:
         device = "cpu" if not gpu else f"{gpu} on its GPU" if gpu < n else "GPU"
         if self.n_gpu_layers > n:
             device += " + output head"
+        if self.ram_experts:
+            device += f", experts of {self.ram_experts} layers in RAM"
         where = "this machine" if self.node == LOCAL else self.node
         return f"layers {self.start}–{self.stop - 1} → {where} ({device})"
 

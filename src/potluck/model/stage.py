@@ -24,6 +24,7 @@ import numpy.typing as npt
 
 from potluck.errors import UnsupportedError
 from potluck.model.archs import layer_tensors
+from potluck.model.archs.common import is_routed
 from potluck.model.ggml_lib import BackendError, Device, gpu_device, lib
 from potluck.model.graph import Lora, StepGraph, StepShape
 from potluck.model.kv_cache import CACHE_TYPES, SeqCache, cache_bytes
@@ -65,13 +66,16 @@ def every_core() -> int:
 
 @dataclass(frozen=True)
 class GpuConfig:
-    """A process's GPU settings: -ngl, --device, --vram (the most GPU memory used, bytes), and a
-    GPU speed given instead of measured (tests on a software GPU)."""
+    """A process's GPU settings: -ngl, --device, --vram (the most GPU memory used, bytes), a
+    GPU speed given instead of measured (tests on a software GPU), and --n-cpu-moe (the first
+    that many layers keep their routed experts in RAM, whether or not their layer is on the GPU;
+    --cpu-moe: every layer)."""
 
     n_gpu_layers: int = 0
     device: str | None = None
     vram: int | None = None
     bytes_per_s: float | None = None
+    n_cpu_moe: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,7 @@ class Stage:
         repack: bool | None = None,
         adapters: Sequence[LoraAdapter] = (),
         compute: Compute = DEFAULT_COMPUTE,
+        ram_experts: int = 0,
     ) -> None:
         """exact: weights dequantized to f32 and an f32 KV cache (reference precision, tests);
         cache_type: "f16" (default) or "f32". n_gpu_layers: the last that many layers of the
@@ -176,7 +181,9 @@ class Stage:
         None: compute's. repack: weights in ggml's CPU_REPACK layout where it has one
         (model/weights.py; None: compute's, on by default). adapters: LoRA adapters applied to
         this stage's matrices (their tensors for these layers, beside the weights). compute: the
-        process's settings, for every argument left None."""
+        process's settings, for every argument left None. ram_experts: the first that many of
+        the GPU layers keep their routed experts in RAM (a plan's; --n-cpu-moe, compute's, counts
+        from layer 0: the larger of the two holds)."""
         if not 0 <= start < stop <= hp.n_layer:
             raise ValueError(f"layer range [{start}, {stop}) is not inside [0, {hp.n_layer})")
         cache_type = cache_type or ("f32" if exact else compute.cache_type)
@@ -195,6 +202,10 @@ class Stage:
         if n_gpu_layers < 0:
             raise ValueError(f"-ngl must be 0 or more, got {n_gpu_layers}")
         self.gpu_layers = range(max(start, stop - n_gpu_layers), stop) if n_gpu_layers else range(0)
+        # layers [0, n_cpu_moe) keep their experts in RAM
+        self.n_cpu_moe = max(
+            gpu.n_cpu_moe, self.gpu_layers.start + ram_experts if ram_experts else 0
+        )
         self.head_on_gpu = self.is_last and n_gpu_layers > stop - start
         self.gpu: int | None = None  # ggml handles (pointers as ints)
         self.gpu_device: Device | None = None
@@ -281,6 +292,8 @@ class Stage:
         if self._gpu_buft is None:
             return None
         layer = _layer_of(name)
+        if layer is not None and is_routed(name) and layer < self.n_cpu_moe:
+            return None  # (--cpu-moe: ggml's scheduler runs their mul_mat_id on the CPU)
         if layer is not None:
             return self._gpu_buft if layer in self.gpu_layers else None
         if name in ("output.weight", "output_norm.weight") and self.head_on_gpu:

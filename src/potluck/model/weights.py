@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType
 
 from potluck.errors import ModelFileError, UnsupportedError
 from potluck.model.ggml_lib import (
+    BUFFER_USAGE_WEIGHTS,
     STATUS_SUCCESS,
     TYPE_F32,
     BackendError,
@@ -166,6 +167,7 @@ class Weights:
         buf = cpu_buffer_over(addr, n)
         if not buf or lib.ggml_backend_tensor_alloc(buf, t, addr) != STATUS_SUCCESS:
             raise BackendError(f"ggml could not map tensor {name} in place")
+        lib.ggml_backend_buffer_set_usage(buf, BUFFER_USAGE_WEIGHTS)
         self._buffers.append(buf)
         self._keep.append(raw)
         self.nbytes += n
@@ -182,6 +184,7 @@ class Weights:
                 f"{name}: out of device memory for {len(items)} tensors ({size / 2**20:.0f} MiB); "
                 "put fewer layers on the GPU (-ngl)"
             )
+        lib.ggml_backend_buffer_set_usage(buf, BUFFER_USAGE_WEIGHTS)
         self._buffers.append(buf)
         base, at = lib.ggml_backend_buffer_get_base(buf), 0
         for _, t, _ in items:  # (alloc in order: ggml's buffers are not thread-safe there)

@@ -114,7 +114,7 @@ class Loader:
                 stage = Stage(
                     hp, src, request.start, request.stop, request.n_ctx,
                     n_gpu_layers=self._gpu_layers(request), adapters=adapters,
-                    compute=self.settings,
+                    compute=self.settings, ram_experts=request.ram_experts,
                 )  # fmt: skip
         except (NodeMemoryError, NodeBusyError) as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

@@ -5,7 +5,10 @@ Integers make sums exact, so equal plans tie exactly and the search can break ti
 A stage [start, stop) on a node: its accelerator (when it streams faster than the CPU) takes the
 trailing layers of the range, as many as fit in its memory with one set of activation buffers
 (llama.cpp's -ngl puts the last layers on the GPU too); the output head joins them when every
-layer of the stage is there and it still fits. The rest, the token embedding and the buffers stay
+layer of the stage is there and it still fits. A mixture of experts that does not fit there whole
+may instead put every layer there and keep the routed experts of its first layers in RAM
+(llama.cpp's --n-cpu-moe): attention and KV, read for every token, on the fast device, and of the
+experts only the k of n a token reads come from RAM; the faster of the two is taken. The rest, the token embedding and the buffers stay
 in RAM. Time per token = bytes read / bytes per second of the device that holds them, plus a
 fixed cost per layer for the operations whose time does not grow with the weights (norms, RoPE,
 attention over a short context, the framework's dispatch of a dozen calls).
@@ -62,6 +65,7 @@ class StageCost:
     # layers' matmuls; the head runs once per prompt and the fixed per-layer cost is shared by the
     # micro-batch's rows)
     balance_ns: int  # what the search evens out between stages: compute_ns or prompt_ns
+    ram_experts: int = 0  # the first that many of the accelerator's layers keep experts in RAM
 
     @property
     def fits(self) -> bool:
@@ -98,6 +102,9 @@ class CostModel:
         self._weights = [0, *accumulate(model.layer_weight_bytes)]
         self._kv = [0, *accumulate(model.layer_kv_bytes)]
         self._read = [0, *accumulate(model.layer_read_bytes)]
+        # the routed experts' bytes held and read (all 0 for a dense model)
+        self._x = [0, *accumulate(model.layer_expert_bytes or (0,) * n)]
+        self._xr = [0, *accumulate(model.layer_expert_read_bytes or (0,) * n)]
         # per node, per stop: the first layer its accelerator can hold with [gpu_start, stop)
         self._gpu_from = [[self._gpu_start(node, e) for e in range(n + 1)] for node in nodes]
         self.links: list[list[Link]] = [
@@ -116,20 +123,41 @@ class CostModel:
         return max(fits, stop - node.max_gpu_layers)
 
     def stage(self, i: int, start: int, stop: int) -> StageCost:
-        """Layers [start, stop) on node i (0 <= start < stop <= n_layer)."""
+        """Layers [start, stop) on node i (0 <= start < stop <= n_layer): its accelerator takes
+        the trailing whole layers that fit; or, for a mixture of experts whose stage does not fit
+        there whole, every layer with the routed experts of the first ones left in RAM
+        (--n-cpu-moe), whichever decodes faster."""
+        s = max(start, self._gpu_from[i][stop])
+        whole = self._cost(i, start, stop, s, s)
+        node = self.nodes[i]
+        if s == start or not node.uses_gpu or not self._x[-1] or stop - start > node.max_gpu_layers:
+            return whole
+        room = node.gpu_memory_bytes - self.model.buffer_bytes
+        # the first c whose experts of [c, stop) fit beside every layer's other tensors and KV
+        need = self._held[stop] - self._held[start] - room  # experts that must stay in RAM
+        c = bisect_left(self._x, self._x[start] + need, lo=start)
+        if c > stop:  # even without any expert, the layers do not fit
+            return whole
+        split = self._cost(i, start, stop, start, c)
+        return split if split.compute_ns < whole.compute_ns else whole
+
+    def _cost(self, i: int, start: int, stop: int, s: int, c: int) -> StageCost:
+        """Layers [s, stop) on node i's accelerator, the routed experts of [s, c) of them in RAM."""
         m, node = self.model, self.nodes[i]
         first, last = start == 0, stop == m.n_layer
-        s = max(start, self._gpu_from[i][stop])
         on_gpu = s < stop
-        gpu = self._held[stop] - self._held[s] + (m.buffer_bytes if on_gpu else 0)
+        experts = self._x[c] - self._x[s]  # in RAM although their layers are on the GPU
+        gpu = self._held[stop] - self._held[s] - experts + (m.buffer_bytes if on_gpu else 0)
         head_on_gpu = last and on_gpu and s == start and gpu + m.head_bytes <= node.gpu_memory_bytes
         if head_on_gpu:
             gpu += m.head_bytes
-        ram = self._held[s] - self._held[start] + m.buffer_bytes
+        ram = self._held[s] - self._held[start] + experts + m.buffer_bytes
         ram += (m.embd_bytes if first else 0) + (m.head_bytes if last and not head_on_gpu else 0)
         ram -= 0 if head_on_gpu else m.shared_bytes(start, stop)
+        expert_read = self._xr[c] - self._xr[s]
         cpu_read = self._read[s] - self._read[start] + (m.embd_read_bytes if first else 0)
-        gpu_read = self._read[stop] - self._read[s]
+        cpu_read += expert_read
+        gpu_read = self._read[stop] - self._read[s] - expert_read
         if last:
             if head_on_gpu:
                 gpu_read += m.head_read_bytes
@@ -140,9 +168,9 @@ class CostModel:
         if gpu_read:
             compute += _ns(gpu_read, node.gpu_bytes_per_s) + (stop - s) * GPU_LAYER_NS
         # (every weight: a mixture of experts' prompt reads nearly all of its experts)
-        prompt = _ns(self._weights[s] - self._weights[start], node.cpu_bytes_per_s)
+        prompt = _ns(self._weights[s] - self._weights[start] + experts, node.cpu_bytes_per_s)
         if s < stop:
-            prompt += _ns(self._weights[stop] - self._weights[s], node.gpu_bytes_per_s)
+            prompt += _ns(self._weights[stop] - self._weights[s] - experts, node.gpu_bytes_per_s)
         weights = self._weights[stop] - self._weights[start]
         weights += (m.embd_bytes if first else 0) + (m.head_bytes if last else 0)
         weights -= m.shared_bytes(start, stop)
@@ -160,6 +188,7 @@ class CostModel:
             compute_ns=compute,
             prompt_ns=prompt,
             balance_ns=compute if self.balance == DECODE else prompt,
+            ram_experts=c - s,
         )
 
     def hop_ns(self, i: int, j: int) -> int:

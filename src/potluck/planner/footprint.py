@@ -90,6 +90,10 @@ class ModelFootprint:
     token_wire_bytes: int  # one token id from the last stage back to the first
     tied: bool = False  # the head is token_embd itself: a stage that is first and last maps it once
     n_seq: int = 1  # sequences at once, each up to n_ctx (serve's -np): the KV counts all of them
+    # of layer_weight_bytes and layer_read_bytes, the routed experts' (a mixture of experts; ()
+    # for a dense model): what may stay in RAM while the rest of a layer is on a GPU (--cpu-moe)
+    layer_expert_bytes: tuple[int, ...] = ()
+    layer_expert_read_bytes: tuple[int, ...] = ()
 
     @property
     def ctx_label(self) -> str:
@@ -102,7 +106,9 @@ class ModelFootprint:
         return "-c or -np" if self.n_seq > 1 else "-c"
 
     def __post_init__(self) -> None:
-        per_layer = (self.layer_weight_bytes, self.layer_kv_bytes, self.layer_read_bytes)
+        per_layer = [self.layer_weight_bytes, self.layer_kv_bytes, self.layer_read_bytes]
+        experts = (self.layer_expert_bytes, self.layer_expert_read_bytes)
+        per_layer += [t for t in experts if t]
         if self.n_layer < 1 or any(len(t) != self.n_layer for t in per_layer):
             raise PlanError(
                 f"footprint of {self.n_layer} layers has per-layer tables of "
@@ -182,10 +188,14 @@ def footprint_from_gguf(
 
     layers = [0] * hp.n_layer
     read = [0] * hp.n_layer  # weight bytes one decoded token reads, per layer
+    experts, expert_read = [0] * hp.n_layer, [0] * hp.n_layer  # ... of them, the routed experts'
     for t in tensors.values():
         if t.layer is not None and t.layer < hp.n_layer:
             n = held_by(t)
             layers[t.layer] += n
+            if is_routed(t.name):
+                experts[t.layer] += n
+                expert_read[t.layer] += n * hp.n_expert_used // hp.n_expert
             read[t.layer] += n * hp.n_expert_used // hp.n_expert if is_routed(t.name) else n
     head_matrix = tensors.get("output.weight", embd)  # tied: the head reads token_embd
     head = held_by(head_matrix)
@@ -216,4 +226,6 @@ def footprint_from_gguf(
         token_wire_bytes=TOKEN_ID_BYTES + WIRE_HEADER_BYTES,
         tied="output.weight" not in tensors,
         n_seq=n_seq,
+        layer_expert_bytes=tuple(experts) if hp.is_moe else (),
+        layer_expert_read_bytes=tuple(expert_read) if hp.is_moe else (),
     )

@@ -51,6 +51,7 @@ class PlannedStage:
     weight_sources: tuple[str, ...] = ()
     weights_from: str = ""  # "": the node has the model file; else whom it will receive them from
     fetch_s: float = 0.0  # the longest receiving them takes (tensors kept from before: less)
+    ram_experts: int = 0  # the first that many of its GPU layers keep their experts in RAM
 
     @property
     def n_gpu_layers(self) -> int:
@@ -347,6 +348,7 @@ def _planned(st: StageCost, net_ns: int) -> PlannedStage:
         gpu_memory_bytes=st.node.gpu_memory_bytes,
         compute_ms=st.compute_ns / 1e6,
         net_ms=net_ns / 1e6,
+        ram_experts=st.ram_experts,
     )
 
 

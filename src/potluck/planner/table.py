@@ -31,6 +31,9 @@ def format_plan(plan: Plan) -> list[tuple[str, ...]]:
     for st in plan.stages:
         if st.n_gpu_layers:
             gpu = layers_label(st.gpu_start, st.stop) + (" + head" if st.head_on_gpu else "")
+            if st.ram_experts:  # (--n-cpu-moe)
+                ram = layers_label(st.gpu_start, st.gpu_start + st.ram_experts)
+                gpu += f", experts of {ram} in RAM"
         else:
             gpu = "–"
         rows.append(

@@ -89,7 +89,11 @@ def plan_id_of(
         + "|"
         + model_sha
         + "|"
-        + ";".join(f"{a.node}:{a.start}-{a.stop}/{a.n_gpu_layers}" for a in assignments)
+        + ";".join(
+            f"{a.node}:{a.start}-{a.stop}/{a.n_gpu_layers}"
+            + (f"/{a.ram_experts}" * bool(a.ram_experts))
+            for a in assignments
+        )
         + f"|{n_ctx}"
         + (f"|{epoch}" if epoch else "")
     )
@@ -146,7 +150,7 @@ class RemotePipeline:
             a = assignments[0]
             self.local = Stage(
                 hp, file, a.start, a.stop, n_ctx, n_gpu_layers=a.n_gpu_layers, adapters=adapters,
-                compute=compute,
+                compute=compute, ram_experts=a.ram_experts,
             )  # fmt: skip
         remotes = [a for a in self.assignments if a.node != LOCAL]
         self.auth = auth  # the pool secret and TLS: how this head proves membership to nodes
@@ -211,7 +215,7 @@ class RemotePipeline:
                 next_hop=nxt, metadata_gguf=header, tensor_sha256=digests, wire_dtype=wire_dtype,
                 model_bytes=file.size_bytes, head_id=self.head_id, n_gpu_layers=a.n_gpu_layers,
                 tensor_sources=[p for p in a.sources if p != a.node], n_seq=self.n_seq,
-                adapters=self._adapter_parts(set(names)),
+                adapters=self._adapter_parts(set(names)), ram_experts=a.ram_experts,
             )  # fmt: skip
             # a node that pulls its layers from a peer does it within Load: as long as a push
             reply = client.load(req, LOAD_TIMEOUT_S if not a.sources else PULL_TIMEOUT_S)

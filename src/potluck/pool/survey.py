@@ -141,6 +141,8 @@ def assignments_of(plan: Plan) -> list[Assignment]:
         gpu = st.n_gpu_layers + (1 if st.head_on_gpu else 0)  # (Stage's -ngl: head past them)
         node = LOCAL if st.node == THIS_MACHINE else st.node
         gpu_layers = min(gpu, n + 1) if gpu else 0
-        out.append(Assignment(node, start, start + n, gpu_layers, st.weight_sources))
+        out.append(
+            Assignment(node, start, start + n, gpu_layers, st.weight_sources, st.ram_experts)
+        )
         start += n
     return out

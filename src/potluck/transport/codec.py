@@ -298,6 +298,7 @@ def load_request(
     tensor_sources: Sequence[str],
     n_seq: int,
     adapters: Sequence[tuple[str, float, bytes]] = (),
+    ram_experts: int = 0,
 ) -> pb.LoadRequest:
     """Layers [start, stop) of the model (by hash; its GGUF header and each tensor's digest) for
     a plan; adapters: (name, scale, the bytes of an adapter GGUF cut to this stage's tensors)."""
@@ -307,6 +308,7 @@ def load_request(
         wire_dtype=wire_dtype, model_bytes=model_bytes, head_id=head_id,
         n_gpu_layers=n_gpu_layers, tensor_sources=list(tensor_sources), n_seq=n_seq,
         adapters=[pb.AdapterPart(gguf=gguf, scale=scale, name=name) for name, scale, gguf in adapters],
+        ram_experts=ram_experts,
     )  # fmt: skip
 
 

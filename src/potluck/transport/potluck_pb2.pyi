@@ -61,7 +61,7 @@ class HelloReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., node_name: _Optional[str] = ..., potluck_version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., physical_cores: _Optional[int] = ..., decode_bytes_per_s: _Optional[float] = ..., model_sha256: _Optional[_Iterable[str]] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes", "head_id", "n_gpu_layers", "tensor_sources", "n_seq", "adapters")
+    __slots__ = ("plan_id", "model_sha256", "start", "stop", "n_ctx", "next_hop", "metadata_gguf", "threads", "tensor_sha256", "wire_dtype", "model_bytes", "head_id", "n_gpu_layers", "tensor_sources", "n_seq", "adapters", "ram_experts")
     class TensorSha256Entry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class LoadRequest(_message.Message):
     TENSOR_SOURCES_FIELD_NUMBER: _ClassVar[int]
     N_SEQ_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RAM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     model_sha256: str
     start: int
@@ -101,7 +102,8 @@ class LoadRequest(_message.Message):
     tensor_sources: _containers.RepeatedScalarFieldContainer[str]
     n_seq: int
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterPart]
-    def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ..., head_id: _Optional[str] = ..., n_gpu_layers: _Optional[int] = ..., tensor_sources: _Optional[_Iterable[str]] = ..., n_seq: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterPart, _Mapping]]] = ...) -> None: ...
+    ram_experts: int
+    def __init__(self, plan_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., n_ctx: _Optional[int] = ..., next_hop: _Optional[str] = ..., metadata_gguf: _Optional[bytes] = ..., threads: _Optional[int] = ..., tensor_sha256: _Optional[_Mapping[str, str]] = ..., wire_dtype: _Optional[str] = ..., model_bytes: _Optional[int] = ..., head_id: _Optional[str] = ..., n_gpu_layers: _Optional[int] = ..., tensor_sources: _Optional[_Iterable[str]] = ..., n_seq: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterPart, _Mapping]]] = ..., ram_experts: _Optional[int] = ...) -> None: ...
 
 class AdapterPart(_message.Message):
     __slots__ = ("gguf", "scale", "name")
