@@ -18,9 +18,11 @@ from potluck.cli.load import _load
 from potluck.cli.options import (
     BatchOpt,
     CacheTypeOpt,
+    CpuMoeOpt,
     DeviceOpt,
     LoraOpt,
     ModelOpt,
+    NCpuMoeOpt,
     NglOpt,
     NoRepackOpt,
     PredictCheck,
@@ -210,11 +212,16 @@ def perplexity(
     no_repack: NoRepackOpt = False,
     lora: LoraOpt = None,
     batch: BatchOpt = 512,
+    cpu_moe: CpuMoeOpt = False,
+    n_cpu_moe: NCpuMoeOpt = 0,
 ) -> None:
     """Perplexity over a text file, computed as llama-perplexity does (second half of each chunk)."""
     from potluck.engine.perplexity import perplexity as compute
 
-    flags = ModelFlags(model, ctx, threads, ngl, device, cache_type, no_repack, lora)
+    flags = ModelFlags(
+        model, ctx, threads, ngl, device, cache_type, no_repack, lora,
+        cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
+    )  # fmt: skip
     m = _load(flags)
     text = file.read_text(encoding="utf-8", errors="replace")
 
