@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from potluck.model.archs import hparams_from_metadata, layer_tensors
+from potluck.model.archs import architecture, hparams_from_metadata, layer_tensors
 from potluck.modelfile.gguf_file import GGUFFile
 
 # byte offsets of the fp16 super-block scales (d, dmin) inside one K-quant block (ggml's layout)
@@ -35,6 +35,19 @@ _TOKENIZER_KEYS = (
     "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_space_prefix",
     "tokenizer.chat_template",
 )  # fmt: skip
+
+# metadata an architecture's files carry beyond the keys every file has, with the values of the
+# released models (`extra` overrides them)
+ARCH_KEYS: dict[str, dict[str, Any]] = {
+    "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    # granite-3.x-8b's (its attention_multiplier, embedding_multiplier, ... in its HF config)
+    "granite": {
+        "embedding_scale": 12.0,
+        "residual_scale": 0.22,
+        "attention.scale": 0.0078125,
+        "logit_scale": 16.0,
+    },
+}
 
 
 def random_blocks(
@@ -127,6 +140,8 @@ def write_tiny_model(
     n_ff_exp: int | None = None,
     n_ff_shexp: int | None = None,
     optional: bool = False,
+    rope_dim: int | None = None,
+    stds: dict[str, float] | None = None,
 ) -> Path:
     """A random model of `arch` with the vocabulary of `tokenizer_from` (default: tiny_vocab()).
     qtypes overrides the
@@ -134,7 +149,9 @@ def write_tiny_model(
     matrices by name (the same seed otherwise gives the same model: a merged LoRA, say).
     n_expert > 0: a mixture of experts (n_expert_used per token, each n_ff_exp wide, default
     n_ff; n_ff_shexp: the shared expert's width where the architecture has one). optional: also
-    the tensors the architecture takes where a file has them (llama's q/k/v biases)."""
+    the tensors the architecture takes where a file has them (llama's q/k/v biases, phi3's
+    LongRoPE factors). rope_dim: dims of each head RoPE rotates (default all). stds: the spread
+    of random matrices per tensor-name suffix (default 0.08; a router's 1.0)."""
     rng = np.random.default_rng(seed)
     hd = head_dim or n_embd // n_head
     tok_meta = tokenizer_from.metadata if tokenizer_from is not None else tiny_vocab()
@@ -148,11 +165,11 @@ def write_tiny_model(
     w.add_head_count_kv(n_head_kv)
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)
+    w.add_rope_dimension_count(rope_dim or hd)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0 if arch != "gemma3" else 1_000_000.0)
     w.add_vocab_size(vocab)
-    if arch == "gemma3":
+    if architecture(arch).rules.sliding_pattern:  # (gemma3, gpt-oss)
         w.add_sliding_window(8)
     if n_expert:
         w.add_expert_count(n_expert)
@@ -163,23 +180,34 @@ def write_tiny_model(
     for key in _TOKENIZER_KEYS:
         if key in tok_meta:
             _add_value(w, key, tok_meta[key])
-    for key, value in (extra or {}).items():
+    own = {f"{arch}.{key}": value for key, value in ARCH_KEYS.get(arch, {}).items()}
+    for key, value in (own | (extra or {})).items():
         _add_value(w, key, value)
 
     def tensor(name: str, shape: tuple[int, ...], q: T) -> None:
         for suffix, override in (qtypes or {}).items():
             if suffix in name:
                 q = override
-        if len(shape) == 1:
-            # norm weights around 1 (gemma's GGUF stores 1 + w already), biases small
-            v = rng.standard_normal(shape).astype(np.float32) * (0.1 if "bias" in name else 0.2)
-            w.add_tensor(name, v + (0.0 if "bias" in name else 1.0))
+        if len(shape) == 1 or name.endswith(".bias"):  # F32, as llama.cpp's converter writes
+            # norm weights around 1 (gemma's GGUF stores 1 + w already), biases small (also
+            # the experts' stacked [E, rows]), attention sinks logits of O(1) either sign
+            v = rng.standard_normal(shape).astype(np.float32)
+            if "attn_sinks" in name:
+                w.add_tensor(name, v)
+            elif name.endswith(".bias"):
+                w.add_tensor(name, v * 0.1)
+            else:
+                w.add_tensor(name, v * 0.2 + 1.0)
             return
+        # a router's logits spread wide, so that rounding rarely flips an expert's choice
+        std = 1.0 if "ffn_gate_inp" in name else 0.08
+        for suffix, spread in (stds or {}).items():
+            if suffix in name:
+                std = spread
         if len(shape) == 3:  # a stack of experts: [E, rows, cols]
-            raw = random_blocks(rng, q, (shape[0] * shape[1], shape[2]), std=0.08)
+            raw = random_blocks(rng, q, (shape[0] * shape[1], shape[2]), std=std)
             raw = raw.reshape(shape[0], shape[1], -1)
-        else:  # a router's logits spread wide, so that rounding rarely flips an expert's choice
-            std = 1.0 if "ffn_gate_inp" in name else 0.08
+        else:
             raw = random_blocks(rng, q, shape, std=std)  # type: ignore[arg-type]
         if add and name in add:
             assert q == T.F32, f"add needs an F32 {name}"

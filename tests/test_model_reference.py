@@ -9,6 +9,7 @@ quantized dot products, an f16 KV cache; agrees within a tolerance set by that r
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,25 @@ from ggufgen import write_tiny_model
 transformers = pytest.importorskip("transformers")
 
 TOKENS = [5, 70, 71, 72, 100, 3, 200, 150, 260, 9, 33, 34, 35, 36, 40, 41, 42, 43, 44, 45]
+
+_YARN = {
+    "gpt-oss.rope.scaling.type": "yarn",
+    "gpt-oss.rope.scaling.factor": 8.0,
+    "gpt-oss.rope.scaling.original_context_length": 64,
+}
+# gpt-oss's experts spread wide enough that a few percent of their gates and ups pass the
+# SwiGLU's clamp at ±7 (graph.py SWIGLU_OAI)
+_OAI_STDS = {"ffn_gate_exps": 0.5, "ffn_up_exps": 0.5}
+
+
+def _longrope(n_orig: int) -> dict[str, float]:
+    """phi3's LongRoPE keys as its converter writes them, for a context of 512 (write_tiny_model)
+    pretrained at n_orig: cos and sin scaled by sqrt(1 + ln(512 / n_orig) / ln(n_orig))."""
+    return {
+        "phi3.rope.scaling.original_context_length": n_orig,
+        "phi3.rope.scaling.attn_factor": math.sqrt(1 + math.log(512 / n_orig) / math.log(n_orig)),
+    }
+
 
 # (arch, main type, per-tensor overrides, shape options) — together they cover every type
 CASES = [
@@ -51,9 +71,59 @@ CASES = [
         {"n_expert": 8, "n_ff_exp": 256, "n_ff_shexp": 512, "n_embd": 256},
     ),
     ("llama", T.Q8_0, {"ffn_up_exps": T.Q6_K}, {"n_expert": 8, "n_ff_exp": 128, "n_embd": 256}),
-]
+    # gpt-oss: MXFP4 experts (as its files ship them), 4 of 8 per token, q wider than n_embd
+    # (4 heads of 64), YaRN over an original context of 64 (so that both the interpolated and
+    # the kept frequencies occur), a sliding window of 8 on layer 0
+    (
+        "gpt-oss",
+        T.Q8_0,
+        {"_exps": T.MXFP4},
+        {
+            "n_expert": 8,
+            "n_expert_used": 4,
+            "n_ff": 64,
+            "head_dim": 64,
+            "extra": _YARN,
+            "stds": _OAI_STDS,
+        },
+    ),
+    # phi3: fused attn_qkv and gate+up; then LongRoPE (Phi-3.5, Phi-4-mini): RoPE over 12 of 16
+    # dims, its long factors (original context 16 < the stage's 64, and < the 20 tokens, so
+    # that transformers takes them too), then its short ones (original context 64)
+    ("phi3", T.Q8_0, {"ffn_down": T.Q4_0}, {"tied": False}),
+    ("phi3", T.Q5_1, {"attn_qkv": T.Q8_0}, {"tied": False, "optional": True, "rope_dim": 12,
+                                          "extra": _longrope(16)}),
+    ("phi3", T.Q8_0, {}, {"tied": False, "optional": True, "rope_dim": 12,
+                          "extra": _longrope(64)}),
+    # gemma2: caps far below the released 50 and 30 (random attention is near uniform and its
+    # logits small: at 50 and 30 soft-capping changes nothing measurable), Q8_0 attention whose
+    # logits spread wide enough that the cap matters; the output's, of range 10.5, capped at 5
+    # (a cap near their range would shrink it and so inflate the relative error); a sliding
+    # window of 8 on layer 0
+    (
+        "gemma2",
+        T.Q4_K,
+        {"attn_": T.Q8_0, "ffn_down": T.Q6_K},
+        {"n_embd": 256, "n_ff": 512, "head_dim": 256, "extra": {
+            "gemma2.attn_logit_softcapping": 1.0, "gemma2.final_logit_softcapping": 5.0}},
+    ),
+    # olmo2: norms after attention and the FFN only, q/k normed over all heads
+    ("olmo2", T.Q8_0, {"ffn_gate": T.Q4_1}, {"tied": False}),
+    # Olmo3 (an olmo2 file with a sliding window): 4 layers, the last global, which alone takes
+    # the YaRN scaling (original context 64)
+    ("olmo2", T.Q5_0, {}, {"tied": False, "n_layer": 4, "extra": {
+        "olmo2.attention.sliding_window": 8,
+        "olmo2.attention.sliding_window_pattern": [True, True, True, False],
+        "olmo2.rope.scaling.type": "yarn", "olmo2.rope.scaling.factor": 8.0,
+        "olmo2.rope.scaling.original_context_length": 64}}),
+    # granite: its four scales (q·k's larger than granite-3's 1/128, which makes random
+    # attention uniform), with every optional bias
+    ("granite", T.Q8_0, {"ffn_down": T.Q5_0}, {"optional": True,
+                                                "extra": {"granite.attention.scale": 0.5}}),
+]  # fmt: skip
 # what transformers' GGUF loader does not read from the file (it keeps its config's defaults)
 HF_CONFIG = {"n_ff_exp": "moe_intermediate_size", "n_ff_shexp": "shared_expert_intermediate_size"}
+HF_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")  # {arch}.key, named the same
 
 
 def _ids(case: tuple) -> str:
@@ -69,8 +139,12 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     )
     if arch == "llama" and shape.get("n_expert"):
         ref = _mixtral(path)
+    elif arch == "gpt-oss":
+        ref = _gpt_oss(path)
+    elif arch in ("olmo2", "granite"):
+        ref = _own_class(path)
     else:
-        config = {HF_CONFIG[k]: v for k, v in shape.items() if k in HF_CONFIG}
+        config = _hf_config(path, arch, shape)
         ref = transformers.AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32, **config
         )
@@ -79,11 +153,35 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return path, ref_logits
 
 
+def _hf_config(path: Path, arch: str, shape: dict) -> dict:
+    """transformers' config keywords for what its GGUF loader does not read from the file."""
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    config = {HF_CONFIG[k]: v for k, v in shape.items() if k in HF_CONFIG}
+    config |= {k: f.metadata[f"{arch}.{k}"] for k in HF_KEYS if f"{arch}.{k}" in f.metadata}
+    if arch == "phi3":
+        config["pad_token_id"] = None  # (its default, 32000, is outside the tiny vocabulary)
+        if "rope_factors_long.weight" in f.tensors:  # LongRoPE: its factors, from the file
+            n_orig = f.metadata["phi3.rope.scaling.original_context_length"]
+            factors = {
+                k: _dequantized(f, f"rope_factors_{k.split('_')[0]}.weight").reshape(-1).tolist()
+                for k in ("long_factor", "short_factor")
+            }
+            n_rot, n_head = f.metadata["phi3.rope.dimension_count"], hp.n_head
+            config["original_max_position_embeddings"] = n_orig
+            config["rope_parameters"] = {
+                "rope_type": "longrope",
+                "rope_theta": f.metadata["phi3.rope.freq_base"],
+                "original_max_position_embeddings": n_orig,
+                "partial_rotary_factor": n_rot * n_head / hp.n_embd,
+                **factors,
+            }
+    return config
+
+
 def _mixtral(path: Path) -> torch.nn.Module:
     """transformers' Mixtral over the file's tensors, dequantized (its GGUF loader reads a llama
     file with experts as a dense llama): q and k un-permuted as its llama loader does."""
-    from gguf.quants import dequantize
-
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata)
     config = transformers.MixtralConfig(
@@ -97,9 +195,7 @@ def _mixtral(path: Path) -> torch.nn.Module:
     model = transformers.MixtralForCausalLM(config).float()
 
     def get(name: str) -> torch.Tensor:
-        info = f.tensors[name]
-        w = np.array(dequantize(f.raw(name), info.qtype), np.float32)  # (a writable copy)
-        return torch.from_numpy(w.reshape(info.shape))
+        return _dequantized(f, name)
 
     def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:  # GGUF's rope pairs -> halves
         return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
@@ -125,6 +221,150 @@ def _mixtral(path: Path) -> torch.nn.Module:
             q + "mlp.experts.down_proj": get(p + "ffn_down_exps.weight"),
         }
     missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def _dequantized(f: GGUFFile, name: str) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    info = f.tensors[name]
+    w = np.array(dequantize(f.raw(name), info.qtype), np.float32)  # (a writable copy)
+    return torch.from_numpy(w.reshape(info.shape))
+
+
+def _gpt_oss(path: Path) -> torch.nn.Module:
+    """transformers' GptOss over the file's tensors, dequantized. (Its GGUF loader fails on a
+    gpt-oss file: it reads each rope.scaling value as the key's length, takes the sliding window
+    from a key that does not exist, and leaves the sinks and every expert tensor unloaded.)
+    YaRN's correction range is truncated to whole dims, as ggml's rope (and so llama.cpp)
+    always does; gpt-oss's own config says not to (truncate: false)."""
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    rope = {"rope_type": "default", "rope_theta": hp.rope_base}
+    if hp.rope_scaling == "yarn":
+        rope |= {
+            "rope_type": "yarn", "factor": hp.rope_scale, "beta_fast": hp.yarn_beta_fast,
+            "beta_slow": hp.yarn_beta_slow, "truncate": True,
+            "original_max_position_embeddings": hp.rope_ctx_orig or hp.n_ctx_train,
+        }  # fmt: skip
+    config = transformers.GptOssConfig(
+        vocab_size=hp.n_vocab, hidden_size=hp.n_embd, intermediate_size=hp.n_ff_exp,
+        num_hidden_layers=hp.n_layer, num_attention_heads=hp.n_head,
+        num_key_value_heads=hp.n_head_kv, head_dim=hp.head_dim, rms_norm_eps=hp.rms_eps,
+        sliding_window=hp.sliding_window, num_local_experts=hp.n_expert,
+        num_experts_per_tok=hp.n_expert_used, max_position_embeddings=hp.n_ctx_train,
+        tie_word_embeddings="output.weight" not in f.tensors, rope_parameters=rope,
+    )  # fmt: skip
+    assert [hp.is_sliding(i) for i in range(hp.n_layer)] == [
+        t == "sliding_attention" for t in config.layer_types
+    ]
+    model = transformers.GptOssForCausalLM(config).float()
+
+    def get(name: str) -> torch.Tensor:
+        return _dequantized(f, name)
+
+    def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """[..., F] gate and up -> [..., 2F], gate at the even places (transformers' layout)."""
+        return torch.stack([gate, up], dim=-1).flatten(-2)
+
+    state = {"model.embed_tokens.weight": get("token_embd.weight"),
+             "model.norm.weight": get("output_norm.weight")}  # fmt: skip
+    if "output.weight" in f.tensors:
+        state["lm_head.weight"] = get("output.weight")
+    for i in range(hp.n_layer):
+        p, q = f"blk.{i}.", f"model.layers.{i}."
+        state |= {
+            q + "input_layernorm.weight": get(p + "attn_norm.weight"),
+            q + "post_attention_layernorm.weight": get(p + "post_attention_norm.weight"),
+            q + "self_attn.sinks": get(p + "attn_sinks.weight"),
+            q + "mlp.router.weight": get(p + "ffn_gate_inp.weight"),
+            q + "mlp.router.bias": get(p + "ffn_gate_inp.bias"),
+            # [E, D, 2F] and [E, 2F]; the file's stacks are [E, F, D] and [E, F]
+            q + "mlp.experts.gate_up_proj": interleave(
+                get(p + "ffn_gate_exps.weight").transpose(1, 2),
+                get(p + "ffn_up_exps.weight").transpose(1, 2),
+            ),
+            q + "mlp.experts.gate_up_proj_bias": interleave(
+                get(p + "ffn_gate_exps.bias"), get(p + "ffn_up_exps.bias")
+            ),
+            q + "mlp.experts.down_proj": get(p + "ffn_down_exps.weight").transpose(1, 2),
+            q + "mlp.experts.down_proj_bias": get(p + "ffn_down_exps.bias"),
+        }
+        for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
+            for part in ("weight", "bias"):
+                state[f"{q}self_attn.{theirs}_proj.{part}"] = get(f"{p}attn_{ours}.{part}")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def _own_class(path: Path) -> torch.nn.Module:
+    """transformers' Olmo2 (Olmo3 where the file has a sliding window) or Granite over the
+    file's tensors, dequantized (its GGUF loader does not read these architectures); granite's
+    q and k un-permuted (llama's GGUF order)."""
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    shape = dict(
+        vocab_size=hp.n_vocab, hidden_size=hp.n_embd, intermediate_size=hp.n_ff,
+        num_hidden_layers=hp.n_layer, num_attention_heads=hp.n_head,
+        num_key_value_heads=hp.n_head_kv, rms_norm_eps=hp.rms_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": hp.rope_base},
+        max_position_embeddings=hp.n_ctx_train, pad_token_id=None,
+        tie_word_embeddings="output.weight" not in f.tensors,
+    )  # fmt: skip
+    # GGUF name in blk.i -> transformers' in layers.i
+    names = {
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }  # fmt: skip
+    if hp.arch == "granite":
+        bias = "blk.0.attn_q.bias" in f.tensors
+        config = transformers.GraniteConfig(
+            **shape, embedding_multiplier=hp.embed_scale, residual_multiplier=hp.residual_scale,
+            attention_multiplier=hp.attn_scale, logits_scaling=hp.logit_scale,
+            attention_bias=bias, mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+        )  # fmt: skip
+        model = transformers.GraniteForCausalLM(config)
+        names |= {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    else:
+        names |= {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                  "post_attention_norm": "post_attention_layernorm",
+                  "post_ffw_norm": "post_feedforward_layernorm"}  # fmt: skip
+        model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**shape))
+    if hp.arch == "olmo2" and hp.sliding_window:  # Olmo3: YaRN on the global layers only
+        rope = {"rope_type": "default", "rope_theta": hp.rope_base}
+        yarn = {
+            "rope_type": "yarn", "rope_theta": hp.rope_base, "factor": hp.rope_scale,
+            "original_max_position_embeddings": hp.rope_ctx_orig, "truncate": True,
+        }  # fmt: skip
+        shape["rope_parameters"] = {"sliding_attention": rope, "full_attention": yarn}
+        kinds = ["sliding_attention" if hp.is_sliding(i) else "full_attention"
+                 for i in range(hp.n_layer)]  # fmt: skip
+        config = transformers.Olmo3Config(
+            **shape, sliding_window=hp.sliding_window, layer_types=kinds
+        )
+        model = transformers.Olmo3ForCausalLM(config)
+
+    def get(name: str) -> torch.Tensor:
+        w = _dequantized(f, name)
+        if hp.arch == "granite" and name.split(".")[2:3] in (["attn_q"], ["attn_k"]):
+            heads = hp.n_head if ".attn_q." in name else hp.n_head_kv  # rope pairs -> halves
+            w = w.reshape(heads, w.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+        return w
+
+    state = {"model.embed_tokens.weight": get("token_embd.weight"),
+             "model.norm.weight": get("output_norm.weight")}  # fmt: skip
+    if "output.weight" in f.tensors:
+        state["lm_head.weight"] = get("output.weight")
+    for name in f.tensors:
+        parts = name.split(".")
+        if parts[0] == "blk":
+            state[f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"] = get(name)
+    missing, unexpected = model.float().load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     return model.eval()
@@ -172,6 +412,19 @@ def test_split_equals_whole(tiny) -> None:
     path, _ = tiny
     whole = _ours(path, exact=True)
     assert torch.equal(_ours(path, exact=True, splits=(1,)), whole)
+
+
+def test_decode_steps_match_transformers(tiny) -> None:
+    """A prompt of 5, then one token a step through the KV cache (the decode masks: past the
+    sliding windows of 8 where a model has them), agrees with the reference as the whole does."""
+    path, ref = tiny
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    stage = Stage(hp, f, 0, hp.n_layer, 64, exact=True)
+    rows = [stage(np.array(TOKENS[:5]), [SeqChunk(0, 5)], np.arange(5))]
+    rows += [stage(np.array([t]), [SeqChunk(0, 1)]) for t in TOKENS[5:]]
+    ours = torch.from_numpy(np.concatenate(rows)).double()
+    assert _rel(ours, ref) < 5e-4, f"max rel err {_rel(ours, ref):.2e}"
 
 
 def test_bad_inputs_are_refused_before_ggml_sees_them(tmp_path: Path) -> None:

@@ -236,6 +236,62 @@ def test_template_helpers() -> None:
     assert ChatTemplate(source).render([]) == '{"a": "<é>"}4'
 
 
+# llama.cpp's copy of gpt-oss's own template (harmony: channels, a developer turn, tools as a
+# TypeScript namespace), from the source tree the build uses
+GPT_OSS_TEMPLATE = (
+    Path(
+        os.environ.get(
+            "LLAMA_CPP_TEMPLATES",
+            "/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates",
+        )
+    )
+    / "openai-gpt-oss-120b.jinja"
+)
+
+
+@pytest.mark.skipif(not GPT_OSS_TEMPLATE.is_file(), reason="no llama.cpp source tree here")
+def test_gpt_oss_template_matches_transformers() -> None:
+    """gpt-oss files carry their harmony template: it renders in our sandbox as transformers'
+    own renderer renders it (system and developer turns, reasoning effort, a tool call with its
+    thinking and the tool's answer)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    source = GPT_OSS_TEMPLATE.read_text()
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two numbers",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                    "required": ["a", "b"],
+                },
+            },
+        }
+    ]
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    chats = [
+        *MESSAGES,
+        [
+            {"role": "system", "content": "You add."},
+            {"role": "user", "content": "2 + 3?"},
+            {"role": "assistant", "content": "", "thinking": "Use add.", "tool_calls": [call]},
+            {"role": "tool", "content": "5"},
+        ],
+    ]
+    template = ChatTemplate(source, "<|startoftext|>", "<|return|>")
+    for messages in chats:
+        for extra in ({}, {"tools": tools, "reasoning_effort": "high"}):
+            ours = template.render(messages, **extra)
+            (theirs,), _ = render_jinja_template(
+                conversations=[messages], chat_template=source, add_generation_prompt=True, **extra
+            )
+            assert ours == theirs
+            assert ours.endswith("<|start|>assistant")
+
+
 def _tiny_spm(add_space_prefix: bool) -> dict:
     """A SentencePiece vocabulary of a few pieces, bytes and <s>, </s>, <unk> (Llama 2 layout)."""
     pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "hello", "▁hello", "▁w"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from potluck.errors import UnsupportedError
 from potluck.model.archs import hparams_from_metadata
 from potluck.modelfile.gguf_file import GGUFFile
 from potluck.train.model import DEFAULT_TARGETS, LoraModel
@@ -53,6 +54,23 @@ CASES = [("llama", T.Q8_0, {}), ("qwen2", T.Q4_0, {}), ("qwen3", T.Q4_1, {"head_
 def test_one_step_equals_transformers_peft(tmp_path: Path, arch: str, qtype: T, shape) -> None:
     path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, None, qtype, n_layer=2, **shape)
     _one_step(path, arch)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "olmo2", "granite"])
+def test_blocks_the_trainer_cannot_express_are_refused(tmp_path: Path, arch: str) -> None:
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, None, T.Q8_0, tied=False)
+    f = GGUFFile(path)
+    with pytest.raises(UnsupportedError, match=f"fine-tuning {arch} is not supported yet"):
+        LoraModel(hparams_from_metadata(f.metadata), f)
+
+
+def test_a_soft_capped_llama_is_refused(tmp_path: Path) -> None:
+    """Keys the trainer's forward leaves out are refused whatever the architecture."""
+    extra = {"llama.final_logit_softcapping": 30.0}
+    path = write_tiny_model(tmp_path / "m.gguf", "llama", None, T.Q8_0, extra=extra)
+    f = GGUFFile(path)
+    with pytest.raises(UnsupportedError, match="sets llama.final_logit_softcapping"):
+        LoraModel(hparams_from_metadata(f.metadata), f)
 
 
 @pytest.mark.slow  # ≈ 1 min: transformers loads SmolLM2's GGUF

@@ -141,7 +141,8 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     if os.environ.get("POTLUCK_KEEP_ARTIFACTS"):
         ARTIFACTS.mkdir(exist_ok=True)
         for f in out.iterdir():
-            shutil.copy2(f, ARTIFACTS / f.name)
+            if f.is_file():  # (not the servers' batch folders)
+                shutil.copy2(f, ARTIFACTS / f.name)
         print(f"copied to {ARTIFACTS}")
 
 
@@ -592,6 +593,30 @@ def test_dashboard_shows_a_two_node_pool(browser, pool_server: Server, artifacts
         p.shot(artifacts, "desktop-pool-two-nodes")
     finally:
         p.close()
+
+
+def test_dashboard_shows_a_mixture_of_experts(browser, artifacts: Path, tmp_path: Path) -> None:
+    """A qwen3moe served: /api/pool and the dashboard's model line name its experts and the
+    parameters a token computes with."""
+    from gguf import GGMLQuantizationType as T
+
+    from ggufgen import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", None, T.Q8_0, n_expert=8)
+    s = Server(path, artifacts / "serve-moe.log")
+    try:
+        m = s.pool()["model"]
+        assert (m["arch"], m["n_expert"], m["n_expert_used"]) == ("qwen3moe", 8, 2)
+        assert 0 < m["active_parameters"] < m["parameters"]
+        p = Page(browser, s.base, viewport={"width": 1280, "height": 800})
+        p.open()
+        p.page.wait_for_selector("#pool-status[data-state=live]")
+        line = p.page.inner_text("#pool-model")
+        assert "parameters active: 2 of 8 experts per token" in line, line
+        p.shot(artifacts, "desktop-moe")
+        p.close()
+    finally:
+        s.stop()
 
 
 def test_errors_are_shown_and_the_chat_recovers(page: Page, server: Server) -> None:

@@ -16,6 +16,7 @@ import psutil
 
 from potluck.engine.generate import Model
 from potluck.engine.scheduler import Scheduler
+from potluck.model.archs import parameters
 
 
 class PoolInfo:
@@ -23,6 +24,7 @@ class PoolInfo:
 
     def __init__(self, model: Model, scheduler: Scheduler, model_id: str) -> None:
         self.model, self.scheduler, self.model_id = model, scheduler, model_id
+        self._parameters = parameters(model.hp, model.file.tensors)  # (all, per token)
         self.hostname = socket.gethostname()
         self._footprint: Any = None  # the planner's model of the layers' bytes, made on first use
 
@@ -94,6 +96,7 @@ class PoolInfo:
                 }
             )
         m, hp = self.model, self.model.hp
+        total, active = self._parameters
         return {
             "model": {
                 "name": self.model_id,
@@ -101,6 +104,11 @@ class PoolInfo:
                 "quant": m.file.quant_mix(),
                 "n_layer": hp.n_layer,
                 "n_ctx": m.n_ctx,
+                "parameters": total,
+                # a mixture of experts: what a token computes with, and its experts (0: dense)
+                "active_parameters": active,
+                "n_expert": hp.n_expert,
+                "n_expert_used": hp.n_expert_used,
             },
             "nodes": nodes,
             "tokens_per_s": round(st.tokens_per_s(), 2),

@@ -85,6 +85,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ggml_sum_rows": ([P, P], P),
     "ggml_clamp": ([P, P, c_float, c_float], P),
     "ggml_scale": ([P, P, c_float], P),
+    "ggml_scale_bias": ([P, P, c_float, c_float], P),
     "ggml_rms_norm": ([P, P, c_float], P),
     "ggml_rope_ext": (
         [P, P, P, P, c_int, c_int, c_int, c_float, c_float, c_float, c_float, c_float, c_float],
@@ -101,6 +102,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ggml_view_3d": ([P, P, c_int64, c_int64, c_int64, c_size_t, c_size_t, c_size_t], P),
     "ggml_reshape_2d": ([P, P, c_int64, c_int64], P),
     "ggml_reshape_3d": ([P, P, c_int64, c_int64, c_int64], P),
+    "ggml_reshape_4d": ([P, P, c_int64, c_int64, c_int64, c_int64], P),
     "ggml_permute": ([P, P, c_int, c_int, c_int, c_int], P),
     "ggml_cont": ([P, P], P),
     "ggml_concat": ([P, P, P, c_int], P),

@@ -31,6 +31,7 @@ from potluck.model.ggml_lib import (
     TYPE_I64,
     BackendError,
     lib,
+    tensor_ne,
 )
 from potluck.model.ggml_lib import context as new_context
 from potluck.model.kv_cache import MIN_CAPACITY, SeqCache
@@ -38,6 +39,9 @@ from potluck.model.weights import Weights
 from potluck.modelfile.hparams import HParams
 
 _F32 = 4
+# gpt-oss's clamped SwiGLU (alpha, limit): (min(g, limit) · sigmoid(alpha · min(g, limit))) times
+# (clamp(u, ±limit) + 1); llama.cpp and transformers both fix these two numbers in code
+SWIGLU_OAI = (1.702, 7.0)
 # A LoRA adapter as a stage holds it: its .lora_a/.lora_b tensors, and per adapted base tensor
 # the factor s of W x + s · B (A x) (modelfile/lora.py)
 Lora = tuple[Weights, Mapping[str, float]]
@@ -91,8 +95,12 @@ class StepGraph:
         self.windows = sorted({hp.sliding_window if hp.is_sliding(i) else 0 for i in layers})
         self.block = architecture(hp.arch).block
         per_layer = 40 + 16 * len(self.sizes) + 28 * len(loras)
-        if hp.is_moe:  # router, top-k, weights, three mul_mat_id, the sum, a shared expert
-            per_layer += 40 + hp.n_expert_used
+        if hp.is_moe:  # router, top-k, weights, three mul_mat_id and biases, the sum, a shared
+            per_layer += 48 + 2 * hp.n_expert_used  # expert
+        if hp.n_expert_groups:  # the groups' scores, top groups, the mask
+            per_layer += 16
+        if hp.kv_lora_rank:  # MLA's bottlenecks, views, absorbed q and the heads' values
+            per_layer += 24
         n_nodes = len(layers) * per_layer + 64
         self.ctx = new_context(2 * n_nodes + 16, n_nodes)
         self.gf: int = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
@@ -124,10 +132,15 @@ class StepGraph:
             x = lib.ggml_get_rows(ctx, self.w.tensor("token_embd.weight"), self.inp_ids)  # [D, T]
             if hp.rules.embed_scale_sqrt:
                 x = lib.ggml_scale(ctx, x, float(D) ** 0.5)
+            if hp.embed_scale != 1.0:
+                x = lib.ggml_scale(ctx, x, hp.embed_scale)
         else:
             self.inp_x = self._input(TYPE_F32, D, T)
             x = self.inp_x
         self.inp_pos = self._input(TYPE_I32, T)
+        # MLA: per token, the heads 0 .. H-1, which pick each head's matrix out of a stack
+        # (mul_mat_id): i32 [H, T]
+        self.inp_heads = self._input(TYPE_I32, hp.n_head, T) if hp.kv_lora_rank else 0
         self.inp_kv_rows = [self._input(TYPE_I64, n) for n in self.sizes]
         self.inp_masks = {
             w: [self._input(TYPE_F16, k, n) for n, k in zip(self.sizes, self.n_kv, strict=True)]
@@ -148,7 +161,17 @@ class StepGraph:
         x = self.norm(x, "output_norm.weight")
         head = "output.weight" if "output.weight" in self.w else "token_embd.weight"
         self._lora_on, self._lora_width = self.inp_lora_rows, self.shape.n_rows
-        return self._adapted(head, x, lib.ggml_mul_mat(ctx, self.w.tensor(head), x))  # [V, R]
+        y = self._adapted(head, x, lib.ggml_mul_mat(ctx, self.w.tensor(head), x))  # [V, R]
+        if hp.logit_scale != 1.0:
+            y = lib.ggml_scale(ctx, y, 1.0 / hp.logit_scale)
+        return self._softcap(y, hp.final_softcap)
+
+    def _softcap(self, x: int, cap: float) -> int:
+        """cap · tanh(x / cap) (0: x as it is)."""
+        if cap:
+            x = lib.ggml_scale(self.ctx, x, 1.0 / cap)
+            x = lib.ggml_scale(self.ctx, lib.ggml_tanh(self.ctx, x), cap)
+        return x
 
     # -- the helpers a block is written with (archs/common.py Block) -------------------------
     def norm(self, x: int, weight: str) -> int:
@@ -158,6 +181,10 @@ class StepGraph:
 
     def add(self, a: int, b: int) -> int:
         y: int = lib.ggml_add(self.ctx, a, b)
+        return y
+
+    def scale(self, x: int, s: float) -> int:
+        y: int = lib.ggml_scale(self.ctx, x, s) if s != 1.0 else x
         return y
 
     def _linear(self, name: str, x: int) -> int:
@@ -183,10 +210,26 @@ class StepGraph:
 
     def ffn(self, i: int, h: int, suffix: str = "") -> int:
         ctx, p = self.ctx, f"blk.{i}."
-        gate = self._linear(f"{p}ffn_gate{suffix}", h)  # [F, T]
-        up = self._linear(f"{p}ffn_up{suffix}", h)
-        glu = lib.ggml_swiglu_split if self.hp.rules.activation == "silu" else lib.ggml_geglu_split
-        return self._linear(f"{p}ffn_down{suffix}", glu(ctx, gate, up))  # [D, T]
+        up = self._linear(f"{p}ffn_up{suffix}", h)  # [F, T]
+        if f"{p}ffn_gate{suffix}.weight" in self.w:
+            gate = self._linear(f"{p}ffn_gate{suffix}", h)
+        else:  # one matrix: up is [2F, T], the gate's F rows first (phi3), split by views
+            F = tensor_ne(up)[0] // 2
+            row = lib.ggml_row_size(TYPE_F32, 2 * F)
+            gate = lib.ggml_view_2d(ctx, up, F, self.total, row, 0)
+            up = lib.ggml_view_2d(ctx, up, F, self.total, row, F * _F32)
+        return self._linear(f"{p}ffn_down{suffix}", self._glu(gate, up))  # [D, T]
+
+    def _glu(self, gate: int, up: int) -> int:
+        """The architecture's activation of gate, times up (same shapes, [F, ...])."""
+        act = self.hp.rules.activation
+        if act == "swiglu_oai":
+            y: int = lib.ggml_swiglu_oai(self.ctx, gate, up, *SWIGLU_OAI)
+        elif act == "silu":
+            y = lib.ggml_swiglu_split(self.ctx, gate, up)
+        else:
+            y = lib.ggml_geglu_split(self.ctx, gate, up)
+        return y
 
     def gate(self, name: str, h: int, y: int) -> int:
         g = lib.ggml_sigmoid(self.ctx, lib.ggml_mul_mat(self.ctx, self.w.tensor(name), h))  # [1, T]
@@ -195,17 +238,23 @@ class StepGraph:
 
     def moe(self, i: int, h: int) -> int:
         """The router picks k = n_expert_used of E experts per token; each runs as a gated FFN
-        (three mul_mat_id over the stacked experts) and their outputs are summed, weighted by
-        the router's probabilities (renormalised over the k where the model says so)."""
+        (three mul_mat_id over the stacked experts, each plus its expert's bias where the file
+        has them) and their outputs are summed, weighted by the router's probabilities
+        (renormalised over the k where the model says so; hparams.py Gating)."""
         hp, ctx, p, T, D = self.hp, self.ctx, f"blk.{i}.", self.total, self.hp.n_embd
         E, k = hp.n_expert, hp.n_expert_used
-        logits = self._linear(p + "ffn_gate_inp", h)  # [E, T]
+        logits = self._linear(p + "ffn_gate_inp", h)  # [E, T] (plus the router's bias)
         if hp.expert_gating == "softmax":
             probs = lib.ggml_soft_max(ctx, logits)
-        else:
+        elif hp.expert_gating == "sigmoid":
             probs = lib.ggml_sigmoid(ctx, logits)
-        experts = lib.ggml_argsort_top_k(ctx, probs, k)  # i32 [k, T]
+        else:  # softmax_weight: chosen by their logits, the softmax taken over the k below
+            probs = logits
+        experts = lib.ggml_argsort_top_k(ctx, self._selection(i, probs), k)  # i32 [k, T]
         weights = lib.ggml_get_rows(ctx, lib.ggml_reshape_3d(ctx, probs, 1, E, T), experts)
+        if hp.expert_gating == "softmax_weight":  # [1, k, T] -> a softmax over each token's k
+            weights = lib.ggml_soft_max(ctx, lib.ggml_reshape_2d(ctx, weights, k, T))
+            weights = lib.ggml_reshape_3d(ctx, weights, 1, k, T)
         if hp.expert_norm:  # [1, k, T] -> each token's k weights over their sum
             weights = lib.ggml_reshape_2d(ctx, weights, k, T)
             total = lib.ggml_clamp(ctx, lib.ggml_sum_rows(ctx, weights), 6.103515625e-5, 3.4e38)
@@ -213,12 +262,10 @@ class StepGraph:
         if hp.expert_scale != 1.0:
             weights = lib.ggml_scale(ctx, weights, hp.expert_scale)
         x = lib.ggml_reshape_3d(ctx, h, D, 1, T)
-        up = lib.ggml_mul_mat_id(ctx, self.w.tensor(p + "ffn_up_exps.weight"), x, experts)
-        gate = lib.ggml_mul_mat_id(ctx, self.w.tensor(p + "ffn_gate_exps.weight"), x, experts)
-        glu = lib.ggml_swiglu_split if hp.rules.activation == "silu" else lib.ggml_geglu_split
-        act = glu(ctx, gate, up)  # [F, k, T]
-        out = lib.ggml_mul_mat_id(ctx, self.w.tensor(p + "ffn_down_exps.weight"), act, experts)
-        out = lib.ggml_mul(ctx, out, weights)  # [D, k, T]
+        up = self._experts(p + "ffn_up_exps", x, experts)  # [F, k, T]
+        gate = self._experts(p + "ffn_gate_exps", x, experts)
+        out = self._experts(p + "ffn_down_exps", self._glu(gate, up), experts)  # [D, k, T]
+        out = lib.ggml_mul(ctx, out, weights)
         row = D * _F32  # the k outputs of a token are rows of out: summed by views
         y: int = lib.ggml_view_2d(ctx, out, D, T, k * row, 0)
         for j in range(1, k):
@@ -227,17 +274,58 @@ class StepGraph:
             y = lib.ggml_cont(ctx, y)
         return y  # [D, T]
 
+    def _selection(self, i: int, probs: int) -> int:
+        """What layer i's router chooses its top k by, of probs [E, T]: plus the selection bias
+        `exp_probs_b` where the file has it (it moves the choice, not the weights); with expert
+        groups, -inf outside the n_group_used groups whose two best experts sum highest
+        (DeepSeek-V3's routing, as llama.cpp's build_moe_ffn). [E, T]."""
+        hp, ctx, T = self.hp, self.ctx, self.total
+        bias = f"blk.{i}.exp_probs_b.bias"
+        if bias in self.w:
+            probs = lib.ggml_add(ctx, probs, self.w.tensor(bias))
+        G = hp.n_expert_groups
+        if not G:
+            return probs
+        n = hp.n_expert // G  # experts per group
+        groups = lib.ggml_reshape_3d(ctx, probs, n, G, T)  # [n, G, T]
+        best = lib.ggml_argsort_top_k(ctx, groups, 2)  # i32 [2, G, T]
+        best = lib.ggml_get_rows(ctx, lib.ggml_reshape_4d(ctx, groups, 1, n, G, T), best)
+        score = lib.ggml_sum_rows(ctx, lib.ggml_reshape_3d(ctx, best, 2, G, T))  # [1, G, T]
+        chosen = lib.ggml_argsort_top_k(ctx, lib.ggml_reshape_2d(ctx, score, G, T), hp.n_group_used)
+        kept = lib.ggml_get_rows(ctx, groups, chosen)  # [n, g, T]
+        # (0 · p - inf: a tensor of -inf shaped as groups; its probabilities are all finite)
+        none = lib.ggml_scale_bias(ctx, groups, 0.0, float("-inf"))
+        masked = lib.ggml_set_rows(ctx, none, kept, chosen)  # [n, G, T]
+        y: int = lib.ggml_reshape_2d(ctx, masked, hp.n_expert, T)
+        return y
+
+    def _experts(self, name: str, x: int, experts: int) -> int:
+        """Each token's k chosen matrices of the stack `name` [E, n_out, n_in] times x [n_in, 1
+        or k, T], plus each one's bias (`name`.bias [E, n_out]) where the file has them:
+        [n_out, k, T]."""
+        y: int = lib.ggml_mul_mat_id(self.ctx, self.w.tensor(name + ".weight"), x, experts)
+        if name + ".bias" in self.w:
+            y = lib.ggml_add_id(self.ctx, y, self.w.tensor(name + ".bias"), experts)
+        return y
+
     def attention(self, i: int, h: int) -> int:
-        hp, ctx, p, T, caches = self.hp, self.ctx, f"blk.{i}.", self.total, self.caches
+        hp, ctx, p, caches = self.hp, self.ctx, f"blk.{i}.", self.caches
         H, Hkv, hd, hdv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
-        q = lib.ggml_reshape_3d(ctx, self._linear(p + "attn_q", h), hd, H, T)  # [hd, H, T]
-        k = lib.ggml_reshape_3d(ctx, self._linear(p + "attn_k", h), hd, Hkv, T)
-        v = self._linear(p + "attn_v", h)  # [Hkv hdv, T]
-        if hp.rules.qk_norm:
-            q = self.norm(q, p + "attn_q_norm.weight")
-            k = self.norm(k, p + "attn_k_norm.weight")
-        q, k = self._rope(i, q), self._rope(i, k)
+        if hp.kv_lora_rank:  # MLA: RoPE'd within; one kv head, the latent
+            q, k, v = self._mla_qkv(i, h)
+        else:
+            q, k, v = self._qkv(i, h)  # [hd, H, T], [hd, Hkv, T], [Hkv hdv, T]
+            optional = hp.rules.qk_norm_if_present and p + "attn_q_norm.weight" in self.w
+            if hp.rules.qk_norm or optional:
+                q = self.norm(q, p + "attn_q_norm.weight")
+                k = self.norm(k, p + "attn_k_norm.weight")
+            q, k = self._rope(i, q), self._rope(i, k)
         window = hp.sliding_window if hp.is_sliding(i) else 0
+        # per head, a logit that joins every row's softmax and adds nothing to the output
+        # (gpt-oss): f32 [H]
+        sinks = (
+            self.w.tensor(p + "attn_sinks.weight") if p + "attn_sinks.weight" in self.w else None
+        )
         outs: list[int] = []
         t0 = 0
         for c, (cache, n, n_kv) in enumerate(zip(caches, self.sizes, self.n_kv, strict=True)):
@@ -257,24 +345,98 @@ class StepGraph:
             qc = lib.ggml_view_3d(ctx, q, hd, H, n, hd * _F32, hd * H * _F32, t0 * hd * H * _F32)
             qc = lib.ggml_permute(ctx, qc, 0, 2, 1, 3)  # [hd, n, H]
             mask = self.inp_masks[window][c]
-            o = lib.ggml_flash_attn_ext(ctx, qc, kk, vv, mask, hp.attn_scale, 0.0, 0.0)
+            o = lib.ggml_flash_attn_ext(ctx, qc, kk, vv, mask, hp.attn_scale, 0.0, hp.attn_softcap)
             lib.ggml_flash_attn_ext_set_prec(o, PREC_F32)
+            if sinks is not None:
+                lib.ggml_flash_attn_ext_add_sinks(o, sinks)
             outs.append(lib.ggml_reshape_2d(ctx, o, hdv * H, n))  # [H hdv, n]
             t0 += n
         o = outs[0]
         for more in outs[1:]:
             o = lib.ggml_concat(ctx, o, more, 1)
+        if hp.kv_lora_rank:  # each head's latent [r, H, T] times its attn_v_b [r -> v]
+            o = lib.ggml_reshape_3d(ctx, o, hdv, H, self.total)
+            o = lib.ggml_mul_mat_id(ctx, self.w.tensor(p + "attn_v_b.weight"), o, self.inp_heads)
+            o = lib.ggml_reshape_2d(ctx, o, hp.head_dim_v_mla * H, self.total)  # [H v, T]
         return self._linear(p + "attn_output", o)
+
+    def _mla_qkv(self, i: int, h: int) -> tuple[int, int, int]:
+        """Multi-head latent attention's q [r + R, H, T], k [r + R, 1, T] and v [r, T] of h
+        [D, T], as llama.cpp's deepseek2 with its absorption: k and v are the latent (rank r,
+        normed) that attn_kv_a_mqa makes with a shared key of R = rope_dim dims after it
+        (RoPE'd), cached as one kv head; each head's q is its nope part times its attn_k_b (so
+        that q·latent = q·k of the decompressed head), then its RoPE'd part. The heads' matrices
+        (attn_k_b [H, r, nope], attn_v_b [H, v, r]) go through mul_mat_id, one per head: the
+        CPU's repacked layouts serve it for 3-D stacks, not a batched mul_mat."""
+        hp, ctx, p, T = self.hp, self.ctx, f"blk.{i}.", self.total
+        H, r, R, dq = hp.n_head, hp.kv_lora_rank, hp.rope_dim, hp.head_dim_mla
+        if hp.q_lora_rank:  # through the q bottleneck (GLM-4.7-Flash, DeepSeek-V2/V3)
+            q = self.norm(self._linear(p + "attn_q_a", h), p + "attn_q_a_norm.weight")
+            q = self._linear(p + "attn_q_b", q)
+        else:  # (DeepSeek-V2-Lite)
+            q = self._linear(p + "attn_q", h)  # [H dq, T]
+        row = dq * _F32
+        q_nope = lib.ggml_view_3d(ctx, q, dq - R, H, T, row, row * H, 0)
+        q_nope = lib.ggml_cont(ctx, q_nope)  # [nope, H, T]
+        q_pe = self._rope(i, lib.ggml_view_3d(ctx, q, R, H, T, row, row * H, (dq - R) * _F32))
+        k_b = self.w.tensor(p + "attn_k_b.weight")
+        q_lat = lib.ggml_mul_mat_id(ctx, k_b, q_nope, self.inp_heads)  # [r, H, T]
+        q = lib.ggml_concat(ctx, q_lat, q_pe, 0)  # [r + R, H, T]
+        kv = self._linear(p + "attn_kv_a_mqa", h)  # [r + R, T]
+        row = (r + R) * _F32
+        latent = self.norm(lib.ggml_view_2d(ctx, kv, r, T, row, 0), p + "attn_kv_a_norm.weight")
+        k_pe = self._rope(i, lib.ggml_view_3d(ctx, kv, R, 1, T, row, row, r * _F32))
+        k = lib.ggml_concat(ctx, lib.ggml_reshape_3d(ctx, latent, r, 1, T), k_pe, 0)
+        return q, k, latent
+
+    def _qkv(self, i: int, h: int) -> tuple[int, int, int]:
+        """Layer i's q [hd, H, T], k [hd, Hkv, T] and v [Hkv hdv, T] of h [D, T]: from attn_q,
+        attn_k and attn_v, or from one matrix attn_qkv where the file has it (its rows: q's, k's,
+        v's); normed over all heads together where the rules say so (olmo2)."""
+        hp, ctx, p, T = self.hp, self.ctx, f"blk.{i}.", self.total
+        H, Hkv, hd, hdv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
+        if p + "attn_qkv.weight" in self.w:
+            qkv = self._linear(p + "attn_qkv", h)  # [H hd + Hkv hd + Hkv hdv, T]
+            row = lib.ggml_row_size(TYPE_F32, H * hd + Hkv * (hd + hdv))
+            q = lib.ggml_view_2d(ctx, qkv, H * hd, T, row, 0)
+            k = lib.ggml_view_2d(ctx, qkv, Hkv * hd, T, row, H * hd * _F32)
+            v = lib.ggml_view_2d(ctx, qkv, Hkv * hdv, T, row, (H + Hkv) * hd * _F32)
+            # contiguous, as the reshapes here and attention's views of v's rows need
+            q, k, v = (lib.ggml_cont(ctx, t) for t in (q, k, v))
+        else:
+            q, k = self._linear(p + "attn_q", h), self._linear(p + "attn_k", h)
+            v = self._linear(p + "attn_v", h)
+        if hp.rules.qk_norm_full:
+            q = self.norm(q, p + "attn_q_norm.weight")
+            k = self.norm(k, p + "attn_k_norm.weight")
+        q = lib.ggml_reshape_3d(ctx, q, hd, H, T)
+        k = lib.ggml_reshape_3d(ctx, k, hd, Hkv, T)
+        return q, k, v
 
     def _rope(self, i: int, x: int) -> int:
         hp = self.hp
         mode = ROPE_NEOX if hp.rules.rope_style == "neox" else ROPE_NORMAL
-        freqs = self.w.tensor("rope_freqs.weight") if "rope_freqs.weight" in self.w else None
+        freqs = self._rope_freqs()
+        n_orig, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = hp.rope_ext()
+        if hp.rules.local_rope_unscaled and hp.is_sliding(i):
+            freq_scale, ext_factor, attn_factor = 1.0, 0.0, 1.0
         x = lib.ggml_rope_ext(
-            self.ctx, x, self.inp_pos, freqs, hp.rope_dim, mode, hp.n_ctx_train,
-            hp.rope_base_for(i), 1.0 / hp.rope_scale, 0.0, 1.0, 32.0, 1.0,
+            self.ctx, x, self.inp_pos, freqs, hp.rope_dim, mode, n_orig, hp.rope_base_for(i),
+            freq_scale, ext_factor, attn_factor, beta_fast, beta_slow,
         )  # fmt: skip
         return x
+
+    def _rope_freqs(self) -> int | None:
+        """Divisors of RoPE's frequencies, f32 [rope_dim / 2], where the file has them: Llama
+        3.1's rope_freqs; or LongRoPE's (phi3) long factors where a sequence's context exceeds
+        the original training context, else its short ones (as llama.cpp chooses)."""
+        if "rope_freqs.weight" in self.w:
+            return self.w.tensor("rope_freqs.weight")
+        if "rope_factors_long.weight" not in self.w:
+            return None
+        n_ctx = max(c.n_ctx for c in self.caches)
+        long = n_ctx > (self.hp.rope_ctx_orig or self.hp.n_ctx_train)
+        return self.w.tensor("rope_factors_long.weight" if long else "rope_factors_short.weight")
 
     # -- running -----------------------------------------------------------------------------
     def run(
@@ -301,6 +463,8 @@ class StepGraph:
                 ]
             )
         _set(self.inp_pos, pos)
+        if self.inp_heads:
+            _set(self.inp_heads, np.tile(np.arange(self.hp.n_head, dtype=np.int32), self.total))
         t0 = 0
         for c, (s, n, n_kv) in enumerate(zip(starts, self.sizes, self.n_kv, strict=True)):
             _set(self.inp_kv_rows[c], pos[t0 : t0 + n].astype(np.int64))

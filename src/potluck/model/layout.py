@@ -21,6 +21,8 @@ def stage_tensor_names(
     if stop == n_layer:
         need.append("output_norm.weight")
         need.append("output.weight" if "output.weight" in names else "token_embd.weight")
-    if "rope_freqs.weight" in names:
-        need.append("rope_freqs.weight")
+    # RoPE's frequency factors, which every layer reads (Llama 3.1's; LongRoPE's, phi3)
+    for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        if name in names:
+            need.append(name)
     return list(dict.fromkeys(need))

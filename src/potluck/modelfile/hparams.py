@@ -6,10 +6,20 @@ has them) under those rules. model/archs `hparams_from_metadata` picks the modul
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from potluck.errors import ModelFileError, UnsupportedError
+
+# how the router's logits become the chosen experts' weights: a softmax (or a sigmoid) over all
+# experts, the top k of those taken; or "softmax_weight" (gpt-oss): the top k logits taken, a
+# softmax over those k
+Gating = Literal["softmax", "sigmoid", "softmax_weight"]
+GATING: dict[int, Gating] = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  # as llama.cpp
+# numbers {arch}.expert_gating_func
+RopeScaling = Literal["none", "linear", "yarn"]  # {arch}.rope.scaling.type
+_SCALINGS: dict[str, RopeScaling] = {s: s for s in get_args(RopeScaling)}
 
 
 @dataclass(frozen=True)
@@ -18,7 +28,9 @@ class ArchRules:
     architecture's module in model/archs/ declares its own)."""
 
     rope_style: Literal["norm", "neox"]  # adjacent pairs (llama's GGUF permutation) or half-split
-    activation: Literal["silu", "gelu_tanh"]
+    # the gated FFN's activation: SwiGLU, GeGLU (tanh), or gpt-oss's clamped SwiGLU
+    # (model/graph.py SWIGLU_OAI)
+    activation: Literal["silu", "gelu_tanh", "swiglu_oai"]
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (qwen3, gemma3)
     post_norms: bool = False  # norms after attention and after the FFN, before the residual add
     embed_scale_sqrt: bool = False  # multiply embeddings by sqrt(n_embd) (gemma)
@@ -26,9 +38,26 @@ class ArchRules:
     local_rope_base: float | None = None  # RoPE base of sliding-window layers (gemma3: 10 000)
     expert_norm: bool = True  # routed experts' top-k weights renormalised to sum to 1 (where the
     # file has no {arch}.expert_weights_norm key: qwen3moe and Mixtral do, qwen2moe does not)
-
-
-GATING = {1: "softmax", 2: "sigmoid"}  # {arch}.expert_gating_func, as llama.cpp numbers them
+    expert_gating: Gating = "softmax"  # where the file has no {arch}.expert_gating_func key
+    qk_norm_full: bool = False  # RMSNorm over all heads of q (of k) together, before RoPE (olmo2)
+    # soft-capping, cap · tanh(s / cap), of attention's scaled q·k and of the output logits,
+    # where the file has no {arch}.attn_logit_softcapping / final_logit_softcapping key (0: none)
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # gemma's query_pre_attn_scalar, which GGUF does not carry: the size with this many layers
+    # (gemma2's 27B: 46) scales q·k by (n_embd / n_head)^-1/2, every other size by
+    # head_dim^-1/2, as llama.cpp (a file's {arch}.attention.scale wins)
+    wide_query_scale_layers: int = 0
+    divide_logits: bool = False  # the output logits divided by {arch}.logit_scale (granite)
+    # sliding-window layers' RoPE without the file's YaRN scaling (olmo2's, for Olmo3)
+    local_rope_unscaled: bool = False
+    # per-head RMSNorms of q and k before RoPE where the file has them (glm4moe: GLM-4.5 has
+    # them, GLM-4.5-Air not)
+    qk_norm_if_present: bool = False
+    # {arch}.rope.scaling.yarn_log_multiplier holds 0.1 · YaRN's mscale_all_dim (deepseek2's
+    # converter), which is also its mscale: cos and sin stay unscaled and q·k is scaled by
+    # (1 + 0.1 mscale_all_dim ln factor)², as DeepSeek's reference (and llama.cpp) do
+    yarn_log_mul_tenths: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,7 +76,7 @@ class HParams:
     rms_eps: float
     rope_base: float
     rope_dim: int  # rotated dims per head (≤ head_dim)
-    rope_scale: float  # linear position scaling factor (1.0 = none)
+    rope_scale: float  # position scaling factor, linear or YaRN's (1.0 = none)
     sliding_window: int  # 0 = none
     sliding_pattern: int  # every Nth layer is global when sliding_window > 0 (0 = all sliding)
     attn_scale: float  # softmax scale on q·k
@@ -58,10 +87,37 @@ class HParams:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     n_ff_shexp: int = 0
-    expert_gating: Literal["softmax", "sigmoid"] = "softmax"
+    expert_gating: Gating = "softmax"
     expert_norm: bool = True
     expert_scale: float = 1.0
     n_dense_lead: int = 0
+    # experts in n_expert_groups groups (0 or 1: none): a token's k are chosen from the
+    # n_group_used groups whose two best experts score highest (DeepSeek-V3's routing)
+    n_expert_groups: int = 0
+    n_group_used: int = 0
+    # multi-head latent attention (DeepSeek-V2's MLA; kv_lora_rank = 0: none): k and v of every
+    # head come from one latent of kv_lora_rank per token (plus a shared RoPE'd key of rope_dim),
+    # cached as one kv head (n_head_kv = 1, head_dim = kv_lora_rank + rope_dim, head_dim_v =
+    # kv_lora_rank); each head's q·k has head_dim_mla dims (head_dim_mla - rope_dim without
+    # RoPE) and its v head_dim_v_mla; q through a q_lora_rank bottleneck where > 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    head_dim_mla: int = 0
+    head_dim_v_mla: int = 0
+    # YaRN (rope_scaling "yarn"): frequencies interpolated by 1/rope_scale below the dims that
+    # turn fewer than beta_slow times over rope_ctx_orig positions, kept above beta_fast turns,
+    # blended between; rope_ctx_orig: the context the model was pretrained with
+    rope_scaling: RopeScaling = "none"
+    rope_ctx_orig: int = 0  # 0: n_ctx_train
+    rope_attn_factor: float = 1.0  # {arch}.rope.scaling.attn_factor: scales cos and sin
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_log_mul: float = 0.0  # YaRN's mscale_all_dim where the rules read it (deepseek2)
+    attn_softcap: float = 0.0  # cap of attention's scaled q·k logits (0: none)
+    final_softcap: float = 0.0  # cap of the output logits (0: none)
+    embed_scale: float = 1.0  # {arch}.embedding_scale: the embeddings multiplied (granite)
+    residual_scale: float = 1.0  # {arch}.residual_scale: each branch's output, before its add
+    logit_scale: float = 1.0  # the output logits divided by it (granite's {arch}.logit_scale)
 
     @property
     def is_moe(self) -> bool:
@@ -79,6 +135,21 @@ class HParams:
         if self.is_sliding(layer) and self.rules.local_rope_base is not None:
             return self.rules.local_rope_base
         return self.rope_base
+
+    def rope_ext(self) -> tuple[int, float, float, float, float, float]:
+        """ggml_rope_ext's (n_ctx_orig, freq_scale, ext_factor, attn_factor, beta_fast,
+        beta_slow), as llama.cpp derives them from the file (llama-context.cpp)."""
+        n_orig = self.rope_ctx_orig or self.n_ctx_train
+        factor = self.rope_scale
+        if self.rope_scaling != "yarn":
+            return n_orig, 1.0 / factor, 0.0, self.rope_attn_factor, 32.0, 1.0
+        # YaRN scales cos and sin by 1 + 0.1 ln(factor) (for factor > 1); ggml's rope multiplies
+        # by that itself whenever ext_factor is not 0, so the factor passed here cancels it
+        mscale = 1.0 + 0.1 * math.log(factor) if factor > 1.0 else 1.0
+        if self.yarn_log_mul:  # (deepseek2: mscale = mscale_all_dim, their ratio 1)
+            mscale = 1.0
+        attn = mscale / (1.0 + 0.1 * math.log(factor)) * self.rope_attn_factor
+        return n_orig, 1.0 / factor, 1.0, attn, self.yarn_beta_fast, self.yarn_beta_slow
 
     def kv_bytes_per_token(self, n_layers: int | None = None, dtype_bytes: int = 2) -> int:
         """KV-cache bytes one token costs over `n_layers` layers (default all), f16 by default."""
@@ -113,13 +184,33 @@ def parse_hparams(meta: dict[str, Any], rules: ArchRules, source: str = "model")
         raise UnsupportedError(
             f"{source}: per-layer head counts or FFN sizes are not supported yet"
         )
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    rope_scale = 1.0
-    if scaling == "linear":
-        rope_scale = float(get("rope.scaling.factor", 1.0))
-    elif scaling not in ("none", None):
+    scaling = _SCALINGS.get(str(meta.get(f"{arch}.rope.scaling.type") or "none"))
+    if scaling is None:
         raise UnsupportedError(
-            f"{source}: RoPE scaling type {scaling!r} is not supported (none, linear are)"
+            f"{source}: RoPE scaling type {meta[f'{arch}.rope.scaling.type']!r} is not "
+            f"supported ({', '.join(_SCALINGS)} are)"
+        )
+    rope_scale = float(get("rope.scaling.factor", 1.0)) if scaling != "none" else 1.0
+    pattern = get("attention.sliding_window_pattern", rules.sliding_pattern)
+    # a sliding window where the architecture has one, or where a file lists its sliding layers
+    # (Olmo3's, as olmo2); phi3's files name a window that llama.cpp leaves off
+    windowed = bool(rules.sliding_pattern) or isinstance(pattern, list)
+    wide = rules.wide_query_scale_layers == int(get("block_count"))
+    query_size = n_embd / n_head if wide else head_dim  # gemma's query_pre_attn_scalar
+    # MLA (deepseek2): key_length and value_length are the cached latent's; q·k has the
+    # decompressed heads' key_length_mla dims, and scales by their size
+    kv_lora_rank = int(get("attention.kv_lora_rank", 0))
+    head_dim_mla = int(get("attention.key_length_mla", 0)) if kv_lora_rank else 0
+    query_size = head_dim_mla or query_size
+    attn_scale = float(get("attention.scale", query_size**-0.5))
+    log_mul = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+    log_mul = log_mul if rules.yarn_log_mul_tenths and scaling == "yarn" else 0.0
+    if log_mul and rope_scale > 1.0:  # DeepSeek's YaRN: q·k scaled by mscale_all_dim's mscale²
+        attn_scale *= (1.0 + 0.1 * log_mul * math.log(rope_scale)) ** 2
+    if kv_lora_rank and not head_dim_mla:
+        raise UnsupportedError(
+            f"{source}: an MLA file without {arch}.attention.key_length_mla (a conversion "
+            "older than llama.cpp's split attn_k_b / attn_v_b) is not supported; convert it again"
         )
     n_expert = int(get("expert_count", 0))
     n_used = int(get("expert_used_count", 0))
@@ -128,15 +219,25 @@ def parse_hparams(meta: dict[str, Any], rules: ArchRules, source: str = "model")
             f"{source}: {arch}.expert_used_count is {n_used}; a mixture of {n_expert} experts "
             f"needs 1 to {n_expert}"
         )
-    gating = int(get("expert_gating_func", 1))
-    if gating not in GATING:
+    gating = get("expert_gating_func", -1)
+    if gating != -1 and gating not in GATING:
+        known = ", ".join(f"{k} {v}" for k, v in GATING.items())
         raise UnsupportedError(
-            f"{source}: {arch}.expert_gating_func {gating} is not supported (1 softmax, 2 sigmoid)"
+            f"{source}: {arch}.expert_gating_func {gating} is not supported ({known})"
         )
+    n_groups = int(get("expert_group_count", 0))
+    n_groups_used = int(get("expert_group_used_count", 0))
+    if n_groups > 1 and not (n_expert % n_groups == 0 and 0 < n_groups_used <= n_groups):
+        raise ModelFileError(
+            f"{source}: {n_expert} experts in {n_groups} groups, {n_groups_used} used: the "
+            "groups must divide the experts and 1 to all of them be used"
+        )
+    n_nextn = int(get("nextn_predict_layers", 0))  # MTP blocks after the model's own layers
+    n_ff_exp = int(get("expert_feed_forward_length", 0)) or (n_ff // n_used if n_used else 0)
     return HParams(
         arch=arch,
         rules=rules,
-        n_layer=int(get("block_count")),
+        n_layer=int(get("block_count")) - n_nextn,
         n_embd=n_embd,
         n_ff=int(n_ff),
         n_head=n_head,
@@ -149,15 +250,50 @@ def parse_hparams(meta: dict[str, Any], rules: ArchRules, source: str = "model")
         rope_base=float(get("rope.freq_base", 10_000.0)),
         rope_dim=int(get("rope.dimension_count", head_dim)),
         rope_scale=rope_scale,
-        sliding_window=int(get("attention.sliding_window", 0)) if rules.sliding_pattern else 0,
-        sliding_pattern=int(get("attention.sliding_window_pattern", rules.sliding_pattern)),
-        attn_scale=float(get("attention.scale", head_dim**-0.5)),
+        sliding_window=int(get("attention.sliding_window", 0)) if windowed else 0,
+        sliding_pattern=sliding_period(pattern, f"{source}: {arch}"),
+        attn_scale=attn_scale,
         n_expert=n_expert,
         n_expert_used=n_used,
-        n_ff_exp=int(get("expert_feed_forward_length", 0)) or (n_ff // n_used if n_used else 0),
-        n_ff_shexp=int(get("expert_shared_feed_forward_length", 0)),
-        expert_gating=GATING[gating],  # type: ignore[arg-type]
+        n_ff_exp=n_ff_exp,
+        # its own key (qwen2moe), or so many experts' width together (glm4moe, deepseek2)
+        n_ff_shexp=int(get("expert_shared_feed_forward_length", 0))
+        or int(get("expert_shared_count", 0)) * n_ff_exp,
+        expert_gating=GATING[gating] if gating != -1 else rules.expert_gating,
         expert_norm=bool(get("expert_weights_norm", rules.expert_norm)),
-        expert_scale=float(get("expert_weights_scale", 1.0)),
+        expert_scale=float(get("expert_weights_scale", 1.0)) or 1.0,  # (0: none, as llama.cpp)
         n_dense_lead=int(get("leading_dense_block_count", 0)),
+        n_expert_groups=n_groups if n_groups > 1 else 0,
+        n_group_used=n_groups_used if n_groups > 1 else 0,
+        kv_lora_rank=kv_lora_rank,
+        q_lora_rank=int(get("attention.q_lora_rank", 0)),
+        head_dim_mla=head_dim_mla,
+        head_dim_v_mla=int(get("attention.value_length_mla", 0)) if kv_lora_rank else 0,
+        rope_scaling=scaling,
+        rope_ctx_orig=int(get("rope.scaling.original_context_length", 0)),
+        rope_attn_factor=float(get("rope.scaling.attn_factor", 1.0)),
+        yarn_beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+        yarn_beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+        yarn_log_mul=log_mul,
+        attn_softcap=float(get("attn_logit_softcapping", rules.attn_softcap)),
+        final_softcap=float(get("final_logit_softcapping", rules.final_softcap)),
+        embed_scale=float(get("embedding_scale", 1.0)),
+        residual_scale=float(get("residual_scale", 1.0)),
+        logit_scale=float(get("logit_scale", 1.0)) if rules.divide_logits else 1.0,
+    )
+
+
+def sliding_period(pattern: int | list[bool], where: str) -> int:
+    """{arch}.attention.sliding_window_pattern as HParams.sliding_pattern: a number as it is; a
+    list (per layer, whether it slides: Olmo3's files) as the N where every Nth layer is global
+    (0: all slide); any other list -> UnsupportedError."""
+    if not isinstance(pattern, list):
+        return int(pattern)
+    for n in range(len(pattern) + 1):
+        if all(bool(s) == (n == 0 or (i + 1) % n != 0) for i, s in enumerate(pattern)):
+            return n
+    slides = [i for i, s in enumerate(pattern) if s]
+    raise UnsupportedError(
+        f"{where}.attention.sliding_window_pattern: sliding layers {slides} are not all but "
+        "every Nth layer; such a pattern is not supported"
     )

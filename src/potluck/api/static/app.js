@@ -522,12 +522,22 @@ function setPoolStatus(state, text) {
   el.textContent = text;
 }
 
+// 30_532_122_624 -> "30.5B" (a model's parameters)
+function fmtCount(n) {
+  if (!(n > 0)) return "—";
+  for (const [unit, size] of [["T", 1e12], ["B", 1e9], ["M", 1e6], ["K", 1e3]]) {
+    if (n >= size) return `${Number((n / size).toPrecision(3))}${unit}`;
+  }
+  return String(n);
+}
+
 function renderPool(pool) {
   if (!pool || !Array.isArray(pool.nodes)) throw new ApiError(0, "/api/pool answered without a list of nodes.");
   $("pool-note").hidden = true;
   const m = pool.model ?? {};
   nLayerOfModel = m.n_layer ?? 0;
-  $("pool-model").textContent = [m.name, m.arch, m.quant, m.n_layer != null && `${m.n_layer} layers`, m.n_ctx != null && `context ${m.n_ctx}`]
+  const experts = m.n_expert > 0 && `${fmtCount(m.active_parameters)} of ${fmtCount(m.parameters)} parameters active: ${m.n_expert_used} of ${m.n_expert} experts per token`;
+  $("pool-model").textContent = [m.name, m.arch, m.quant, m.n_layer != null && `${m.n_layer} layers`, experts, m.n_ctx != null && `context ${m.n_ctx}`]
     .filter(Boolean)
     .join(" · ");
   if (m.n_ctx) $("max-tokens").max = String(m.n_ctx);

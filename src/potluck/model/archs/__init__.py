@@ -15,7 +15,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from potluck.errors import UnsupportedError
-from potluck.model.archs import gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe
+from potluck.model.archs import (
+    deepseek2,
+    gemma2,
+    gemma3,
+    glm4moe,
+    gpt_oss,
+    granite,
+    llama,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen2moe,
+    qwen3,
+    qwen3moe,
+)
 from potluck.model.archs.common import Block, Tensor, is_routed
 from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import ArchRules, HParams, parse_hparams
@@ -30,7 +44,10 @@ class Architecture:
     trains: str | None = None  # None: the LoRA trainer runs it; else why not
 
 
-_MODULES = (llama, qwen2, qwen3, gemma3, qwen3moe, qwen2moe)
+_MODULES = (
+    llama, qwen2, qwen3, gemma3, qwen3moe, qwen2moe, gpt_oss, phi3, gemma2, olmo2, granite,
+    glm4moe, deepseek2,
+)  # fmt: skip
 ARCHITECTURES: dict[str, Architecture] = {
     name: Architecture(name, m.RULES, m.tensors, m.block, getattr(m, "TRAINS", None))
     for m in _MODULES
@@ -59,9 +76,11 @@ def hparams_from_metadata(meta: dict[str, Any], source: str = "model") -> HParam
 
 
 def layer_tensors(hp: HParams, start: int, stop: int) -> list[Tensor]:
-    """Every tensor the blocks [start, stop) read, as their architecture declares them."""
+    """Every tensor the blocks [start, stop) read, as their architecture declares them (once
+    each: a tensor of the whole model that every layer reads, phi3's rope factors, is declared
+    by each)."""
     tensors = architecture(hp.arch).tensors
-    return [t for i in range(start, stop) for t in tensors(hp, i)]
+    return list({t.name: t for i in range(start, stop) for t in tensors(hp, i)}.values())
 
 
 def training_refusal(hp: HParams) -> str | None:
@@ -74,6 +93,16 @@ def training_refusal(hp: HParams) -> str | None:
             f"fine-tuning a mixture of experts ({hp.arch}: {hp.n_expert} experts, "
             f"{hp.n_expert_used} per token) is not supported yet; run it with potluck run/serve"
         )
+    if hp.rope_scaling == "yarn":  # (train/model.py's RoPE scales positions linearly)
+        return "fine-tuning a model with YaRN RoPE scaling is not supported yet"
+    # what the trainer's forward leaves out, wherever a file of another architecture sets it
+    unused = {
+        "attn_logit_softcapping": hp.attn_softcap, "final_logit_softcapping": hp.final_softcap,
+        "embedding_scale": hp.embed_scale - 1.0, "residual_scale": hp.residual_scale - 1.0,
+        "logit_scale": hp.logit_scale - 1.0,
+    }  # fmt: skip
+    if named := [f"{hp.arch}.{k}" for k, v in unused.items() if v]:
+        return f"fine-tuning is not supported yet for a model that sets {', '.join(named)}"
     return None
 
 
@@ -85,15 +114,22 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
-def describe(hp: HParams, tensors: Mapping[str, TensorInfo]) -> str:
-    """One line for listings and plans: 'llama, 30 layers, 135M parameters', or for a mixture
-    of experts 'qwen3moe, 48 layers, 30.5B parameters, 3.3B active (mixture of 128 experts, 8
-    per token)': a token's weights are everything but the routed experts, and k of n of those."""
-    total = active = 0.0
+def parameters(hp: HParams, tensors: Mapping[str, TensorInfo]) -> tuple[int, int]:
+    """(all parameters, those a token computes with): of a mixture of experts' routed stacks,
+    k of n experts."""
+    total = active = 0
     for t in tensors.values():
         n = math.prod(t.shape)
         total += n
-        active += n * hp.n_expert_used / hp.n_expert if hp.is_moe and is_routed(t.name) else n
+        active += n * hp.n_expert_used // hp.n_expert if hp.is_moe and is_routed(t.name) else n
+    return total, active
+
+
+def describe(hp: HParams, tensors: Mapping[str, TensorInfo]) -> str:
+    """One line for listings and plans: 'llama, 30 layers, 135M parameters', or for a mixture
+    of experts 'qwen3moe, 48 layers, 30.5B parameters, 3.3B active (mixture of 128 experts, 8
+    per token)'."""
+    total, active = parameters(hp, tensors)
     line = f"{hp.arch}, {hp.n_layer} layers, {_count(total)} parameters"
     if hp.is_moe:
         line += (
@@ -112,6 +148,7 @@ __all__ = [
     "describe",
     "hparams_from_metadata",
     "layer_tensors",
+    "parameters",
     "supported_list",
     "training_refusal",
 ]

@@ -43,19 +43,25 @@ class Block(Protocol):
 
     def add(self, a: int, b: int) -> int: ...
 
+    def scale(self, x: int, s: float) -> int:
+        """x times the number s (granite's residual scale)."""
+        ...
+
     def attention(self, i: int, h: int) -> int:
-        """Layer i's self-attention of h [D, T] over the stage's KV caches, output projection
-        included: [D, T]."""
+        """Layer i's self-attention of h [D, T] over the stage's KV caches (with its sinks,
+        `attn_sinks`, where the file has them), output projection included: [D, T]. q, k and v
+        come from one matrix `attn_qkv` where the file has it (phi3)."""
         ...
 
     def ffn(self, i: int, h: int, suffix: str = "") -> int:
         """Layer i's gated FFN (`ffn_gate{suffix}`, `ffn_up{suffix}`, `ffn_down{suffix}`; the
-        architecture's activation): [D, T]."""
+        architecture's activation): [D, T]. Where the file has no `ffn_gate{suffix}`, the gate's
+        rows come first in `ffn_up{suffix}` (phi3)."""
         ...
 
     def moe(self, i: int, h: int) -> int:
-        """Layer i's routed experts (router `ffn_gate_inp`, stacks `ffn_*_exps`), weighted and
-        summed: [D, T]."""
+        """Layer i's routed experts (router `ffn_gate_inp`, stacks `ffn_*_exps`; their biases
+        where the file has them), weighted and summed: [D, T]."""
         ...
 
     def gate(self, name: str, h: int, y: int) -> int:
@@ -68,10 +74,16 @@ def norm(name: str, width: int) -> Tensor:
 
 
 def attention_tensors(
-    hp: HParams, i: int, bias: bool | None = False, qk_norm: bool = False
+    hp: HParams,
+    i: int,
+    bias: bool | None = False,
+    qk_norm: bool = False,
+    out_bias: bool = False,
+    sinks: bool = False,
 ) -> list[Tensor]:
     """Layer i's attention: q, k, v, output; bias: q/k/v biases required (True), used where the
-    file has them (None) or absent (False); qk_norm: per-head norms of q and k."""
+    file has them (None; the output's bias too) or absent (False); qk_norm: per-head norms of q
+    and k; out_bias: the output's bias required; sinks: one sink logit per head (gpt-oss)."""
     p, d = f"blk.{i}.", hp.n_embd
     q, kv, o = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_head * hp.head_dim_v
     v = hp.n_head_kv * hp.head_dim_v
@@ -81,10 +93,12 @@ def attention_tensors(
     out.append(Tensor(p + "attn_output.weight", (d, o)))
     if bias is not False:
         out += [Tensor(f"{p}{name}.bias", (n,), required=bool(bias)) for name, n in rows.items()]
-    if bias is None:
-        out.append(Tensor(p + "attn_output.bias", (d,), required=False))
+    if bias is None or out_bias:
+        out.append(Tensor(p + "attn_output.bias", (d,), required=out_bias))
     if qk_norm:
         out += [norm(p + "attn_q_norm", hp.head_dim), norm(p + "attn_k_norm", hp.head_dim)]
+    if sinks:
+        out.append(Tensor(p + "attn_sinks.weight", (hp.n_head,)))
     return out
 
 
@@ -98,12 +112,30 @@ def ffn_tensors(hp: HParams, i: int, suffix: str = "", n_ff: int | None = None) 
     ]
 
 
-def moe_tensors(hp: HParams, i: int) -> list[Tensor]:
-    """The router and the three stacks of routed experts."""
+def moe_tensors(hp: HParams, i: int, bias: bool = False) -> list[Tensor]:
+    """The router and the three stacks of routed experts; bias: the router's bias and one bias
+    per expert and matrix, stacked [n_expert, rows] (gpt-oss)."""
     p, d, e, f = f"blk.{i}.", hp.n_embd, hp.n_expert, hp.n_ff_exp
-    return [
+    out = [
         Tensor(p + "ffn_gate_inp.weight", (e, d)),
         Tensor(p + "ffn_gate_exps.weight", (e, f, d)),
         Tensor(p + "ffn_up_exps.weight", (e, f, d)),
         Tensor(p + "ffn_down_exps.weight", (e, d, f)),
     ]
+    if bias:
+        out += [
+            Tensor(p + "ffn_gate_inp.bias", (e,)),
+            Tensor(p + "ffn_gate_exps.bias", (e, f)),
+            Tensor(p + "ffn_up_exps.bias", (e, f)),
+            Tensor(p + "ffn_down_exps.bias", (e, d)),
+        ]
+    return out
+
+
+def rope_factor_tensors(hp: HParams) -> list[Tensor]:
+    """LongRoPE's per-frequency divisors, long and short context (phi3's files that have them):
+    tensors of the whole model that every layer reads, declared by each (layer_tensors keeps one
+    of each)."""
+    n = hp.rope_dim // 2
+    names = ("rope_factors_long.weight", "rope_factors_short.weight")
+    return [Tensor(name, (n,), required=False) for name in names]

@@ -15,6 +15,7 @@ RULES = ArchRules(
     embed_scale_sqrt=True,
     sliding_pattern=6,
     local_rope_base=10_000.0,
+    wide_query_scale_layers=62,  # gemma3-27B: q·k scaled by (n_embd / n_head)^-1/2
 )
 
 
