@@ -54,11 +54,23 @@ def _greedy(stage: Stage, ids: list[int], n: int) -> tuple[list[int], list[np.nd
     return out, rows
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_every_architecture_on_the_gpu_equals_the_cpu(arch: str, tmp_path: Path) -> None:
+MOE = {"n_expert": 8, "n_ff_exp": 64}
+
+
+@pytest.mark.parametrize(
+    ("arch", "shape"),
+    [(a, {}) for a in ("llama", "qwen2", "qwen3", "gemma3", "phi3", "gemma2", "olmo2", "granite")]
+    + [(a, MOE) for a in ("qwen3moe", "qwen2moe", "gpt-oss")],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_every_architecture_on_the_gpu_equals_the_cpu(
+    arch: str, shape: dict, tmp_path: Path
+) -> None:
     """Tiny random models with every layer on the device: the logits of 20 teacher-forced
-    tokens equal the CPU's within the rounding of two backends' kernels."""
-    path = write_tiny_model(tmp_path / "m.gguf", arch, None, T.Q8_0, n_layer=2)
+    tokens equal the CPU's within the rounding of two backends' kernels (of a mixture of
+    experts, on average: where a router's top k is nearly tied, that rounding picks another
+    expert, as tests/test_model_reference.py's quantized path allows)."""
+    path = write_tiny_model(tmp_path / "m.gguf", arch, None, T.Q8_0, n_layer=2, **shape)
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata)
     rows = np.arange(len(TOKENS))
@@ -66,8 +78,11 @@ def test_every_architecture_on_the_gpu_equals_the_cpu(arch: str, tmp_path: Path)
     gpu_stage = Stage(hp, f, 0, hp.n_layer, 64, n_gpu_layers=hp.n_layer + 1)
     assert gpu_stage.device_weight_bytes() > 0
     gpu = gpu_stage(np.array(TOKENS), [SeqChunk(0, len(TOKENS))], rows)
-    rel = float(np.abs(gpu - cpu).max() / np.abs(cpu).max())
-    assert rel < 5e-2, f"{arch}: GPU logits differ from the CPU's by {rel:.2e} of their range"
+    diff = np.abs(gpu - cpu) / np.abs(cpu).max()  # of the logits' range
+    if shape:  # a mixture of experts: on average
+        assert diff.mean() < 1.5e-2, f"{arch}: GPU logits differ by {diff.mean():.2e} on average"
+    else:
+        assert diff.max() < 5e-2, f"{arch}: GPU logits differ from the CPU's by {diff.max():.2e}"
     assert (gpu.argmax(-1) == cpu.argmax(-1)).mean() >= 0.9
 
 
