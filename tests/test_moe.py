@@ -21,6 +21,7 @@ from potluck.engine.contract import Assignment
 from potluck.engine.generate import generate, load_model
 from potluck.model.archs import hparams_from_metadata
 from potluck.model.archs.common import is_routed
+from potluck.model.layout import stage_tensor_names
 from potluck.modelfile.gguf_file import GGUFFile, layer_matrices
 from potluck.planner import footprint_from_gguf
 from potluck.sampling import GREEDY, Sampler
@@ -33,14 +34,19 @@ PROMPT = [5, 70, 71, 72, 100, 3, 200, 150, 9, 33]
 N = 16
 
 
+def _write(directory: Path, arch: str) -> Path:
+    """A 4-layer mixture of experts: 8 experts, 2 per token (gpt-oss: MXFP4 stacks with biases,
+    sinks and a sliding window; llama: a Mixtral)."""
+    qtypes = {"_exps": T.MXFP4} if arch == "gpt-oss" else {"ffn_down_exps": T.Q4_K}
+    return write_tiny_model(
+        directory / f"{arch}.gguf", arch, None, T.Q8_0, n_layer=4, n_embd=256, n_expert=8,
+        n_ff_exp=256, qtypes=qtypes, tied=False,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 4-layer qwen3moe: 8 experts of 96, 2 per token, K-quant and Q8_0 stacks."""
-    path = tmp_path_factory.mktemp("moe") / "qwen3moe.gguf"
-    return write_tiny_model(
-        path, "qwen3moe", None, T.Q8_0, n_layer=4, n_embd=256, n_expert=8, n_ff_exp=256,
-        qtypes={"ffn_down_exps": T.Q4_K}, tied=False,
-    )  # fmt: skip
+    return _write(tmp_path_factory.mktemp("moe"), "qwen3moe")
 
 
 def _tokens(path: Path, **pool: object) -> list[int]:
@@ -51,9 +57,11 @@ def _tokens(path: Path, **pool: object) -> list[int]:
         m.close()
 
 
-def test_pool_equals_one_process(moe: Path, spawn_worker: Spawn, tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "llama"])
+def test_pool_equals_one_process(arch: str, spawn_worker: Spawn, tmp_path: Path) -> None:
     """Splits over 2 and 3 workers (one of them without the file), the head holding a share or
     no layer at all: the same greedy tokens as one process."""
+    moe = _write(tmp_path, arch)
     want = _tokens(moe)
     a, b = spawn_worker().address, spawn_worker().address
     assert _tokens(moe, peers=[a, b], tensor_split=[1, 1, 2]) == want
@@ -61,9 +69,11 @@ def test_pool_equals_one_process(moe: Path, spawn_worker: Spawn, tmp_path: Path)
     c = spawn_worker(env={"POTLUCK_CACHE": str(bare), "HOME": str(bare)})
     plan = [Assignment(a, 0, 1), Assignment(c.address, 1, 3), Assignment(b, 3, 4)]
     assert _tokens(moe, assignments=plan) == want
-    # layers 1-2: 12 tensors each (4 norms, 4 attention matrices, the router, 3 expert stacks)
     log = c.stop()
-    assert re.search(r"layers 1–2: no local copy of the model; receiving 24 tensors", log), log
+    f = GGUFFile(moe)  # only layers 1-2's tensors came over (qwen3moe: 12 each, 3 expert stacks)
+    n = len(stage_tensor_names(f.tensors.values(), 4, 1, 3))
+    assert n == sum(t.layer in (1, 2) for t in f.tensors.values())
+    assert re.search(rf"layers 1–2: no local copy of the model; receiving {n} tensors", log), log
 
 
 def test_a_token_reads_k_of_n_experts(moe: Path) -> None:
