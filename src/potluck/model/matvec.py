@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from potluck.model.ggml_lib import TYPE_F32, BackendError, lib
+from potluck.model.ggml_lib import TYPE_F32, TYPE_I32, BackendError, lib
 from potluck.model.ggml_lib import context as new_context
 from potluck.model.weights import Weights, cpu_buffer_over
 from potluck.modelfile.gguf_file import Matrix, TensorInfo
@@ -149,11 +149,10 @@ class _Synthetic:
 
     def __init__(self, named: dict[str, Matrix]) -> None:
         self.tensors = {
-            name: TensorInfo(name, m.qtype, (m.n_out, m.n_in), 0, m.nbytes)
-            for name, m in named.items()
+            name: TensorInfo(name, m.qtype, _shape(m), 0, m.nbytes) for name, m in named.items()
         }
         self._raw = {
-            name: random_blocks(m.qtype, m.n_out, m.n_in, seed=i)
+            name: random_blocks(m.qtype, max(1, m.n_experts) * m.n_out, m.n_in, seed=i)
             for i, (name, m) in enumerate(named.items())
         }
 
@@ -161,25 +160,42 @@ class _Synthetic:
         return self._raw[name]
 
 
+def _shape(m: Matrix) -> tuple[int, ...]:
+    """A probe matrix's logical shape: (n_out, n_in), or a stack's (n_experts, n_out, n_in)."""
+    return (m.n_experts, m.n_out, m.n_in) if m.n_experts else (m.n_out, m.n_in)
+
+
 class LayerProbe:
     """Batch-1 products through copies of one layer's matrices, held as a stage holds them
     (repacked where ggml has a faster layout for the type, as model/weights.py does): what a
-    decode step costs per weight byte for *this model's* types and shapes on this CPU."""
+    decode step costs per weight byte for *this model's* types and shapes on this CPU. A stack
+    of experts goes through mul_mat_id, as a stage runs it, choosing every expert it holds (the
+    k a token reads: a stack of k, not of all n, so that the probe stays small)."""
 
     def __init__(self, matrices: list[Matrix], copies: int, threads: int) -> None:
         named = {f"blk.{c}.m{j}.weight": m for c in range(copies) for j, m in enumerate(matrices)}
         src = _Synthetic(named)
-        shapes = [(name, (m.n_out, m.n_in)) for name, m in named.items()]
+        shapes = [(name, _shape(m)) for name, m in named.items()]
         self._weights = Weights(src, shapes, repack=lambda name: True, threads=threads)
         self.nbytes = sum(m.nbytes for m in matrices)  # weight bytes of one copy
         widths = sorted({m.n_in for m in matrices})
-        self._ctx = new_context(len(named) + len(widths) + 8, len(named) + len(widths) + 8)
+        stacks = sorted({m.n_experts for m in matrices if m.n_experts})
+        n = len(named) + len(widths) + len(stacks) + 8
+        self._ctx = new_context(n, n)
         xs = {k: lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, k, 1) for k in widths}
-        outs = [
-            [lib.ggml_mul_mat(self._ctx, self._weights.tensor(f"blk.{c}.m{j}.weight"), xs[m.n_in])
-             for j, m in enumerate(matrices)]
-            for c in range(copies)
-        ]  # fmt: skip
+        # a stack's input: the token [n_in, 1, 1] for each of its k experts, chosen by ids [k, 1]
+        x3 = {k: lib.ggml_new_tensor_3d(self._ctx, TYPE_F32, k, 1, 1) for k in widths}
+        ids = {e: lib.ggml_new_tensor_2d(self._ctx, TYPE_I32, e, 1) for e in stacks}
+
+        def product(c: int, j: int, m: Matrix) -> int:
+            w = self._weights.tensor(f"blk.{c}.m{j}.weight")
+            if m.n_experts:
+                y: int = lib.ggml_mul_mat_id(self._ctx, w, x3[m.n_in], ids[m.n_experts])
+            else:
+                y = lib.ggml_mul_mat(self._ctx, w, xs[m.n_in])
+            return y
+
+        outs = [[product(c, j, m) for j, m in enumerate(matrices)] for c in range(copies)]
         self.backend: int | None = lib.ggml_backend_cpu_init()
         if not self.backend:
             raise BackendError("ggml's CPU backend could not start for the speed probe")
@@ -187,9 +203,12 @@ class LayerProbe:
         self._act: int | None = lib.ggml_backend_alloc_ctx_tensors(self._ctx, self.backend)
         if not self._act:
             raise BackendError("ggml could not allocate the probe's activations")
-        for k, x in xs.items():
+        for k, x in [*xs.items(), *x3.items()]:
             v = np.random.default_rng(k).standard_normal(k).astype(np.float32)
             lib.ggml_backend_tensor_set(x, v.ctypes.data_as(ctypes.c_void_p), 0, v.nbytes)
+        for e, t in ids.items():
+            chosen = np.arange(e, dtype=np.int32)
+            lib.ggml_backend_tensor_set(t, chosen.ctypes.data_as(ctypes.c_void_p), 0, chosen.nbytes)
         self._gctx = new_context(8 * len(named) + 8, 8 * len(named) + 8)
         self.graphs: list[int] = []
         for ys in outs:

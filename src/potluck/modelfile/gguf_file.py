@@ -43,16 +43,19 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Matrix:
-    """One weight matrix a probe multiplies: its GGML type and (n_out, n_in)."""
+    """One weight matrix a probe multiplies: its GGML type and (n_out, n_in); n_experts > 0:
+    that many experts of a stack, each (n_out, n_in), which a token reads through mul_mat_id."""
 
     qtype: GGMLQuantizationType
     n_out: int
     n_in: int
+    n_experts: int = 0
 
     @property
     def nbytes(self) -> int:
+        """Bytes a token reads (of a stack: its n_experts experts')."""
         block, type_size = GGML_QUANT_SIZES[self.qtype]
-        return self.n_out * self.n_in // block * type_size
+        return self.n_out * self.n_in // block * type_size * max(1, self.n_experts)
 
 
 def layer_matrices(
@@ -65,8 +68,8 @@ def layer_matrices(
     for t in tensors.values():
         if t.layer == layer and len(t.shape) == 2:
             out.append(Matrix(t.qtype, *t.shape))
-        elif t.layer == layer and len(t.shape) == 3:
-            out += [Matrix(t.qtype, t.shape[1], t.shape[2])] * min(experts_used, t.shape[0])
+        elif t.layer == layer and len(t.shape) == 3 and experts_used:
+            out.append(Matrix(t.qtype, t.shape[1], t.shape[2], min(experts_used, t.shape[0])))
     return tuple(out)
 
 

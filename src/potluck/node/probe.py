@@ -185,7 +185,7 @@ def _cut(m: Matrix) -> Matrix:
     if m.nbytes <= _PROBE_MATRIX_BYTES:
         return m
     rows = max(_ROWS, _PROBE_MATRIX_BYTES * m.n_out // m.nbytes // _ROWS * _ROWS)
-    return Matrix(m.qtype, rows, m.n_in)
+    return Matrix(m.qtype, rows, m.n_in, m.n_experts)
 
 
 # a measured speed is reused this long (re-plans after a failover), then timed again

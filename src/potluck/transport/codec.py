@@ -147,7 +147,7 @@ def sampling_from_proto(msg: pb.SamplingConfig) -> SamplingParams:
 
 
 def matrix_to_proto(m: Matrix) -> pb.ProbeMatrix:
-    return pb.ProbeMatrix(ggml_type=int(m.qtype), n_out=m.n_out, n_in=m.n_in)
+    return pb.ProbeMatrix(ggml_type=int(m.qtype), n_out=m.n_out, n_in=m.n_in, n_experts=m.n_experts)
 
 
 def matrix_from_proto(msg: pb.ProbeMatrix) -> Matrix:
@@ -165,7 +165,7 @@ def matrix_from_proto(msg: pb.ProbeMatrix) -> Matrix:
     block = GGML_QUANT_SIZES[qtype][0]
     if msg.n_in % block or not (msg.n_out and msg.n_in):
         raise WireError(f"probe matrix {msg.n_out}x{msg.n_in}: rows must be whole {block}-blocks")
-    return Matrix(qtype, msg.n_out, msg.n_in)
+    return Matrix(qtype, msg.n_out, msg.n_in, msg.n_experts)
 
 
 def lora_to_wire(lora: int | None) -> int:

@@ -106,6 +106,7 @@ def _check_drop(m: pb.DropRequest) -> None:
 
 MAX_PROBE_MATRICES = 16  # one layer's matrices (q, k, v, o, gate, up, down, and a few more)
 MAX_PROBE_DIM = 1 << 20
+MAX_PROBE_EXPERTS = 64  # experts a token reads from one stack (Qwen3: 8; Kimi K2: 8; some 16)
 
 
 def _check_probe(m: pb.ProbeSpeedRequest) -> None:
@@ -113,6 +114,7 @@ def _check_probe(m: pb.ProbeSpeedRequest) -> None:
     for x in m.matrices:
         if not (1 <= x.n_out <= MAX_PROBE_DIM and 1 <= x.n_in <= MAX_PROBE_DIM):
             raise WireError(f"probe matrix {x.n_out}x{x.n_in} is outside 1..{MAX_PROBE_DIM}")
+        _at_most("experts of a probe matrix", x.n_experts, MAX_PROBE_EXPERTS)
 
 
 def _check_hello(m: pb.HelloRequest) -> None:

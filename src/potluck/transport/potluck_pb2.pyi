@@ -453,14 +453,16 @@ class ProbeLinkRequest(_message.Message):
     def __init__(self, address: _Optional[str] = ...) -> None: ...
 
 class ProbeMatrix(_message.Message):
-    __slots__ = ("ggml_type", "n_out", "n_in")
+    __slots__ = ("ggml_type", "n_out", "n_in", "n_experts")
     GGML_TYPE_FIELD_NUMBER: _ClassVar[int]
     N_OUT_FIELD_NUMBER: _ClassVar[int]
     N_IN_FIELD_NUMBER: _ClassVar[int]
+    N_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ggml_type: int
     n_out: int
     n_in: int
-    def __init__(self, ggml_type: _Optional[int] = ..., n_out: _Optional[int] = ..., n_in: _Optional[int] = ...) -> None: ...
+    n_experts: int
+    def __init__(self, ggml_type: _Optional[int] = ..., n_out: _Optional[int] = ..., n_in: _Optional[int] = ..., n_experts: _Optional[int] = ...) -> None: ...
 
 class ProbeSpeedRequest(_message.Message):
     __slots__ = ("matrices",)
