@@ -10,6 +10,7 @@ values, so every reader — ours and the references — decodes the same bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from gguf import GGMLQuantizationType as T
 
 from potluck.model.archs import architecture, hparams_from_metadata, layer_tensors
 from potluck.modelfile.gguf_file import GGUFFile
+from potluck.modelfile.hparams import HParams
 
 # byte offsets of the fp16 super-block scales (d, dmin) inside one K-quant block (ggml's layout)
 _K_SCALE_OFFSETS = {
@@ -47,7 +49,41 @@ ARCH_KEYS: dict[str, dict[str, Any]] = {
         "attention.scale": 0.0078125,
         "logit_scale": 16.0,
     },
+    # GLM-4.5's: layer 0 dense, one shared expert, a sigmoid router renormalised, times 2.5
+    "glm4moe": {
+        "leading_dense_block_count": 1,
+        "expert_shared_count": 1,
+        "expert_gating_func": 2,
+        "expert_weights_norm": True,
+        "expert_weights_scale": 2.5,
+    },
+    # DeepSeek-V2-Lite's: layer 0 dense, two shared experts, a softmax router not renormalised
+    "deepseek2": {
+        "leading_dense_block_count": 1,
+        "expert_shared_count": 2,
+        "expert_gating_func": 1,
+        "expert_weights_scale": 1.0,
+    },
+    # Gemma 4's: a sliding layer then a global one (the tiny model's two), their RoPE bases, the
+    # output's cap (the tests give the two kinds their shapes: key_length_swa, ...)
+    "gemma4": {
+        "attention.sliding_window_pattern": [True, False],
+        "rope.freq_base": 1_000_000.0,
+        "rope.freq_base_swa": 10_000.0,
+        "final_logit_softcapping": 30.0,
+    },
 }
+
+
+def _proportional_rope(hp: HParams) -> dict[str, np.ndarray]:
+    """gemma4's rope_freqs: its global layers' RoPE rotates a quarter of each head's dims (its
+    partial_rotary_factor), the rest divided to a standstill (llama.cpp's converter)."""
+    n = hp.rope_dim // 2
+    return {"rope_freqs.weight": np.array([1.0] * (n // 4) + [1e30] * (n - n // 4), np.float32)}
+
+
+# tensors whose values an architecture's files fix rather than learn
+FIXED: dict[str, Callable[[HParams], dict[str, np.ndarray]]] = {"gemma4": _proportional_rope}
 
 
 def random_blocks(
@@ -142,6 +178,9 @@ def write_tiny_model(
     optional: bool = False,
     rope_dim: int | None = None,
     stds: dict[str, float] | None = None,
+    kv_lora_rank: int = 0,
+    q_lora_rank: int = 0,
+    skip: tuple[str, ...] = (),
 ) -> Path:
     """A random model of `arch` with the vocabulary of `tokenizer_from` (default: tiny_vocab()).
     qtypes overrides the
@@ -150,8 +189,12 @@ def write_tiny_model(
     n_expert > 0: a mixture of experts (n_expert_used per token, each n_ff_exp wide, default
     n_ff; n_ff_shexp: the shared expert's width where the architecture has one). optional: also
     the tensors the architecture takes where a file has them (llama's q/k/v biases, phi3's
-    LongRoPE factors). rope_dim: dims of each head RoPE rotates (default all). stds: the spread
-    of random matrices per tensor-name suffix (default 0.08; a router's 1.0)."""
+    LongRoPE factors), but those whose names contain one of `skip` (gemma4's attn_v of its
+    global layers, one of two forms of the experts' gate and up). rope_dim: dims of each head RoPE rotates (default all). stds: the spread
+    of random matrices per tensor-name suffix (default 0.08; a router's 1.0). kv_lora_rank > 0:
+    multi-head latent attention (deepseek2) whose heads' q·k and v have head_dim dims, rope_dim
+    of them RoPE'd, written as llama.cpp's converter does (one kv head of the latent, the heads'
+    sizes in key_length_mla / value_length_mla); q_lora_rank > 0: q through that bottleneck."""
     rng = np.random.default_rng(seed)
     hd = head_dim or n_embd // n_head
     tok_meta = tokenizer_from.metadata if tokenizer_from is not None else tiny_vocab()
@@ -162,9 +205,19 @@ def write_tiny_model(
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    if kv_lora_rank:  # MLA: the cache holds one head, the latent and the shared rope key
+        w.add_head_count_kv(1)
+        w.add_key_length(kv_lora_rank + (rope_dim or hd))
+        w.add_value_length(kv_lora_rank)
+        w.add_key_length_mla(hd)
+        w.add_value_length_mla(hd)
+        w.add_kv_lora_rank(kv_lora_rank)
+        if q_lora_rank:
+            w.add_q_lora_rank(q_lora_rank)
+    else:
+        w.add_head_count_kv(n_head_kv)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     w.add_rope_dimension_count(rope_dim or hd)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0 if arch != "gemma3" else 1_000_000.0)
@@ -182,6 +235,7 @@ def write_tiny_model(
             _add_value(w, key, tok_meta[key])
     own = {f"{arch}.{key}": value for key, value in ARCH_KEYS.get(arch, {}).items()}
     for key, value in (own | (extra or {})).items():
+        w.kv_data[0].pop(key, None)  # (they replace what was written above)
         _add_value(w, key, value)
 
     def tensor(name: str, shape: tuple[int, ...], q: T) -> None:
@@ -215,8 +269,12 @@ def write_tiny_model(
         w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=q)
 
     tensor("token_embd.weight", (vocab, n_embd), qtype)
-    for t in layer_tensors(hparams_from_metadata(_metadata(w), str(path)), 0, n_layer):
-        if t.required or optional:
+    hp = hparams_from_metadata(_metadata(w), str(path))
+    fixed = FIXED[arch](hp) if arch in FIXED else {}
+    for t in layer_tensors(hp, 0, n_layer):
+        if t.name in fixed:
+            w.add_tensor(t.name, fixed[t.name])
+        elif t.required or (optional and not any(s in t.name for s in skip)):
             # the router and the shared expert's gate stay F32, as in the files people run
             q = T.F32 if "gate_inp" in t.name else qtype
             tensor(t.name, t.shape, q)

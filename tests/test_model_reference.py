@@ -46,6 +46,24 @@ def _longrope(n_orig: int) -> dict[str, float]:
     }
 
 
+_DEEPSEEK_YARN = {  # DeepSeek-V2-Lite's mscale (0.707) as its converter writes it, factor 8
+    "deepseek2.rope.scaling.type": "yarn",
+    "deepseek2.rope.scaling.factor": 8.0,
+    "deepseek2.rope.scaling.original_context_length": 64,
+    "deepseek2.rope.scaling.yarn_log_multiplier": 0.1 * 0.707,
+}
+
+
+def _glm_keys(arch: str, groups: int) -> dict[str, object]:
+    """GLM's routing keys (sigmoid, renormalised) with `groups` expert groups of which half
+    are searched, and one MTP block after the model's layers."""
+    return {
+        f"{arch}.expert_gating_func": 2, f"{arch}.expert_weights_norm": True,
+        f"{arch}.expert_group_count": groups, f"{arch}.expert_group_used_count": groups // 2,
+        f"{arch}.nextn_predict_layers": 1,
+    }  # fmt: skip
+
+
 # (arch, main type, per-tensor overrides, shape options) — together they cover every type
 CASES = [
     ("llama", T.Q4_0, {}, {}),
@@ -120,6 +138,30 @@ CASES = [
     # attention uniform), with every optional bias
     ("granite", T.Q8_0, {"ffn_down": T.Q5_0}, {"optional": True,
                                                 "extra": {"granite.attention.scale": 0.5}}),
+    # glm4moe as GLM-4.5: q/k norms, RoPE on half of each head, layer 0 dense, 8 experts in 4
+    # groups of which the best 2 are searched, a file of 3 blocks whose last is the MTP block
+    # (nextn_predict_layers 1); then as GLM-4.5-Air (no q/k norms, weight scale 1, no groups).
+    # Seed 4: groups make near-ties in the routing likelier, and at seed 0 the fast path's
+    # rounding changes one token's experts (0.33 of the logits' range at that token)
+    ("glm4moe", T.Q8_0, {"ffn_down_exps": T.Q4_0}, {
+        "n_expert": 8, "n_ff_exp": 64, "rope_dim": 8, "optional": True, "n_layer": 3,
+        "tied": False, "seed": 4, "extra": _glm_keys("glm4moe", groups=4)}),
+    ("glm4moe", T.Q5_0, {"attn_": T.Q8_0}, {
+        "n_expert": 8, "n_ff_exp": 64, "rope_dim": 8, "extra": {
+            "glm4moe.expert_weights_scale": 1.0}}),
+    # deepseek2 as DeepSeek-V2-Lite: MLA (latent 64, heads of 32 + 16 RoPE'd dims and values of
+    # 48), no q bottleneck, softmax router, YaRN with its mscale (original context 64); then as
+    # GLM-4.7-Flash: a q bottleneck of 32, sigmoid router with selection bias in 4 groups,
+    # renormalised, times 1.8, one shared expert, an MTP block, and Q4_0 heads' matrices
+    # (attn_k_b, attn_v_b), which CPUs with AVX2 repack (graph.py's mul_mat_id over them)
+    ("deepseek2", T.Q8_0, {"ffn_up_exps": T.Q4_1}, {
+        "n_expert": 8, "n_ff_exp": 64, "head_dim": 48, "rope_dim": 16, "kv_lora_rank": 64,
+        "extra": _DEEPSEEK_YARN}),
+    ("deepseek2", T.Q8_0, {"_exps": T.Q4_0, "attn_k_b": T.Q4_0, "attn_v_b": T.Q4_0}, {
+        "n_expert": 8, "n_ff_exp": 64, "head_dim": 48, "rope_dim": 16, "kv_lora_rank": 64,
+        "q_lora_rank": 32, "n_layer": 3, "tied": False, "optional": True,
+        "extra": _glm_keys("deepseek2", groups=4)
+        | {"deepseek2.expert_weights_scale": 1.8, "deepseek2.expert_shared_count": 1}}),
 ]  # fmt: skip
 # what transformers' GGUF loader does not read from the file (it keeps its config's defaults)
 HF_CONFIG = {"n_ff_exp": "moe_intermediate_size", "n_ff_shexp": "shared_expert_intermediate_size"}
@@ -143,6 +185,8 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         ref = _gpt_oss(path)
     elif arch in ("olmo2", "granite"):
         ref = _own_class(path)
+    elif arch in ("glm4moe", "deepseek2"):
+        ref = _glm_deepseek(path)
     else:
         config = _hf_config(path, arch, shape)
         ref = transformers.AutoModelForCausalLM.from_pretrained(
@@ -364,6 +408,104 @@ def _own_class(path: Path) -> torch.nn.Module:
         parts = name.split(".")
         if parts[0] == "blk":
             state[f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"] = get(name)
+    missing, unexpected = model.float().load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def _glm_deepseek(path: Path) -> torch.nn.Module:
+    """transformers' Glm4Moe (glm4moe), DeepseekV2 (deepseek2 with a softmax router) or
+    Glm4MoeLite (GLM-4.7-Flash: deepseek2 with a sigmoid router) over the file's tensors,
+    dequantized (its GGUF loader reads neither architecture). Only the model's own layers: the
+    MTP block after them is left out, as we do. MLA's kv_b_proj is remade from the file's split
+    attn_k_b [H, r, nope] and attn_v_b [H, v, r]: per head, k's rows then v's."""
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    rope = {"rope_type": "default", "rope_theta": hp.rope_base}
+    if hp.rope_scaling == "yarn":
+        rope |= {
+            "rope_type": "yarn", "factor": hp.rope_scale, "truncate": True,
+            "original_max_position_embeddings": hp.rope_ctx_orig or hp.n_ctx_train,
+            "mscale": hp.yarn_log_mul, "mscale_all_dim": hp.yarn_log_mul,
+        }  # fmt: skip
+    shape = dict(
+        vocab_size=hp.n_vocab, hidden_size=hp.n_embd, intermediate_size=hp.n_ff,
+        moe_intermediate_size=hp.n_ff_exp, num_hidden_layers=hp.n_layer,
+        num_attention_heads=hp.n_head, rms_norm_eps=hp.rms_eps, n_routed_experts=hp.n_expert,
+        num_experts_per_tok=hp.n_expert_used, n_shared_experts=hp.n_ff_shexp // hp.n_ff_exp,
+        routed_scaling_factor=hp.expert_scale, norm_topk_prob=hp.expert_norm,
+        n_group=hp.n_expert_groups or 1, topk_group=hp.n_group_used or 1,
+        max_position_embeddings=hp.n_ctx_train, rope_parameters=rope, pad_token_id=None,
+        tie_word_embeddings="output.weight" not in f.tensors,
+    )  # fmt: skip
+    # GGUF name in blk.i -> transformers' in layers.i
+    names = {
+        "attn_norm": "input_layernorm", "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+        "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate.e_score_correction_bias",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj", "ffn_down_exps": "mlp.experts.down_proj",
+    }  # fmt: skip
+    if hp.arch == "glm4moe":
+        names |= {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                  "attn_v": "self_attn.v_proj", "attn_q_norm": "self_attn.q_norm",
+                  "attn_k_norm": "self_attn.k_norm",
+                  "post_attention_norm": "post_attention_layernorm"}  # fmt: skip
+        rope["partial_rotary_factor"] = hp.rope_dim / hp.head_dim
+        config = transformers.Glm4MoeConfig(
+            **shape, num_key_value_heads=hp.n_head_kv, head_dim=hp.head_dim, attention_bias=True,
+            use_qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+            first_k_dense_replace=hp.n_dense_lead,
+        )  # fmt: skip
+        model = transformers.Glm4MoeForCausalLM(config)
+    else:
+        names |= {"attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj",
+                  "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+                  "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                  "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+                  "ffn_norm": "post_attention_layernorm"}  # fmt: skip
+        mla = dict(
+            kv_lora_rank=hp.kv_lora_rank, q_lora_rank=hp.q_lora_rank or None,
+            qk_nope_head_dim=hp.head_dim_mla - hp.rope_dim, qk_rope_head_dim=hp.rope_dim,
+            v_head_dim=hp.head_dim_v_mla, num_key_value_heads=hp.n_head,
+        )  # fmt: skip
+        if hp.expert_gating == "sigmoid":  # GLM-4.7-Flash
+            kinds = ["dense" if i < hp.n_dense_lead else "sparse" for i in range(hp.n_layer)]
+            config = transformers.Glm4MoeLiteConfig(
+                **shape, **mla, head_dim=hp.rope_dim, mlp_layer_types=kinds
+            )
+            model = transformers.Glm4MoeLiteForCausalLM(config)
+        else:  # DeepSeek-V2(-Lite): greedy top k of a softmax
+            assert hp.expert_gating == "softmax" and not hp.n_expert_groups
+            config = transformers.DeepseekV2Config(
+                **shape, **mla, first_k_dense_replace=hp.n_dense_lead
+            )
+            model = transformers.DeepseekV2ForCausalLM(config)
+
+    def get(name: str) -> torch.Tensor:
+        return _dequantized(f, name)
+
+    state = {"model.embed_tokens.weight": get("token_embd.weight"),
+             "model.norm.weight": get("output_norm.weight")}  # fmt: skip
+    if "output.weight" in f.tensors:
+        state["lm_head.weight"] = get("output.weight")
+    for i in range(hp.n_layer):
+        p, q = f"blk.{i}.", f"model.layers.{i}."
+        for name in f.tensors:
+            parts = name.split(".")
+            if name.startswith(p) and parts[2] in names:
+                suffix = "" if parts[2] == "exp_probs_b" else "." + parts[3]
+                suffix = "" if parts[2] == "ffn_down_exps" else suffix
+                state[q + names[parts[2]] + suffix] = get(name)
+        if hp.is_moe_layer(i):  # [E, 2F, D]: gate then up, as transformers' fused experts
+            gate_up = [get(p + "ffn_gate_exps.weight"), get(p + "ffn_up_exps.weight")]
+            state[q + "mlp.experts.gate_up_proj"] = torch.cat(gate_up, dim=1)
+        if hp.kv_lora_rank:  # [H (nope + v), r]
+            k_b, v_b = get(p + "attn_k_b.weight"), get(p + "attn_v_b.weight")
+            kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+            state[q + "self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, hp.kv_lora_rank)
     missing, unexpected = model.float().load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()

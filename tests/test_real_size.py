@@ -29,10 +29,12 @@ from cgroups import MemoryCgroup, Unavailable
 from potluck.modelfile.sources import Places
 from workers import Spawn, Worker
 from workers import spawn_module_worker as spawn_module_worker
+from workers import spawn_worker as spawn_worker
 
 pytestmark = pytest.mark.slow
 
 CAP = 6 << 30  # each worker's memory cgroup
+CAP_MOE = 12 << 30  # ... for the 30B-A3B
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Hello there"
 N = "6"
@@ -156,6 +158,40 @@ HELD = re.compile(
 )
 
 
+def test_30b_a3b_on_two_capped_workers_equals_one_uncapped_process(spawn_worker: Spawn) -> None:
+    """The mixture of experts people pool: Qwen3-30B-A3B's shape (48 layers, 128 experts, 8 per
+    token; 17.3 GiB at Q4_K_M) on two workers of 12 GiB each, which neither can hold alone.
+    Its workers and groups end with the test, before the 14B's are made (not both at once)."""
+    mm = _make_model()
+    path = mm.default_path("qwen30b-a3b")
+    if not mm.is_complete(path):
+        cache = Places.of(os.environ, Path.home()).cache
+        free = shutil.disk_usage(cache if cache.exists() else Path.home()).free
+        if free < 22 << 30:
+            pytest.skip(
+                f"the 30B-A3B-shape model needs 18 GiB of disk, {free / 2**30:.1f} GiB free"
+            )
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total < 2 * CAP_MOE - (1 << 30):
+        pytest.skip(f"two 12 GiB workers need 23 GiB of RAM, this machine has {total / 2**30:.1f}")
+    model = mm.ensure_model("qwen30b-a3b")
+    groups: list[MemoryCgroup] = []
+    workers: list[CappedWorker] = []
+    try:
+        for name in ("moe-a", "moe-b"):
+            groups.append(MemoryCgroup.make(name, CAP_MOE))
+        _forget_pages(model)
+        workers = [_start(spawn_worker, g, model.parent) for g in groups]
+        _pool_equals_one_process(model, workers)
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    finally:
+        for w in workers:
+            w.worker.stop(timeout=20)
+        for g in groups:
+            g.remove()
+
+
 def test_workers_report_their_cgroups_room(capped: list[CappedWorker]) -> None:
     """A worker in a 6 GiB group offers what the group has left, not the machine's free RAM."""
     from potluck.pool.survey import survey
@@ -168,15 +204,20 @@ def test_workers_report_their_cgroups_room(capped: list[CappedWorker]) -> None:
 def test_14b_on_two_capped_workers_equals_one_uncapped_process(
     model14b: Path, capped: list[CappedWorker]
 ) -> None:
+    _pool_equals_one_process(model14b, capped)
+
+
+def _pool_equals_one_process(model: Path, capped: list[CappedWorker]) -> None:
+    """`plan` and `run` over the capped workers, the head holding no layers: no single machine
+    holds the model, nobody is OOM-killed, each holds what the plan counted, and the text is one
+    uncapped process's."""
     peers = [a for w in capped for a in ("--peer", w.address)]
-    plan = _potluck("plan", "-m", str(model14b), "--mem", "0", *peers)
+    plan = _potluck("plan", "-m", str(model), "--mem", "0", *peers)
     assert plan.returncode == 0, plan.stderr
     assert "no single machine can hold the model" in plan.stdout, plan.stdout
     assert "left out: this machine" in plan.stdout, plan.stdout
 
-    pool = _potluck(
-        "run", "-m", str(model14b), "--mem", "0", *peers, "--temp", "0", "-n", N, PROMPT
-    )
+    pool = _potluck("run", "-m", str(model), "--mem", "0", *peers, "--temp", "0", "-n", N, PROMPT)
     assert pool.returncode == 0, pool.stderr
     for w in capped:
         assert w.worker.alive(), f"worker {w.address} died: {w.said()}"
@@ -195,7 +236,7 @@ def test_14b_on_two_capped_workers_equals_one_uncapped_process(
             worker.address, worker.peak_rss_bytes(), m.group(0)
         )  # fmt: skip
 
-    alone = _potluck("run", "-m", str(model14b), "--temp", "0", "-n", N, PROMPT)
+    alone = _potluck("run", "-m", str(model), "--temp", "0", "-n", N, PROMPT)
     assert alone.returncode == 0, alone.stderr
     assert pool.stdout == alone.stdout and alone.stdout.strip()
 

@@ -100,6 +100,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ggml_view_1d": ([P, P, c_int64, c_size_t], P),
     "ggml_view_2d": ([P, P, c_int64, c_int64, c_size_t, c_size_t], P),
     "ggml_view_3d": ([P, P, c_int64, c_int64, c_int64, c_size_t, c_size_t, c_size_t], P),
+    "ggml_reshape_1d": ([P, P, c_int64], P),
     "ggml_reshape_2d": ([P, P, c_int64, c_int64], P),
     "ggml_reshape_3d": ([P, P, c_int64, c_int64, c_int64], P),
     "ggml_reshape_4d": ([P, P, c_int64, c_int64, c_int64, c_int64], P),

@@ -3,8 +3,9 @@
 Each layer is its architecture's block (model/archs/), written with the helpers here: norms,
 linear maps (with LoRA adapters), attention over the KV caches, a dense FFN, a mixture of
 experts. What differs inside the shared helpers (RoPE pairing, activation, QK-norm, sliding
-windows, biases, expert gating) comes from `HParams` and its rules as data. Shapes in comments
-are ggml's, innermost first: hidden states are [D, T] for T tokens of all sequences together.
+windows, biases, expert gating and groups, latent attention) comes from `HParams` and its rules
+as data, or from which tensors the file has. Shapes in comments are ggml's, innermost first:
+hidden states are [D, T] for T tokens of all sequences together.
 
 A built graph is reused for every step of the same shape (`StepShape`: per sequence its cache,
 token count and attended length n_kv, padded to 256 as llama.cpp), so that a decode step costs
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from potluck.errors import ModelFileError
 from potluck.model.archs import architecture
 from potluck.model.ggml_lib import (
     PREC_F32,
@@ -101,6 +103,8 @@ class StepGraph:
             per_layer += 16
         if hp.kv_lora_rank:  # MLA's bottlenecks, views, absorbed q and the heads' values
             per_layer += 24
+        if hp.rules.post_norms:  # norms after attention and the FFN (gemma4: after both FFNs,
+            per_layer += 24  # v's, the router's), and what gemma4's block adds up
         n_nodes = len(layers) * per_layer + 64
         self.ctx = new_context(2 * n_nodes + 16, n_nodes)
         self.gf: int = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
@@ -138,6 +142,8 @@ class StepGraph:
             self.inp_x = self._input(TYPE_F32, D, T)
             x = self.inp_x
         self.inp_pos = self._input(TYPE_I32, T)
+        # Llama 4's attention temperature: per token, the factor its q is multiplied by [1, T]
+        self.inp_temp = self._input(TYPE_F32, 1, T) if hp.attn_temp_scale else 0
         # MLA: per token, the heads 0 .. H-1, which pick each head's matrix out of a stack
         # (mul_mat_id): i32 [H, T]
         self.inp_heads = self._input(TYPE_I32, hp.n_head, T) if hp.kv_lora_rank else 0
@@ -185,6 +191,10 @@ class StepGraph:
 
     def scale(self, x: int, s: float) -> int:
         y: int = lib.ggml_scale(self.ctx, x, s) if s != 1.0 else x
+        return y
+
+    def mul(self, x: int, name: str) -> int:
+        y: int = lib.ggml_mul(self.ctx, x, self.w.tensor(name)) if name in self.w else x
         return y
 
     def _linear(self, name: str, x: int) -> int:
@@ -236,14 +246,16 @@ class StepGraph:
         out: int = lib.ggml_mul(self.ctx, y, g)
         return out
 
-    def moe(self, i: int, h: int) -> int:
-        """The router picks k = n_expert_used of E experts per token; each runs as a gated FFN
-        (three mul_mat_id over the stacked experts, each plus its expert's bias where the file
-        has them) and their outputs are summed, weighted by the router's probabilities
-        (renormalised over the k where the model says so; hparams.py Gating)."""
+    def moe(self, i: int, h: int, route: int | None = None) -> int:
+        """The router (reading `route`, default h) picks k = n_expert_used of E experts per
+        token; each runs as a gated FFN of h (three mul_mat_id over the stacked experts, or two
+        where gate and up are one stack, each plus its expert's bias where the file has them)
+        and their outputs are summed, weighted by the router's probabilities (renormalised over
+        the k where the model says so; hparams.py Gating) times each expert's own scale where
+        the file has `ffn_down_exps.scale`."""
         hp, ctx, p, T, D = self.hp, self.ctx, f"blk.{i}.", self.total, self.hp.n_embd
         E, k = hp.n_expert, hp.n_expert_used
-        logits = self._linear(p + "ffn_gate_inp", h)  # [E, T] (plus the router's bias)
+        logits = self._linear(p + "ffn_gate_inp", h if route is None else route)  # [E, T]
         if hp.expert_gating == "softmax":
             probs = lib.ggml_soft_max(ctx, logits)
         elif hp.expert_gating == "sigmoid":
@@ -261,9 +273,26 @@ class StepGraph:
             weights = lib.ggml_reshape_3d(ctx, lib.ggml_div(ctx, weights, total), 1, k, T)
         if hp.expert_scale != 1.0:
             weights = lib.ggml_scale(ctx, weights, hp.expert_scale)
+        if p + "ffn_down_exps.scale" in self.w:  # times each chosen expert's scale [E]
+            scales = lib.ggml_reshape_2d(ctx, self.w.tensor(p + "ffn_down_exps.scale"), 1, E)
+            chosen = lib.ggml_reshape_1d(ctx, lib.ggml_cont(ctx, experts), k * T)
+            chosen = lib.ggml_get_rows(ctx, scales, chosen)  # [1, k T]
+            weights = lib.ggml_mul(ctx, weights, lib.ggml_reshape_3d(ctx, chosen, 1, k, T))
         x = lib.ggml_reshape_3d(ctx, h, D, 1, T)
-        up = self._experts(p + "ffn_up_exps", x, experts)  # [F, k, T]
-        gate = self._experts(p + "ffn_gate_exps", x, experts)
+        if p + "ffn_gate_up_exps.weight" in self.w:  # one stack: each expert's gate rows, then
+            both = self._experts(p + "ffn_gate_up_exps", x, experts)  # up's: [2F, k, T]
+            F = tensor_ne(both)[0] // 2
+            row = lib.ggml_row_size(TYPE_F32, 2 * F)
+            gate = lib.ggml_view_3d(ctx, both, F, k, T, row, row * k, 0)  # [F, k, T] (strided)
+            up = lib.ggml_view_3d(ctx, both, F, k, T, row, row * k, F * _F32)
+        elif p + "ffn_gate_exps.weight" in self.w:
+            up = self._experts(p + "ffn_up_exps", x, experts)  # [F, k, T]
+            gate = self._experts(p + "ffn_gate_exps", x, experts)
+        else:
+            raise ModelFileError(
+                f"layer {i} has neither {p}ffn_gate_up_exps.weight nor {p}ffn_gate_exps.weight "
+                "(and ffn_up_exps): the experts' gate and up are missing from the model file"
+            )
         out = self._experts(p + "ffn_down_exps", self._glu(gate, up), experts)  # [D, k, T]
         out = lib.ggml_mul(ctx, out, weights)
         row = D * _F32  # the k outputs of a token are rows of out: summed by views
@@ -310,7 +339,7 @@ class StepGraph:
 
     def attention(self, i: int, h: int) -> int:
         hp, ctx, p, caches = self.hp, self.ctx, f"blk.{i}.", self.caches
-        H, Hkv, hd, hdv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
+        (Hkv, hd, hdv, _), H, T = hp.heads(i), hp.n_head, self.total
         if hp.kv_lora_rank:  # MLA: RoPE'd within; one kv head, the latent
             q, k, v = self._mla_qkv(i, h)
         else:
@@ -319,7 +348,12 @@ class StepGraph:
             if hp.rules.qk_norm or optional:
                 q = self.norm(q, p + "attn_q_norm.weight")
                 k = self.norm(k, p + "attn_k_norm.weight")
+            if hp.rules.v_norm:  # per head, no weight
+                v = lib.ggml_rms_norm(ctx, lib.ggml_reshape_3d(ctx, v, hdv, Hkv, T), hp.rms_eps)
+                v = lib.ggml_reshape_2d(ctx, v, Hkv * hdv, T)
             q, k = self._rope(i, q), self._rope(i, k)
+        if self.inp_temp:  # Llama 4's attention temperature, per token [1, 1, T]
+            q = lib.ggml_mul(ctx, q, lib.ggml_reshape_3d(ctx, self.inp_temp, 1, 1, T))
         window = hp.sliding_window if hp.is_sliding(i) else 0
         # per head, a logit that joins every row's softmax and adds nothing to the output
         # (gpt-oss): f32 [H]
@@ -330,18 +364,19 @@ class StepGraph:
         t0 = 0
         for c, (cache, n, n_kv) in enumerate(zip(caches, self.sizes, self.n_kv, strict=True)):
             ct = cache.cache_type
-            row_k, row_v = Hkv * hd, Hkv * hdv
+            row_k, row_v = Hkv * hd, Hkv * hdv  # this layer's K and V per token
             k_new = lib.ggml_view_2d(ctx, k, row_k, n, row_k * _F32, t0 * row_k * _F32)
             v_new = lib.ggml_view_2d(ctx, v, row_v, n, row_v * _F32, t0 * row_v * _F32)
-            ks = lib.ggml_set_rows(ctx, cache.k[i], k_new, self.inp_kv_rows[c])  # [row_k, cap]
-            vs = lib.ggml_set_rows(ctx, cache.v[i], v_new, self.inp_kv_rows[c])
+            # the cache's rows [cache.row_k, cap], of which this layer fills the first row_k
+            # elements where its kind is the narrower (hparams.py layer_heads)
+            nb_k, nb_v = lib.ggml_row_size(ct, cache.row_k), lib.ggml_row_size(ct, cache.row_v)
+            ks = self._rows(cache.k[i], row_k, cache.row_k, cache.capacity, nb_k)
+            vs = self._rows(cache.v[i], row_v, cache.row_v, cache.capacity, nb_v)
+            ks = lib.ggml_set_rows(ctx, ks, k_new, self.inp_kv_rows[c])  # [row_k, cap]
+            vs = lib.ggml_set_rows(ctx, vs, v_new, self.inp_kv_rows[c])
             # the first n_kv positions, per kv head: [hd, n_kv, Hkv] (strided views)
-            kk = lib.ggml_view_3d(
-                ctx, ks, hd, n_kv, Hkv, lib.ggml_row_size(ct, row_k), lib.ggml_row_size(ct, hd), 0
-            )
-            vv = lib.ggml_view_3d(
-                ctx, vs, hdv, n_kv, Hkv, lib.ggml_row_size(ct, row_v), lib.ggml_row_size(ct, hdv), 0
-            )
+            kk = lib.ggml_view_3d(ctx, ks, hd, n_kv, Hkv, nb_k, lib.ggml_row_size(ct, hd), 0)
+            vv = lib.ggml_view_3d(ctx, vs, hdv, n_kv, Hkv, nb_v, lib.ggml_row_size(ct, hdv), 0)
             qc = lib.ggml_view_3d(ctx, q, hd, H, n, hd * _F32, hd * H * _F32, t0 * hd * H * _F32)
             qc = lib.ggml_permute(ctx, qc, 0, 2, 1, 3)  # [hd, n, H]
             mask = self.inp_masks[window][c]
@@ -359,6 +394,12 @@ class StepGraph:
             o = lib.ggml_mul_mat_id(ctx, self.w.tensor(p + "attn_v_b.weight"), o, self.inp_heads)
             o = lib.ggml_reshape_2d(ctx, o, hp.head_dim_v_mla * H, self.total)  # [H v, T]
         return self._linear(p + "attn_output", o)
+
+    def _rows(self, t: int, width: int, full: int, capacity: int, nb: int) -> int:
+        """The first `width` elements of each of the cache tensor t's rows [full, capacity]
+        (t itself where that is all of them)."""
+        y: int = t if width == full else lib.ggml_view_2d(self.ctx, t, width, capacity, nb, 0)
+        return y
 
     def _mla_qkv(self, i: int, h: int) -> tuple[int, int, int]:
         """Multi-head latent attention's q [r + R, H, T], k [r + R, 1, T] and v [r, T] of h
@@ -392,9 +433,10 @@ class StepGraph:
     def _qkv(self, i: int, h: int) -> tuple[int, int, int]:
         """Layer i's q [hd, H, T], k [hd, Hkv, T] and v [Hkv hdv, T] of h [D, T]: from attn_q,
         attn_k and attn_v, or from one matrix attn_qkv where the file has it (its rows: q's, k's,
-        v's); normed over all heads together where the rules say so (olmo2)."""
+        v's); v is k's projection where the layer has no attn_v (gemma4's global layers); normed
+        over all heads together where the rules say so (olmo2)."""
         hp, ctx, p, T = self.hp, self.ctx, f"blk.{i}.", self.total
-        H, Hkv, hd, hdv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
+        (Hkv, hd, hdv, _), H = hp.heads(i), hp.n_head
         if p + "attn_qkv.weight" in self.w:
             qkv = self._linear(p + "attn_qkv", h)  # [H hd + Hkv hd + Hkv hdv, T]
             row = lib.ggml_row_size(TYPE_F32, H * hd + Hkv * (hd + hdv))
@@ -405,7 +447,7 @@ class StepGraph:
             q, k, v = (lib.ggml_cont(ctx, t) for t in (q, k, v))
         else:
             q, k = self._linear(p + "attn_q", h), self._linear(p + "attn_k", h)
-            v = self._linear(p + "attn_v", h)
+            v = self._linear(p + "attn_v", h) if p + "attn_v.weight" in self.w else k
         if hp.rules.qk_norm_full:
             q = self.norm(q, p + "attn_q_norm.weight")
             k = self.norm(k, p + "attn_k_norm.weight")
@@ -419,9 +461,10 @@ class StepGraph:
         freqs = self._rope_freqs()
         n_orig, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = hp.rope_ext()
         if hp.rules.local_rope_unscaled and hp.is_sliding(i):
-            freq_scale, ext_factor, attn_factor = 1.0, 0.0, 1.0
+            freq_scale, ext_factor, attn_factor, freqs = 1.0, 0.0, 1.0, None
         x = lib.ggml_rope_ext(
-            self.ctx, x, self.inp_pos, freqs, hp.rope_dim, mode, n_orig, hp.rope_base_for(i),
+            self.ctx, x, self.inp_pos, freqs, hp.heads(i).rope_dim, mode, n_orig,
+            hp.rope_base_for(i),
             freq_scale, ext_factor, attn_factor, beta_fast, beta_slow,
         )  # fmt: skip
         return x
@@ -463,6 +506,10 @@ class StepGraph:
                 ]
             )
         _set(self.inp_pos, pos)
+        if self.inp_temp:  # 1 + beta ln(1 + floor(p / n_orig)), as llama.cpp and transformers
+            n_orig = self.hp.rope_ctx_orig or self.hp.n_ctx_train
+            temp = 1.0 + self.hp.attn_temp_scale * np.log1p(np.floor(pos / n_orig))
+            _set(self.inp_temp, temp.astype(np.float32))
         if self.inp_heads:
             _set(self.inp_heads, np.tile(np.arange(self.hp.n_head, dtype=np.int32), self.total))
         t0 = 0

@@ -7,8 +7,8 @@ has them) under those rules. model/archs `hparams_from_metadata` picks the modul
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from dataclasses import dataclass, replace
+from typing import Any, Literal, NamedTuple, get_args
 
 from potluck.errors import ModelFileError, UnsupportedError
 
@@ -35,7 +35,9 @@ class ArchRules:
     post_norms: bool = False  # norms after attention and after the FFN, before the residual add
     embed_scale_sqrt: bool = False  # multiply embeddings by sqrt(n_embd) (gemma)
     sliding_pattern: int = 0  # every Nth layer is global, the rest use the sliding window (gemma3)
-    local_rope_base: float | None = None  # RoPE base of sliding-window layers (gemma3: 10 000)
+    # RoPE base of sliding-window layers (gemma3: 10 000), where the file has no
+    # {arch}.rope.freq_base_swa key
+    local_rope_base: float | None = None
     expert_norm: bool = True  # routed experts' top-k weights renormalised to sum to 1 (where the
     # file has no {arch}.expert_weights_norm key: qwen3moe and Mixtral do, qwen2moe does not)
     expert_gating: Gating = "softmax"  # where the file has no {arch}.expert_gating_func key
@@ -49,7 +51,8 @@ class ArchRules:
     # head_dim^-1/2, as llama.cpp (a file's {arch}.attention.scale wins)
     wide_query_scale_layers: int = 0
     divide_logits: bool = False  # the output logits divided by {arch}.logit_scale (granite)
-    # sliding-window layers' RoPE without the file's YaRN scaling (olmo2's, for Olmo3)
+    # sliding-window layers' RoPE without the file's scaling: YaRN's (olmo2's, for Olmo3) and
+    # rope_freqs' divisors (gemma4's, which make its global layers' RoPE proportional)
     local_rope_unscaled: bool = False
     # per-head RMSNorms of q and k before RoPE where the file has them (glm4moe: GLM-4.5 has
     # them, GLM-4.5-Air not)
@@ -58,6 +61,26 @@ class ArchRules:
     # converter), which is also its mscale: cos and sin stay unscaled and q·k is scaled by
     # (1 + 0.1 mscale_all_dim ln factor)², as DeepSeek's reference (and llama.cpp) do
     yarn_log_mul_tenths: bool = False
+    # {arch}.rope.scaling.yarn_log_multiplier holds YaRN's mscale_all_dim itself (mistral3's
+    # converter; mscale 1): cos and sin scaled by mscale(1) / mscale(mscale_all_dim), as
+    # transformers' YaRN (and llama.cpp) do, where mscale(m) = 1 + 0.1 m ln factor
+    yarn_mscale_all_dim: bool = False
+    v_norm: bool = False  # RMSNorm over each head of v, without a weight (gemma4)
+    attn_scale: float = 0.0  # q·k's scale where the file has no {arch}.attention.scale (0: as
+    # above; gemma4: 1, its q and k being normed per head)
+    # (metadata key under {arch}., why): files that set one of these (not 0) are refused with
+    # the reason (gemma4's per-layer token embeddings)
+    unsupported: tuple[tuple[str, str], ...] = ()
+
+
+class Heads(NamedTuple):
+    """One layer's attention shape: its kv heads, the per-head sizes of q and k (head_dim) and
+    of v (head_dim_v), and the dims of each head that RoPE rotates."""
+
+    n_head_kv: int
+    head_dim: int
+    head_dim_v: int
+    rope_dim: int
 
 
 @dataclass(frozen=True)
@@ -68,14 +91,17 @@ class HParams:
     n_embd: int
     n_ff: int
     n_head: int
+    # kv heads, per-head sizes of q and k, and of v; where sliding-window and global layers
+    # differ (layer_heads), those of the kind whose K and V take more per token, which every
+    # layer's KV cache rows are then sized by (model/stage.py): heads(i) is layer i's own
     n_head_kv: int
-    head_dim: int  # per-head size of q and k
-    head_dim_v: int  # per-head size of v
+    head_dim: int
+    head_dim_v: int
     n_vocab: int
     n_ctx_train: int
     rms_eps: float
     rope_base: float
-    rope_dim: int  # rotated dims per head (≤ head_dim)
+    rope_dim: int  # rotated dims per head (≤ head_dim; the global layers' where kinds differ)
     rope_scale: float  # position scaling factor, linear or YaRN's (1.0 = none)
     sliding_window: int  # 0 = none
     sliding_pattern: int  # every Nth layer is global when sliding_window > 0 (0 = all sliding)
@@ -118,6 +144,16 @@ class HParams:
     embed_scale: float = 1.0  # {arch}.embedding_scale: the embeddings multiplied (granite)
     residual_scale: float = 1.0  # {arch}.residual_scale: each branch's output, before its add
     logit_scale: float = 1.0  # the output logits divided by it (granite's {arch}.logit_scale)
+    # (sliding-window layers', global layers') attention shapes where they differ (gemma4:
+    # {arch}.attention.key_length_swa, value_length_swa, rope.dimension_count_swa and a
+    # head_count_kv per layer); None: every layer's is the one above
+    layer_heads: tuple[Heads, Heads] | None = None
+    local_rope_base: float | None = None  # sliding-window layers' RoPE base (None: rope_base)
+    # Llama 4's attention temperature ({arch}.attention.temperature_scale, mistral3's Ministral
+    # 3): q at position p times 1 + attn_temp_scale · ln(1 + floor(p / n_orig)), n_orig the
+    # original context (rope_ctx_orig or n_ctx_train); 0: none
+    attn_temp_scale: float = 0.0
+    yarn_mscale_all: float = 0.0  # YaRN's mscale_all_dim where the rules read it (mistral3)
 
     @property
     def is_moe(self) -> bool:
@@ -131,9 +167,15 @@ class HParams:
         p = self.sliding_pattern
         return bool(self.sliding_window) and (p == 0 or (layer + 1) % p != 0)
 
+    def heads(self, layer: int) -> Heads:
+        """Layer `layer`'s attention shape (of its kind where sliding and global layers differ)."""
+        if self.layer_heads is not None:
+            return self.layer_heads[0 if self.is_sliding(layer) else 1]
+        return Heads(self.n_head_kv, self.head_dim, self.head_dim_v, self.rope_dim)
+
     def rope_base_for(self, layer: int) -> float:
-        if self.is_sliding(layer) and self.rules.local_rope_base is not None:
-            return self.rules.local_rope_base
+        if self.is_sliding(layer) and self.local_rope_base is not None:
+            return self.local_rope_base
         return self.rope_base
 
     def rope_ext(self) -> tuple[int, float, float, float, float, float]:
@@ -148,6 +190,8 @@ class HParams:
         mscale = 1.0 + 0.1 * math.log(factor) if factor > 1.0 else 1.0
         if self.yarn_log_mul:  # (deepseek2: mscale = mscale_all_dim, their ratio 1)
             mscale = 1.0
+        elif self.yarn_mscale_all and factor > 1.0:  # mscale(1) / mscale(mscale_all_dim)
+            mscale /= 1.0 + 0.1 * self.yarn_mscale_all * math.log(factor)
         attn = mscale / (1.0 + 0.1 * math.log(factor)) * self.rope_attn_factor
         return n_orig, 1.0 / factor, 1.0, attn, self.yarn_beta_fast, self.yarn_beta_slow
 
@@ -170,9 +214,12 @@ def parse_hparams(meta: dict[str, Any], rules: ArchRules, source: str = "model")
             raise ModelFileError(f"{source}: metadata key {full} is missing (needed for {arch})")
         return default
 
+    for key, why in rules.unsupported:
+        if value := get(key, 0):
+            raise UnsupportedError(f"{source}: {arch}.{key} is {value}: {why}")
     n_embd = int(get("embedding_length"))
     n_head = int(get("attention.head_count"))
-    n_head_kv = get("attention.head_count_kv", n_head)
+    n_head_kv = get("attention.head_count_kv", n_head)  # a number, or one per layer (gemma4)
     head_dim = int(get("attention.key_length", n_embd // n_head))
     n_vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     if not n_vocab:
@@ -180,10 +227,8 @@ def parse_hparams(meta: dict[str, Any], rules: ArchRules, source: str = "model")
             f"{source}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present"
         )
     n_ff = get("feed_forward_length")
-    if isinstance(n_ff, list) or isinstance(n_head_kv, list):
-        raise UnsupportedError(
-            f"{source}: per-layer head counts or FFN sizes are not supported yet"
-        )
+    if isinstance(n_ff, list):
+        raise UnsupportedError(f"{source}: per-layer FFN sizes are not supported yet")
     scaling = _SCALINGS.get(str(meta.get(f"{arch}.rope.scaling.type") or "none"))
     if scaling is None:
         raise UnsupportedError(
@@ -202,7 +247,8 @@ def parse_hparams(meta: dict[str, Any], rules: ArchRules, source: str = "model")
     kv_lora_rank = int(get("attention.kv_lora_rank", 0))
     head_dim_mla = int(get("attention.key_length_mla", 0)) if kv_lora_rank else 0
     query_size = head_dim_mla or query_size
-    attn_scale = float(get("attention.scale", query_size**-0.5))
+    fixed_scale = f"{arch}.attention.scale" in meta or bool(rules.attn_scale)
+    attn_scale = float(get("attention.scale", rules.attn_scale or query_size**-0.5))
     log_mul = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
     log_mul = log_mul if rules.yarn_log_mul_tenths and scaling == "yarn" else 0.0
     if log_mul and rope_scale > 1.0:  # DeepSeek's YaRN: q·k scaled by mscale_all_dim's mscale²
@@ -230,18 +276,18 @@ def parse_hparams(meta: dict[str, Any], rules: ArchRules, source: str = "model")
     if n_groups > 1 and not (n_expert % n_groups == 0 and 0 < n_groups_used <= n_groups):
         raise ModelFileError(
             f"{source}: {n_expert} experts in {n_groups} groups, {n_groups_used} used: the "
-            "groups must divide the experts and 1 to all of them be used"
+            "groups must divide the experts, and 1 to all of the groups be used"
         )
     n_nextn = int(get("nextn_predict_layers", 0))  # MTP blocks after the model's own layers
     n_ff_exp = int(get("expert_feed_forward_length", 0)) or (n_ff // n_used if n_used else 0)
-    return HParams(
+    hp = HParams(
         arch=arch,
         rules=rules,
         n_layer=int(get("block_count")) - n_nextn,
         n_embd=n_embd,
         n_ff=int(n_ff),
         n_head=n_head,
-        n_head_kv=int(n_head_kv),
+        n_head_kv=int(n_head_kv[0] if isinstance(n_head_kv, list) else n_head_kv),
         head_dim=head_dim,
         head_dim_v=int(get("attention.value_length", head_dim)),
         n_vocab=int(n_vocab),
@@ -280,7 +326,54 @@ def parse_hparams(meta: dict[str, Any], rules: ArchRules, source: str = "model")
         embed_scale=float(get("embedding_scale", 1.0)),
         residual_scale=float(get("residual_scale", 1.0)),
         logit_scale=float(get("logit_scale", 1.0)) if rules.divide_logits else 1.0,
+        local_rope_base=None
+        if rules.local_rope_base is None
+        else float(get("rope.freq_base_swa", rules.local_rope_base)),
+        attn_temp_scale=float(get("attention.temperature_scale", 0.0)),
+        yarn_mscale_all=float(get("rope.scaling.yarn_log_multiplier", 0.0))
+        if rules.yarn_mscale_all_dim and scaling == "yarn"
+        else 0.0,
     )
+    return _layer_heads(hp, n_head_kv, get, fixed_scale, source)
+
+
+def _layer_heads(
+    hp: HParams, kv: int | list[int], get: Any, fixed_scale: bool, source: str
+) -> HParams:
+    """hp with its sliding-window and global layers' attention shapes where they differ (gemma4:
+    {arch}.attention.key_length_swa, value_length_swa, rope.dimension_count_swa, a head_count_kv
+    per layer); kv: head_count_kv as the file has it; fixed_scale: whether q·k's scale is given
+    (by the file or the rules) rather than derived from one head size."""
+    where = f"{source}: {hp.arch}"
+    slides = [hp.is_sliding(i) for i in range(hp.n_layer)]
+    counts = [int(c) for c in kv] if isinstance(kv, list) else [int(kv)] * hp.n_layer
+    by_kind = {s: {c for c, t in zip(counts, slides, strict=False) if t == s} for s in (True, False)}
+    if len(counts) < hp.n_layer or any(len(c) > 1 for c in by_kind.values()):
+        raise UnsupportedError(
+            f"{where}.attention.head_count_kv {counts}: kv heads that differ other than between "
+            "sliding-window and global layers are not supported"
+        )
+    n_kv = {s: min(c) if c else counts[0] for s, c in by_kind.items()}
+    full = Heads(n_kv[False], hp.head_dim, hp.head_dim_v, hp.rope_dim)
+    local = Heads(
+        n_kv[True],
+        int(get("attention.key_length_swa", hp.head_dim)),
+        int(get("attention.value_length_swa", hp.head_dim_v)),
+        int(get("rope.dimension_count_swa", hp.rope_dim)),
+    )
+    if local == full or len(set(slides)) == 1:  # one shape for every layer
+        only = local if all(slides) else full
+        return replace(hp, n_head_kv=only.n_head_kv, head_dim=only.head_dim,
+                       head_dim_v=only.head_dim_v, rope_dim=only.rope_dim)  # fmt: skip
+    if local.head_dim != full.head_dim and not fixed_scale:
+        raise UnsupportedError(
+            f"{where}: sliding-window layers' heads of {local.head_dim} and global ones of "
+            f"{full.head_dim} without {hp.arch}.attention.scale: which q·k scale each takes is "
+            "not known"
+        )
+    wide = max(full, local, key=lambda h: h.n_head_kv * (h.head_dim + h.head_dim_v))
+    return replace(hp, n_head_kv=wide.n_head_kv, head_dim=wide.head_dim,
+                   head_dim_v=wide.head_dim_v, layer_heads=(local, full))  # fmt: skip
 
 
 def sliding_period(pattern: int | list[bool], where: str) -> int:

@@ -19,10 +19,12 @@ from potluck.model.archs import (
     deepseek2,
     gemma2,
     gemma3,
+    gemma4,
     glm4moe,
     gpt_oss,
     granite,
     llama,
+    mistral3,
     olmo2,
     phi3,
     qwen2,
@@ -46,7 +48,7 @@ class Architecture:
 
 _MODULES = (
     llama, qwen2, qwen3, gemma3, qwen3moe, qwen2moe, gpt_oss, phi3, gemma2, olmo2, granite,
-    glm4moe, deepseek2,
+    glm4moe, deepseek2, gemma4, mistral3,
 )  # fmt: skip
 ARCHITECTURES: dict[str, Architecture] = {
     name: Architecture(name, m.RULES, m.tensors, m.block, getattr(m, "TRAINS", None))
@@ -99,7 +101,7 @@ def training_refusal(hp: HParams) -> str | None:
     unused = {
         "attn_logit_softcapping": hp.attn_softcap, "final_logit_softcapping": hp.final_softcap,
         "embedding_scale": hp.embed_scale - 1.0, "residual_scale": hp.residual_scale - 1.0,
-        "logit_scale": hp.logit_scale - 1.0,
+        "logit_scale": hp.logit_scale - 1.0, "attention.temperature_scale": hp.attn_temp_scale,
     }  # fmt: skip
     if named := [f"{hp.arch}.{k}" for k, v in unused.items() if v]:
         return f"fine-tuning is not supported yet for a model that sets {', '.join(named)}"
@@ -116,9 +118,12 @@ def _count(n: float) -> str:
 
 def parameters(hp: HParams, tensors: Mapping[str, TensorInfo]) -> tuple[int, int]:
     """(all parameters, those a token computes with): of a mixture of experts' routed stacks,
-    k of n experts."""
+    k of n experts; never the MTP blocks a file keeps after the model's layers (glm4moe's,
+    deepseek2's nextn_predict_layers), which Potluck does not run."""
     total = active = 0
     for t in tensors.values():
+        if t.layer is not None and t.layer >= hp.n_layer:
+            continue
         n = math.prod(t.shape)
         total += n
         active += n * hp.n_expert_used // hp.n_expert if hp.is_moe and is_routed(t.name) else n

@@ -15,8 +15,9 @@ from typing import NamedTuple, Protocol
 from potluck.modelfile.hparams import HParams
 
 # the routed experts' matrices, stacked [n_expert, rows, cols]: a token reads n_expert_used of
-# each stack's n_expert matrices (the planner's read bytes; --n-cpu-moe keeps them in RAM)
-ROUTED = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# each stack's n_expert matrices (the planner's read bytes; --n-cpu-moe keeps them in RAM); the
+# gate and up of each expert in one stack where a file has `ffn_gate_up_exps` (gate rows first)
+ROUTED = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
 
 
 def is_routed(name: str) -> bool:
@@ -47,10 +48,16 @@ class Block(Protocol):
         """x times the number s (granite's residual scale)."""
         ...
 
+    def mul(self, x: int, name: str) -> int:
+        """x times the tensor `name` (broadcast: gemma4's layer_output_scale [1]) where the file
+        has it; x itself where it does not."""
+        ...
+
     def attention(self, i: int, h: int) -> int:
         """Layer i's self-attention of h [D, T] over the stage's KV caches (with its sinks,
         `attn_sinks`, where the file has them), output projection included: [D, T]. q, k and v
-        come from one matrix `attn_qkv` where the file has it (phi3)."""
+        come from one matrix `attn_qkv` where the file has it (phi3); where a layer has no
+        `attn_v`, v is k's projection (gemma4's global layers)."""
         ...
 
     def ffn(self, i: int, h: int, suffix: str = "") -> int:
@@ -59,9 +66,10 @@ class Block(Protocol):
         rows come first in `ffn_up{suffix}` (phi3)."""
         ...
 
-    def moe(self, i: int, h: int) -> int:
-        """Layer i's routed experts (router `ffn_gate_inp`, stacks `ffn_*_exps`; their biases
-        where the file has them), weighted and summed: [D, T]."""
+    def moe(self, i: int, h: int, route: int | None = None) -> int:
+        """Layer i's routed experts of h (router `ffn_gate_inp`, stacks `ffn_*_exps`; their
+        biases, and a scale per expert `ffn_down_exps.scale`, where the file has them), weighted
+        and summed: [D, T]. route: what the router reads, [D, T] (default h; gemma4's)."""
         ...
 
     def gate(self, name: str, h: int, y: int) -> int:
@@ -80,23 +88,25 @@ def attention_tensors(
     qk_norm: bool = False,
     out_bias: bool = False,
     sinks: bool = False,
+    v: bool = True,
 ) -> list[Tensor]:
-    """Layer i's attention: q, k, v, output; bias: q/k/v biases required (True), used where the
-    file has them (None; the output's bias too) or absent (False); qk_norm: per-head norms of q
-    and k; out_bias: the output's bias required; sinks: one sink logit per head (gpt-oss)."""
-    p, d = f"blk.{i}.", hp.n_embd
-    q, kv, o = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_head * hp.head_dim_v
-    v = hp.n_head_kv * hp.head_dim_v
+    """Layer i's attention (of its own shape, hp.heads(i)): q, k, v, output; bias: q/k/v biases
+    required (True), used where the file has them (None; the output's bias too) or absent
+    (False); qk_norm: per-head norms of q and k; out_bias: the output's bias required; sinks:
+    one sink logit per head (gpt-oss); v: v's matrix required (else used where the file has it,
+    k's projection serving as v where not: gemma4's global layers)."""
+    p, d, (n_kv, hd, hdv, _) = f"blk.{i}.", hp.n_embd, hp.heads(i)
+    q, kv, o = hp.n_head * hd, n_kv * hd, hp.n_head * hdv
     out = [norm(p + "attn_norm", d)]
-    rows = {"attn_q": q, "attn_k": kv, "attn_v": v}
-    out += [Tensor(f"{p}{name}.weight", (n, d)) for name, n in rows.items()]
+    rows = {"attn_q": q, "attn_k": kv, "attn_v": n_kv * hdv}
+    out += [Tensor(f"{p}{name}.weight", (n, d), v or name != "attn_v") for name, n in rows.items()]
     out.append(Tensor(p + "attn_output.weight", (d, o)))
     if bias is not False:
         out += [Tensor(f"{p}{name}.bias", (n,), required=bool(bias)) for name, n in rows.items()]
     if bias is None or out_bias:
         out.append(Tensor(p + "attn_output.bias", (d,), required=out_bias))
     if qk_norm:
-        out += [norm(p + "attn_q_norm", hp.head_dim), norm(p + "attn_k_norm", hp.head_dim)]
+        out += [norm(p + "attn_q_norm", hd), norm(p + "attn_k_norm", hd)]
     if sinks:
         out.append(Tensor(p + "attn_sinks.weight", (hp.n_head,)))
     return out
@@ -112,16 +122,27 @@ def ffn_tensors(hp: HParams, i: int, suffix: str = "", n_ff: int | None = None) 
     ]
 
 
-def moe_tensors(hp: HParams, i: int, bias: bool = False) -> list[Tensor]:
-    """The router and the three stacks of routed experts; bias: the router's bias and one bias
-    per expert and matrix, stacked [n_expert, rows] (gpt-oss)."""
+def moe_tensors(
+    hp: HParams, i: int, bias: bool = False, gate_up: bool | None = False, scales: bool = False
+) -> list[Tensor]:
+    """The router and the stacks of routed experts; bias: the router's bias and one bias per
+    expert and matrix, stacked [n_expert, rows] (gpt-oss); gate_up: each expert's gate and up
+    in one stack `ffn_gate_up_exps` [n_expert, 2 rows, cols] (True), in two (False), or either,
+    as the file has them (None: none of the three required; model/graph.py refuses a layer with
+    neither); scales: one scale per expert of its output, `ffn_down_exps.scale` [n_expert],
+    where the file has it (gemma4)."""
     p, d, e, f = f"blk.{i}.", hp.n_embd, hp.n_expert, hp.n_ff_exp
-    out = [
-        Tensor(p + "ffn_gate_inp.weight", (e, d)),
-        Tensor(p + "ffn_gate_exps.weight", (e, f, d)),
-        Tensor(p + "ffn_up_exps.weight", (e, f, d)),
-        Tensor(p + "ffn_down_exps.weight", (e, d, f)),
-    ]
+    out = [Tensor(p + "ffn_gate_inp.weight", (e, d))]
+    if gate_up is not False:
+        out.append(Tensor(p + "ffn_gate_up_exps.weight", (e, 2 * f, d), bool(gate_up)))
+    if gate_up is not True:
+        out += [
+            Tensor(p + "ffn_gate_exps.weight", (e, f, d), gate_up is False),
+            Tensor(p + "ffn_up_exps.weight", (e, f, d), gate_up is False),
+        ]
+    out.append(Tensor(p + "ffn_down_exps.weight", (e, d, f)))
+    if scales:
+        out.append(Tensor(p + "ffn_down_exps.scale", (e,), required=False))
     if bias:
         out += [
             Tensor(p + "ffn_gate_inp.bias", (e,)),
