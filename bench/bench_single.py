@@ -8,8 +8,9 @@ llama-bench's two tests:
 Each process's peak RSS is its own ru_maxrss (os.wait4). Claims are ratios potluck / llama.cpp of
 medians, on one CPU, in one run; nothing here asserts a time.
 
-    python bench/bench_single.py [--models smollm2,gemma3,qwen7b] [--threads 1,2] [--reps 3]
-        [--pp P --tg N] [--ngl N] [--llama-bin DIR] [--llama-repack 0|1|both] [--quick] [--out PATH]
+    python bench/bench_single.py [--models smollm2,gemma3,qwen7b,qwen30b-a3b,gpt-oss-20b]
+        [--threads 1,2] [--reps 3] [--pp P --tg N] [--ngl N] [--llama-bin DIR]
+        [--llama-repack 0|1|both] [--quick] [--out PATH]
 
 --ngl N puts the last N layers on the first GPU in both engines (llama-bench -ngl N; potluck as
 `potluck run -ngl N`); more than the model's layers puts the output head there too. Potluck
@@ -24,6 +25,7 @@ import json
 import os
 import platform
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,7 +47,15 @@ from _common import (
     write_json,
 )
 
-TESTS = {"smollm2": (512, 128), "gemma3": (512, 128), "qwen7b": (64, 16)}  # (pp, tg), BENCHMARKS.md
+# (pp, tg): BENCHMARKS.md's; for the MoEs, qwen30b-a3b (BENCHMARKS.md's MoE target: decode and
+# pp512) and gpt-oss-20b, pp512 and a tg that keeps one process within ~3 min at 2 threads
+TESTS = {
+    "smollm2": (512, 128),
+    "gemma3": (512, 128),
+    "qwen7b": (64, 16),
+    "qwen30b-a3b": (512, 32),
+    "gpt-oss-20b": (512, 32),
+}
 TOKEN_RANGE = (1000, 40000)  # ordinary ids in every vocabulary here (llama-bench: rand() % n_vocab)
 SEED = 1234
 TIMEOUT_S = 1800.0  # one process; the 7B at 1 thread takes a few minutes
@@ -118,8 +128,10 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 # -- parent side -----------------------------------------------------------------------------------
 def _spawn(cmd: list[str], threads: int, pythonpath: str | None = None) -> dict[str, Any]:
     """Run cmd to its end: exit code, output, wall seconds, the process's own peak RSS (its rusage
-    from os.wait4, the figure `/usr/bin/time -v` prints) and its CPU share: CPU seconds per wall
-    second per thread, well under 1 when other work on the machine took the cores."""
+    from os.wait4, the figure `/usr/bin/time -v` prints), its CPU share: CPU seconds per wall
+    second per thread, well under 1 when other work on the machine took the cores (or it waited
+    for the disk), and its major page faults: faults that had to read the disk (a model's mapped
+    weights that were not, or no longer, in the page cache)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
@@ -137,11 +149,22 @@ def _spawn(cmd: list[str], threads: int, pythonpath: str | None = None) -> dict[
         out.seek(0), err.seek(0)
         return {"rc": proc.returncode, "stdout": out.read(), "stderr": err.read(),
                 "started_at": started, "proc": {"peak_rss_mib": usage.ru_maxrss / 1024,
-                "wall_s": wall, "cpu_share": (usage.ru_utime + usage.ru_stime) / (wall * threads)}}  # fmt: skip
+                "wall_s": wall, "cpu_share": (usage.ru_utime + usage.ru_stime) / (wall * threads),
+                "major_faults": usage.ru_majflt}}  # fmt: skip
+
+
+SIGILL_HINT = (  # seen on a VM whose CPU lists AMX: ggml's AMX kernels (llama-bench --repack 1) die
+    "SIGILL: an instruction this machine does not run (a -march=native build's AMX kernels on a "
+    "VM without AMX state?): build llama.cpp with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 (README)"
+)
 
 
 def _failed(r: dict[str, Any]) -> dict[str, Any]:
-    return {"error": f"exit {r['rc']}", "stderr_tail": r["stderr"].strip().splitlines()[-15:]}
+    tail = r["stderr"].strip().splitlines()[-15:]
+    return {
+        "error": f"exit {r['rc']}",
+        "stderr_tail": tail + [SIGILL_HINT] * (r["rc"] == -signal.SIGILL),
+    }
 
 
 def llama_sample(
@@ -223,6 +246,7 @@ METRICS = [  # sample key, label, unit, number format
     ("tg_ms", "tg per token", "ms", "{:.2f}"), ("tg_compute_ms", "  in ggml compute", "ms", "{:.2f}"),
     ("tg_overhead_ms", "  Python overhead", "ms", "{:.2f}"),
     ("cpu_share", "CPU share", "cores/thread", "{:.2f}"),
+    ("major_faults", "major page faults", "count", "{:.0f}"),
 ]  # fmt: skip
 
 
@@ -338,7 +362,8 @@ def main() -> None:
                     extra = f" overhead {res['tg_overhead_ms']:.2f} ms/tok" if "tg_overhead_ms" in res else ""  # fmt: skip
                     print(f"  {name} t={t} rep {rep} {engine:18s} pp{pp} {res['pp_ts']:.1f} "
                           f"tg{tg} {res['tg_ts']:.1f} t/s peak {res['peak_rss_mib']:.0f} MiB "
-                          f"cpu {res['cpu_share']:.2f} ({res['wall_s']:.0f} s) on {res['device']}{extra}")  # fmt: skip
+                          f"cpu {res['cpu_share']:.2f} majflt {res['major_faults']} ({res['wall_s']:.0f} s) "
+                          f"on {res['device']}{extra}")  # fmt: skip
     info["loadavg_end"] = list(os.getloadavg())
 
     summary, rows = summarize(samples, engines)

