@@ -1,7 +1,8 @@
 """Write tiny random GGUF models of any architecture Potluck runs and any quantization mix.
 
 The tensors written are those the architecture's module declares (potluck.model.archs), so a new
-architecture needs no change here beyond its metadata keys.
+architecture needs no change here beyond its metadata keys (ARCH_KEYS) and any tensors whose
+values its files fix (FIXED: gemma4's rope_freqs).
 
 Types that `gguf.quants.quantize` supports are quantized from random fp32 weights; K-quants (which
 it cannot quantize) are written as random blocks whose fp16 scale fields are set to small finite
@@ -190,8 +191,9 @@ def write_tiny_model(
     n_ff; n_ff_shexp: the shared expert's width where the architecture has one). optional: also
     the tensors the architecture takes where a file has them (llama's q/k/v biases, phi3's
     LongRoPE factors), but those whose names contain one of `skip` (gemma4's attn_v of its
-    global layers, one of two forms of the experts' gate and up). rope_dim: dims of each head RoPE rotates (default all). stds: the spread
-    of random matrices per tensor-name suffix (default 0.08; a router's 1.0). kv_lora_rank > 0:
+    global layers, one of two forms of the experts' gate and up). rope_dim: dims of each head
+    RoPE rotates (default all). stds: the spread of random matrices per tensor-name suffix
+    (default 0.08; a router's 1.0). kv_lora_rank > 0:
     multi-head latent attention (deepseek2) whose heads' q·k and v have head_dim dims, rope_dim
     of them RoPE'd, written as llama.cpp's converter does (one kv head of the latent, the heads'
     sizes in key_length_mla / value_length_mla); q_lora_rank > 0: q through that bottleneck."""

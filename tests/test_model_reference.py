@@ -64,6 +64,28 @@ def _glm_keys(arch: str, groups: int) -> dict[str, object]:
     }  # fmt: skip
 
 
+def _gemma4_keys(swa_head_dim: int, n_kv: list[int]) -> dict[str, object]:
+    """Gemma 4's two kinds of layers for the tiny model's two (a sliding one, then a global
+    one): the sliding one's head size (all of it RoPE'd), the kv heads of each."""
+    return {
+        "gemma4.attention.key_length_swa": swa_head_dim,
+        "gemma4.attention.value_length_swa": swa_head_dim,
+        "gemma4.rope.dimension_count_swa": swa_head_dim,
+        "gemma4.attention.head_count_kv": n_kv,
+    }
+
+
+# Ministral 3's YaRN (mscale_all_dim 1, as its converter writes it) and attention temperature
+# (beta 0.1), over an original context of 8, so that the 20 tokens see three temperatures
+_MINISTRAL3 = {
+    "mistral3.rope.scaling.type": "yarn",
+    "mistral3.rope.scaling.factor": 64.0,
+    "mistral3.rope.scaling.original_context_length": 8,
+    "mistral3.rope.scaling.yarn_log_multiplier": 1.0,
+    "mistral3.attention.temperature_scale": 0.1,
+}
+
+
 # (arch, main type, per-tensor overrides, shape options) — together they cover every type
 CASES = [
     ("llama", T.Q4_0, {}, {}),
@@ -162,6 +184,23 @@ CASES = [
         "q_lora_rank": 32, "n_layer": 3, "tied": False, "optional": True,
         "extra": _glm_keys("deepseek2", groups=4)
         | {"deepseek2.expert_weights_scale": 1.8, "deepseek2.expert_shared_count": 1}}),
+    # gemma4 as the 26B-A4B: a sliding layer of 4 kv heads of 64, then a global one of 1 kv head
+    # of 128 (k as v) whose RoPE turns a quarter of each head; a dense GeGLU beside 4 of 8
+    # experts, their gate and up in one stack. n_embd 256: ggml's GELU reads a table of f16
+    # inputs (≈ 2^-11 relative) and, with q·k unscaled, fp32 round-off of the reference itself
+    # reaches 1e-4; at n_embd 64 the two together come near 5e-4
+    ("gemma4", T.Q8_0, {"ffn_gate_up_exps": T.Q4_K, "ffn_down_exps": T.Q5_K}, {
+        "n_embd": 256, "n_ff": 512, "head_dim": 128, "n_expert": 8, "n_expert_used": 4,
+        "n_ff_exp": 256, "optional": True, "skip": ("attn_v", "ffn_gate_exps", "ffn_up_exps"),
+        "extra": _gemma4_keys(64, [4, 1])}),
+    # gemma4 as the 31B: dense, K-quants
+    ("gemma4", T.Q4_K, {"attn_": T.Q8_0, "ffn_down": T.Q6_K}, {
+        "n_embd": 256, "n_ff": 512, "head_dim": 128, "optional": True, "skip": ("attn_v",),
+        "extra": _gemma4_keys(64, [4, 1])}),
+    # mistral3 as Ministral 3 (Devstral Small 2): llama's block, YaRN and attention temperature
+    # (n_embd 128: at 64 the tiny logits' range is 2.8 and near-ties flip 3 of 20 argmaxes)
+    ("mistral3", T.Q8_0, {"ffn_up": T.Q4_1}, {"tied": False, "n_embd": 128,
+                                              "extra": _MINISTRAL3}),
 ]  # fmt: skip
 # what transformers' GGUF loader does not read from the file (it keeps its config's defaults)
 HF_CONFIG = {"n_ff_exp": "moe_intermediate_size", "n_ff_shexp": "shared_expert_intermediate_size"}
@@ -187,6 +226,10 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         ref = _own_class(path)
     elif arch in ("glm4moe", "deepseek2"):
         ref = _glm_deepseek(path)
+    elif arch == "gemma4":
+        ref = _gemma4(path)
+    elif arch == "mistral3":
+        ref = _mistral3(path)
     else:
         config = _hf_config(path, arch, shape)
         ref = transformers.AutoModelForCausalLM.from_pretrained(
@@ -506,6 +549,130 @@ def _glm_deepseek(path: Path) -> torch.nn.Module:
             k_b, v_b = get(p + "attn_k_b.weight"), get(p + "attn_v_b.weight")
             kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
             state[q + "self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, hp.kv_lora_rank)
+    missing, unexpected = model.float().load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def _gemma4(path: Path) -> torch.nn.Module:
+    """transformers' Gemma4 text model over the file's tensors, dequantized. (Its GGUF loader
+    fails on a gemma4 file: it takes the per-layer head_count_kv for one number, and without
+    that list it reads none of the *_swa keys, so that the sliding layers' tensors do not fit
+    its default head size; nor does it map the experts' keys.) Its global layers' proportional
+    RoPE turns the dims that rope_freqs leaves at 1; k is v where they have no attn_v."""
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    kinds = ["sliding_attention" if hp.is_sliding(i) else "full_attention"
+             for i in range(hp.n_layer)]  # fmt: skip
+    g = kinds.index("full_attention")
+    local, full = hp.heads(kinds.index("sliding_attention")), hp.heads(g)
+    turned = int((_dequantized(f, "rope_freqs.weight") == 1.0).sum())  # of full.head_dim / 2
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": hp.local_rope_base},
+        "full_attention": {"rope_type": "proportional", "rope_theta": hp.rope_base,
+                           "partial_rotary_factor": 2 * turned / full.head_dim},
+    }  # fmt: skip
+    config = transformers.Gemma4TextConfig(
+        vocab_size=hp.n_vocab, hidden_size=hp.n_embd, intermediate_size=hp.n_ff,
+        num_hidden_layers=hp.n_layer, num_attention_heads=hp.n_head,
+        num_key_value_heads=local.n_head_kv, head_dim=local.head_dim,
+        global_head_dim=full.head_dim, num_global_key_value_heads=full.n_head_kv,
+        attention_k_eq_v=f"blk.{g}.attn_v.weight" not in f.tensors, layer_types=kinds,
+        sliding_window=hp.sliding_window, final_logit_softcapping=hp.final_softcap or None,
+        hidden_size_per_layer_input=0, rms_norm_eps=hp.rms_eps, rope_parameters=rope,
+        max_position_embeddings=hp.n_ctx_train, enable_moe_block=hp.is_moe,
+        num_experts=hp.n_expert or None, top_k_experts=hp.n_expert_used or None,
+        moe_intermediate_size=hp.n_ff_exp or None,
+        tie_word_embeddings="output.weight" not in f.tensors,
+    )  # fmt: skip
+    model = transformers.Gemma4ForCausalLM(config)
+    # GGUF name in blk.i (with its .weight where it is not one) -> transformers' in layers.i
+    names = {
+        "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm", "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+        "post_ffw_norm": "post_feedforward_layernorm", "pre_ffw_norm_2":
+        "pre_feedforward_layernorm_2", "post_ffw_norm_1": "post_feedforward_layernorm_1",
+        "post_ffw_norm_2": "post_feedforward_layernorm_2", "ffn_gate_inp": "router.proj",
+        "layer_output_scale.weight": "layer_scalar", "ffn_gate_inp.scale": "router.scale",
+        "ffn_down_exps.scale": "router.per_expert_scale",
+        "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+        "ffn_down_exps.weight": "experts.down_proj",
+    }  # fmt: skip
+    state = {"model.embed_tokens.weight": _dequantized(f, "token_embd.weight"),
+             "model.norm.weight": _dequantized(f, "output_norm.weight")}  # fmt: skip
+    if "output.weight" in f.tensors:
+        state["lm_head.weight"] = _dequantized(f, "output.weight")
+    for name in f.tensors:
+        parts = name.split(".", 2)
+        if parts[0] != "blk" or parts[2].split(".")[0] in ("ffn_gate_exps", "ffn_up_exps"):
+            continue
+        base, part = parts[2].split(".")
+        ours = names.get(parts[2]) or f"{names[base]}.{part}"
+        state[f"model.layers.{parts[1]}.{ours}"] = _dequantized(f, name)
+    for i in range(hp.n_layer):  # (gate and up as two stacks: [E, 2F, D], gate's rows first)
+        if f"blk.{i}.ffn_gate_exps.weight" in f.tensors:
+            gate_up = [_dequantized(f, f"blk.{i}.ffn_{m}_exps.weight") for m in ("gate", "up")]
+            state[f"model.layers.{i}.experts.gate_up_proj"] = torch.cat(gate_up, dim=1)
+    missing, unexpected = model.float().load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def _mistral3(path: Path) -> torch.nn.Module:
+    """transformers' Ministral3 (its YaRN, Llama 4's attention temperature) or, for a file
+    without a temperature, Mistral, over the file's tensors, dequantized (its GGUF loader does
+    not read mistral3); q and k un-permuted (llama's GGUF order)."""
+    f = GGUFFile(path)
+    hp = hparams_from_metadata(f.metadata)
+    n_orig = hp.rope_ctx_orig or hp.n_ctx_train
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": hp.rope_base}
+    if hp.rope_scaling == "yarn":
+        rope |= {
+            "rope_type": "yarn", "factor": hp.rope_scale, "truncate": True,
+            "original_max_position_embeddings": n_orig, "beta_fast": hp.yarn_beta_fast,
+            "beta_slow": hp.yarn_beta_slow, "mscale": 1.0, "mscale_all_dim": hp.yarn_mscale_all,
+        }  # fmt: skip
+    shape = dict(
+        vocab_size=hp.n_vocab, hidden_size=hp.n_embd, intermediate_size=hp.n_ff,
+        num_hidden_layers=hp.n_layer, num_attention_heads=hp.n_head,
+        num_key_value_heads=hp.n_head_kv, head_dim=hp.head_dim, rms_norm_eps=hp.rms_eps,
+        max_position_embeddings=hp.n_ctx_train, pad_token_id=None, sliding_window=None,
+        tie_word_embeddings="output.weight" not in f.tensors,
+    )  # fmt: skip
+    if hp.attn_temp_scale:
+        rope |= {"llama_4_scaling_beta": hp.attn_temp_scale,
+                 "original_max_position_embeddings": n_orig}  # fmt: skip
+        config = transformers.Ministral3Config(**shape, rope_parameters=rope)
+        model = transformers.Ministral3ForCausalLM(config)
+    else:
+        model = transformers.MistralForCausalLM(
+            transformers.MistralConfig(**shape, rope_parameters=rope)
+        )
+    names = {
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    }  # fmt: skip
+    state = {"model.embed_tokens.weight": _dequantized(f, "token_embd.weight"),
+             "model.norm.weight": _dequantized(f, "output_norm.weight")}  # fmt: skip
+    if "output.weight" in f.tensors:
+        state["lm_head.weight"] = _dequantized(f, "output.weight")
+    for name in f.tensors:
+        parts = name.split(".")
+        if parts[0] != "blk":
+            continue
+        w = _dequantized(f, name)
+        if parts[2] in ("attn_q", "attn_k"):  # rope pairs -> halves
+            heads = hp.n_head if parts[2] == "attn_q" else hp.n_head_kv
+            w = w.reshape(heads, w.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+        state[f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"] = w
     missing, unexpected = model.float().load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()

@@ -56,7 +56,7 @@ def test_one_step_equals_transformers_peft(tmp_path: Path, arch: str, qtype: T, 
     _one_step(path, arch)
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "olmo2", "granite"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "olmo2", "granite", "gemma4"])
 def test_blocks_the_trainer_cannot_express_are_refused(tmp_path: Path, arch: str) -> None:
     path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, None, T.Q8_0, tied=False)
     f = GGUFFile(path)

@@ -103,8 +103,8 @@ class StepGraph:
             per_layer += 16
         if hp.kv_lora_rank:  # MLA's bottlenecks, views, absorbed q and the heads' values
             per_layer += 24
-        if hp.rules.post_norms:  # norms after attention and the FFN (gemma4: after both FFNs,
-            per_layer += 24  # v's, the router's), and what gemma4's block adds up
+        if hp.rules.post_norms:  # norms after attention and the FFN (gemma4's also after each
+            per_layer += 24  # of its two FFNs, of v and of the router's input), their muls
         n_nodes = len(layers) * per_layer + 64
         self.ctx = new_context(2 * n_nodes + 16, n_nodes)
         self.gf: int = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)

@@ -66,8 +66,9 @@ class ArchRules:
     # transformers' YaRN (and llama.cpp) do, where mscale(m) = 1 + 0.1 m ln factor
     yarn_mscale_all_dim: bool = False
     v_norm: bool = False  # RMSNorm over each head of v, without a weight (gemma4)
-    attn_scale: float = 0.0  # q·k's scale where the file has no {arch}.attention.scale (0: as
+    # q·k's scale where the file has no {arch}.attention.scale (0: head_dim^-1/2, or gemma's
     # above; gemma4: 1, its q and k being normed per head)
+    attn_scale: float = 0.0
     # (metadata key under {arch}., why): files that set one of these (not 0) are refused with
     # the reason (gemma4's per-layer token embeddings)
     unsupported: tuple[tuple[str, str], ...] = ()
@@ -347,7 +348,9 @@ def _layer_heads(
     where = f"{source}: {hp.arch}"
     slides = [hp.is_sliding(i) for i in range(hp.n_layer)]
     counts = [int(c) for c in kv] if isinstance(kv, list) else [int(kv)] * hp.n_layer
-    by_kind = {s: {c for c, t in zip(counts, slides, strict=False) if t == s} for s in (True, False)}
+    by_kind = {
+        s: {c for c, t in zip(counts, slides, strict=False) if t == s} for s in (True, False)
+    }
     if len(counts) < hp.n_layer or any(len(c) > 1 for c in by_kind.values()):
         raise UnsupportedError(
             f"{where}.attention.head_count_kv {counts}: kv heads that differ other than between "
@@ -361,16 +364,17 @@ def _layer_heads(
         int(get("attention.value_length_swa", hp.head_dim_v)),
         int(get("rope.dimension_count_swa", hp.rope_dim)),
     )
-    if local == full or len(set(slides)) == 1:  # one shape for every layer
-        only = local if all(slides) else full
-        return replace(hp, n_head_kv=only.n_head_kv, head_dim=only.head_dim,
-                       head_dim_v=only.head_dim_v, rope_dim=only.rope_dim)  # fmt: skip
-    if local.head_dim != full.head_dim and not fixed_scale:
+    used = [h for h, kind in ((local, True), (full, False)) if kind in slides]
+    if any(h.head_dim != hp.head_dim for h in used) and not fixed_scale:
         raise UnsupportedError(
             f"{where}: sliding-window layers' heads of {local.head_dim} and global ones of "
             f"{full.head_dim} without {hp.arch}.attention.scale: which q·k scale each takes is "
             "not known"
         )
+    if len(set(used)) == 1:  # one shape for every layer
+        (only,) = set(used)
+        return replace(hp, n_head_kv=only.n_head_kv, head_dim=only.head_dim,
+                       head_dim_v=only.head_dim_v, rope_dim=only.rope_dim)  # fmt: skip
     wide = max(full, local, key=lambda h: h.n_head_kv * (h.head_dim + h.head_dim_v))
     return replace(hp, n_head_kv=wide.n_head_kv, head_dim=wide.head_dim,
                    head_dim_v=wide.head_dim_v, layer_heads=(local, full))  # fmt: skip
