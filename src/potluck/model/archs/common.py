@@ -77,6 +77,34 @@ class Block(Protocol):
         ...
 
 
+# -- blocks the families share ------------------------------------------------------------------
+def feed_forward(g: Block, i: int, h: int) -> int:
+    """Layer i's FFN of h: a dense one, or on a mixture of experts' layers the routed experts
+    plus, where the model has one, the shared expert every token goes through."""
+    if not g.hp.is_moe_layer(i):
+        return g.ffn(i, h)
+    y = g.moe(i, h)
+    return g.add(y, g.ffn(i, h, "_shexp")) if g.hp.n_ff_shexp else y
+
+
+def pre_norm(g: Block, i: int, x: int, ffn_norm: str = "ffn_norm") -> int:
+    """llama's block: x + attention(norm(x)), then that + feed_forward(norm(that)); the second
+    norm's name (`ffn_norm`; glm4moe's `post_attention_norm`)."""
+    p = f"blk.{i}."
+    x = g.add(x, g.attention(i, g.norm(x, p + "attn_norm.weight")))
+    return g.add(x, feed_forward(g, i, g.norm(x, f"{p}{ffn_norm}.weight")))
+
+
+def sandwich(g: Block, i: int, x: int) -> int:
+    """gemma's block: attention and FFN each between two norms, then the residual add."""
+    p = f"blk.{i}."
+    a = g.attention(i, g.norm(x, p + "attn_norm.weight"))
+    x = g.add(x, g.norm(a, p + "post_attention_norm.weight"))
+    f = feed_forward(g, i, g.norm(x, p + "ffn_norm.weight"))
+    return g.add(x, g.norm(f, p + "post_ffw_norm.weight"))
+
+
+# -- tensor declarations --------------------------------------------------------------------------
 def norm(name: str, width: int) -> Tensor:
     return Tensor(name + ".weight", (width,))
 

@@ -25,7 +25,7 @@ own layers (`nextn_predict_layers`): never read here. Files converted before lla
 
 from __future__ import annotations
 
-from potluck.model.archs.common import Block, Tensor, ffn_tensors, moe_tensors, norm
+from potluck.model.archs.common import Block, Tensor, ffn_tensors, moe_tensors, norm, pre_norm
 from potluck.modelfile.hparams import ArchRules, HParams
 
 NAMES = ("deepseek2",)
@@ -68,10 +68,4 @@ def tensors(hp: HParams, i: int) -> list[Tensor]:
 
 
 def block(g: Block, i: int, x: int) -> int:
-    p = f"blk.{i}."
-    x = g.add(x, g.attention(i, g.norm(x, p + "attn_norm.weight")))
-    h = g.norm(x, p + "ffn_norm.weight")
-    if not g.hp.is_moe_layer(i):
-        return g.add(x, g.ffn(i, h))
-    y = g.moe(i, h)
-    return g.add(x, g.add(y, g.ffn(i, h, "_shexp")) if g.hp.n_ff_shexp else y)
+    return pre_norm(g, i, x)

@@ -5,7 +5,7 @@ q·k scaled by query_pre_attn_scalar^-1/2, which is (n_embd / n_head) for the 27
 
 from __future__ import annotations
 
-from potluck.model.archs.common import Block, Tensor, attention_tensors, ffn_tensors, norm
+from potluck.model.archs.common import Block, Tensor, attention_tensors, ffn_tensors, norm, sandwich
 from potluck.modelfile.hparams import ArchRules, HParams
 
 NAMES = ("gemma2",)
@@ -32,8 +32,4 @@ def tensors(hp: HParams, i: int) -> list[Tensor]:
 
 
 def block(g: Block, i: int, x: int) -> int:
-    p = f"blk.{i}."
-    a = g.attention(i, g.norm(x, p + "attn_norm.weight"))
-    x = g.add(x, g.norm(a, p + "post_attention_norm.weight"))
-    f = g.ffn(i, g.norm(x, p + "ffn_norm.weight"))
-    return g.add(x, g.norm(f, p + "post_ffw_norm.weight"))
+    return sandwich(g, i, x)

@@ -17,6 +17,7 @@ from potluck.model.archs.common import (
     ffn_tensors,
     moe_tensors,
     norm,
+    pre_norm,
 )
 from potluck.modelfile.hparams import ArchRules, HParams
 
@@ -43,10 +44,4 @@ def tensors(hp: HParams, i: int) -> list[Tensor]:
 
 
 def block(g: Block, i: int, x: int) -> int:
-    p = f"blk.{i}."
-    x = g.add(x, g.attention(i, g.norm(x, p + "attn_norm.weight")))
-    h = g.norm(x, p + "post_attention_norm.weight")
-    if not g.hp.is_moe_layer(i):
-        return g.add(x, g.ffn(i, h))
-    y = g.moe(i, h)
-    return g.add(x, g.add(y, g.ffn(i, h, "_shexp")) if g.hp.n_ff_shexp else y)
+    return pre_norm(g, i, x, "post_attention_norm")

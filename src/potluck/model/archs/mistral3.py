@@ -17,6 +17,7 @@ from potluck.model.archs.common import (
     ffn_tensors,
     moe_tensors,
     norm,
+    pre_norm,
 )
 from potluck.modelfile.hparams import ArchRules, HParams
 
@@ -35,7 +36,4 @@ def tensors(hp: HParams, i: int) -> list[Tensor]:
 
 
 def block(g: Block, i: int, x: int) -> int:
-    p = f"blk.{i}."
-    x = g.add(x, g.attention(i, g.norm(x, p + "attn_norm.weight")))
-    h = g.norm(x, p + "ffn_norm.weight")
-    return g.add(x, g.moe(i, h) if g.hp.is_moe_layer(i) else g.ffn(i, h))
+    return pre_norm(g, i, x)

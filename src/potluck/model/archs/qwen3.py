@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from potluck.model.archs.common import Block, Tensor, attention_tensors, ffn_tensors, norm
+from potluck.model.archs.common import Block, Tensor, attention_tensors, ffn_tensors, norm, pre_norm
 from potluck.modelfile.hparams import ArchRules, HParams
 
 NAMES = ("qwen3",)
@@ -15,6 +15,4 @@ def tensors(hp: HParams, i: int) -> list[Tensor]:
 
 
 def block(g: Block, i: int, x: int) -> int:
-    p = f"blk.{i}."
-    x = g.add(x, g.attention(i, g.norm(x, p + "attn_norm.weight")))
-    return g.add(x, g.ffn(i, g.norm(x, p + "ffn_norm.weight")))
+    return pre_norm(g, i, x)
