@@ -194,20 +194,25 @@ _probed: dict[tuple[tuple[Matrix, ...], int], tuple[float, float]] = {}
 
 
 def model_bytes_per_s(
-    matrices: tuple[Matrix, ...], threads: int | None = None, seconds: float = 1.0
+    matrices: tuple[Matrix, ...],
+    threads: int | None = None,
+    seconds: float = 1.0,
+    remember: bool = True,
 ) -> float:
     """model_layer_speed, remembered for _PROBE_TTL_S per (layer, threads): one unlucky second
     is not kept for the life of a worker (on this project's VMs, single 0.3 s probes of SmolLM2
-    read 3.5-5.7 GB/s on one core, its real decode 4.55)."""
+    read 3.5-5.7 GB/s on one core, its real decode 4.55). remember=False: a figure taken while
+    something else runs here is neither taken from nor kept for later."""
     from potluck.model.stage import every_core
 
     key = (matrices, threads or every_core())
     now = time.monotonic()
     hit = _probed.get(key)
-    if hit is not None and now - hit[0] < _PROBE_TTL_S:
+    if remember and hit is not None and now - hit[0] < _PROBE_TTL_S:
         return hit[1]
     speed = model_layer_speed(matrices, key[1], seconds)
-    _probed[key] = (now, speed)
+    if remember:
+        _probed[key] = (now, speed)
     return speed
 
 

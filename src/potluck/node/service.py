@@ -57,6 +57,9 @@ KNOWN_TTL_S = 30.0  # how long Hellos reuse the list of model files this node ha
 log = logging.getLogger("potluck.worker")
 
 
+PROBE_WAITS_FOR_HASHING_S = 60.0  # (hashing reads ≈ 1-2 GB/s: a 60 GB model dir takes this long)
+
+
 class NodeService(pb_grpc.NodeServicer):
     def __init__(
         self,
@@ -95,6 +98,7 @@ class NodeService(pb_grpc.NodeServicer):
         threading.Thread(target=self._janitor, name="potluck-janitor", daemon=True).start()
         self._known: tuple[float, list[str]] = (-KNOWN_TTL_S, [])  # (looked, models.known())
         self._hashed_at = 0.0  # when the background hashing ended (Hellos look again after it)
+        self._hashed = threading.Event()  # ... and that it has
         threading.Thread(  # (after the speed probe: it reads disk and takes a core)
             target=self._hash_models, name="potluck-hash-models", daemon=True
         ).start()
@@ -148,8 +152,11 @@ class NodeService(pb_grpc.NodeServicer):
 
     def _hash_models(self) -> None:
         """Hash the --model-dir files once (remembered on disk), then let the next Hello look."""
-        self.models.hash_extra_dirs()
-        self._hashed_at = time.monotonic()
+        try:
+            self.models.hash_extra_dirs()
+        finally:
+            self._hashed_at = time.monotonic()
+            self._hashed.set()
 
     def _known_models(self) -> list[str]:
         """The model files this node has, by hash; looked up at most every KNOWN_TTL_S."""
@@ -317,8 +324,15 @@ class NodeService(pb_grpc.NodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not matrices:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no matrices to probe")
+        # never beside the background hashing of --model-dir, which takes a core and reads the
+        # disk: a probe of a 30B-A3B's layer beside it timed half the speed its stage then ran
+        # at (and was remembered for minutes). Wait for it, up to a bound; past that, time now
+        # and remember nothing.
+        if not self._hashed.is_set():
+            log.info("speed probe: waiting for the model files' hashing to end")
+        quiet = self._hashed.wait(PROBE_WAITS_FOR_HASHING_S)
         with self.compute:  # never beside a forward pass: it would time both
-            speed = model_bytes_per_s(matrices, self.threads)
+            speed = model_bytes_per_s(matrices, self.threads, remember=quiet)
         return codec.probe_speed_reply(speed)
 
     def Describe(
