@@ -40,7 +40,7 @@ _TOKENIZER_KEYS = (
 )  # fmt: skip
 
 # metadata an architecture's files carry beyond the keys every file has, with the values of the
-# released models (`extra` overrides them)
+# released models (`extra` overrides them); None: a key those files lack
 ARCH_KEYS: dict[str, dict[str, Any]] = {
     "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     # granite-3.x-8b's (its attention_multiplier, embedding_multiplier, ... in its HF config)
@@ -65,6 +65,8 @@ ARCH_KEYS: dict[str, dict[str, Any]] = {
         "expert_gating_func": 1,
         "expert_weights_scale": 1.0,
     },
+    # OLMoE's: no expert width (its experts are feed_forward_length wide)
+    "olmoe": {"expert_feed_forward_length": None},
     # Gemma 4's: a sliding layer then a global one (the tiny model's two), their RoPE bases, the
     # output's cap (the tests give the two kinds their shapes: key_length_swa, ...)
     "gemma4": {
@@ -238,7 +240,8 @@ def write_tiny_model(
     own = {f"{arch}.{key}": value for key, value in ARCH_KEYS.get(arch, {}).items()}
     for key, value in (own | (extra or {})).items():
         w.kv_data[0].pop(key, None)  # (they replace what was written above)
-        _add_value(w, key, value)
+        if value is not None:
+            _add_value(w, key, value)
 
     def tensor(name: str, shape: tuple[int, ...], q: T) -> None:
         for suffix, override in (qtypes or {}).items():

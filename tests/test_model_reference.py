@@ -110,7 +110,9 @@ CASES = [
         {"attn_": T.Q8_0, "shexp": T.Q8_0},
         {"n_expert": 8, "n_ff_exp": 256, "n_ff_shexp": 512, "n_embd": 256},
     ),
-    ("llama", T.Q8_0, {"ffn_up_exps": T.Q6_K}, {"n_expert": 8, "n_ff_exp": 128, "n_embd": 256}),
+    # (a Mixtral's converted file has no expert width key: its experts are n_ff wide)
+    ("llama", T.Q8_0, {"ffn_up_exps": T.Q6_K}, {"n_expert": 8, "n_ff": 256, "n_embd": 256,
+                                               "extra": {"llama.expert_feed_forward_length": None}}),
     # gpt-oss: MXFP4 experts (as its files ship them), 4 of 8 per token, q wider than n_embd
     # (4 heads of 64), YaRN over an original context of 64 (so that both the interpolated and
     # the kept frequencies occur), a sliding window of 8 on layer 0
@@ -156,6 +158,9 @@ CASES = [
         "olmo2.attention.sliding_window_pattern": [True, True, True, False],
         "olmo2.rope.scaling.type": "yarn", "olmo2.rope.scaling.factor": 8.0,
         "olmo2.rope.scaling.original_context_length": 64}}),
+    # olmoe: llama's block with olmo2's q/k norms over all heads, 8 experts of 128 (the file's
+    # feed_forward_length: it has no expert width), 2 per token, not renormalised
+    ("olmoe", T.Q8_0, {"ffn_down_exps": T.Q4_0}, {"n_expert": 8, "n_ff": 128, "tied": False}),
     # granite: its four scales (q·k's larger than granite-3's 1/128, which makes random
     # attention uniform), with every optional bias
     ("granite", T.Q8_0, {"ffn_down": T.Q5_0}, {"optional": True,
@@ -222,7 +227,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         ref = _mixtral(path)
     elif arch == "gpt-oss":
         ref = _gpt_oss(path)
-    elif arch in ("olmo2", "granite"):
+    elif arch in ("olmo2", "granite", "olmoe"):
         ref = _own_class(path)
     elif arch in ("glm4moe", "deepseek2"):
         ref = _glm_deepseek(path)
@@ -389,9 +394,10 @@ def _gpt_oss(path: Path) -> torch.nn.Module:
 
 
 def _own_class(path: Path) -> torch.nn.Module:
-    """transformers' Olmo2 (Olmo3 where the file has a sliding window) or Granite over the
-    file's tensors, dequantized (its GGUF loader does not read these architectures); granite's
-    q and k un-permuted (llama's GGUF order)."""
+    """transformers' Olmo2 (Olmo3 where the file has a sliding window), Olmoe or Granite over
+    the file's tensors, dequantized (its GGUF loader does not read these architectures);
+    granite's q and k un-permuted (llama's GGUF order; olmo2's and olmoe's are HF's, their RoPE
+    neox)."""
     f = GGUFFile(path)
     hp = hparams_from_metadata(f.metadata)
     shape = dict(
@@ -417,6 +423,15 @@ def _own_class(path: Path) -> torch.nn.Module:
         )  # fmt: skip
         model = transformers.GraniteForCausalLM(config)
         names |= {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    elif hp.arch == "olmoe":
+        config = transformers.OlmoeConfig(
+            **shape | {"intermediate_size": hp.n_ff_exp}, num_experts=hp.n_expert,
+            num_experts_per_tok=hp.n_expert_used, norm_topk_prob=hp.expert_norm,
+        )  # fmt: skip
+        model = transformers.OlmoeForCausalLM(config)
+        names |= {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                  "ffn_gate_inp": "mlp.gate"}  # fmt: skip
     else:
         names |= {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                   "post_attention_norm": "post_attention_layernorm",
@@ -449,8 +464,13 @@ def _own_class(path: Path) -> torch.nn.Module:
         state["lm_head.weight"] = get("output.weight")
     for name in f.tensors:
         parts = name.split(".")
-        if parts[0] == "blk":
+        if parts[0] == "blk" and not parts[2].endswith("_exps"):
             state[f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"] = get(name)
+    for i in range(hp.n_layer if hp.is_moe else 0):  # olmoe's stacks [E, F, D], [E, D, F]
+        p, q = f"blk.{i}.", f"model.layers.{i}.mlp.experts."
+        gate_up = [get(p + "ffn_gate_exps.weight"), get(p + "ffn_up_exps.weight")]
+        state[q + "gate_up_proj"] = torch.cat(gate_up, dim=1)  # [E, 2F, D]: gate's rows first
+        state[q + "down_proj"] = get(p + "ffn_down_exps.weight")
     missing, unexpected = model.float().load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()

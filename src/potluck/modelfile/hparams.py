@@ -42,6 +42,10 @@ class ArchRules:
     # file has no {arch}.expert_weights_norm key: qwen3moe and Mixtral do, qwen2moe does not)
     expert_gating: Gating = "softmax"  # where the file has no {arch}.expert_gating_func key
     qk_norm_full: bool = False  # RMSNorm over all heads of q (of k) together, before RoPE (olmo2)
+    # the routed experts' width where the file has no {arch}.expert_feed_forward_length key:
+    # feed_forward_length itself (olmoe's converter writes no other), rather than that over
+    # expert_used_count (qwen2moe's and qwen3moe's, as llama.cpp reads each)
+    experts_n_ff: bool = False
     # soft-capping, cap · tanh(s / cap), of attention's scaled q·k and of the output logits,
     # where the file has no {arch}.attn_logit_softcapping / final_logit_softcapping key (0: none)
     attn_softcap: float = 0.0
@@ -280,7 +284,9 @@ def parse_hparams(meta: dict[str, Any], rules: ArchRules, source: str = "model")
             "groups must divide the experts, and 1 to all of the groups be used"
         )
     n_nextn = int(get("nextn_predict_layers", 0))  # MTP blocks after the model's own layers
-    n_ff_exp = int(get("expert_feed_forward_length", 0)) or (n_ff // n_used if n_used else 0)
+    n_ff_exp = int(get("expert_feed_forward_length", 0)) or (
+        (n_ff if rules.experts_n_ff else n_ff // n_used) if n_used else 0
+    )
     hp = HParams(
         arch=arch,
         rules=rules,

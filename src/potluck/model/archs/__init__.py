@@ -26,6 +26,7 @@ from potluck.model.archs import (
     llama,
     mistral3,
     olmo2,
+    olmoe,
     phi3,
     qwen2,
     qwen2moe,
@@ -48,7 +49,7 @@ class Architecture:
 
 _MODULES = (
     llama, qwen2, qwen3, gemma3, qwen3moe, qwen2moe, gpt_oss, phi3, gemma2, olmo2, granite,
-    glm4moe, deepseek2, gemma4, mistral3,
+    glm4moe, deepseek2, gemma4, mistral3, olmoe,
 )  # fmt: skip
 ARCHITECTURES: dict[str, Architecture] = {
     name: Architecture(name, m.RULES, m.tensors, m.block, getattr(m, "TRAINS", None))

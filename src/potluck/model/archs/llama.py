@@ -15,7 +15,8 @@ from potluck.model.archs.common import (
 from potluck.modelfile.hparams import ArchRules, HParams
 
 NAMES = ("llama", "mistral")
-RULES = ArchRules(rope_style="norm", activation="silu")
+# (a Mixtral's experts are feed_forward_length wide: its converter writes no expert width)
+RULES = ArchRules(rope_style="norm", activation="silu", experts_n_ff=True)
 
 
 def tensors(hp: HParams, i: int) -> list[Tensor]:

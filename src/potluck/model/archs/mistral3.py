@@ -22,7 +22,9 @@ from potluck.model.archs.common import (
 from potluck.modelfile.hparams import ArchRules, HParams
 
 NAMES = ("mistral3",)
-RULES = ArchRules(rope_style="norm", activation="silu", yarn_mscale_all_dim=True)
+RULES = ArchRules(
+    rope_style="norm", activation="silu", yarn_mscale_all_dim=True, experts_n_ff=True
+)  # (experts, where a file has them, are feed_forward_length wide, as llama's)
 
 
 def tensors(hp: HParams, i: int) -> list[Tensor]:
