@@ -325,9 +325,9 @@ class NodeService(pb_grpc.NodeServicer):
         if not matrices:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no matrices to probe")
         # never beside the background hashing of --model-dir, which takes a core and reads the
-        # disk: a probe of a 30B-A3B's layer beside it timed half the speed its stage then ran
-        # at (and was remembered for minutes). Wait for it, up to a bound; past that, time now
-        # and remember nothing.
+        # disk: a probe beside it times far below what the stage then runs at, and is remembered
+        # for minutes (bench/RESULTS.md, issue 29). Wait for it, up to a bound; past that, time
+        # now and remember nothing.
         if not self._hashed.is_set():
             log.info("speed probe: waiting for the model files' hashing to end")
         quiet = self._hashed.wait(PROBE_WAITS_FOR_HASHING_S)
