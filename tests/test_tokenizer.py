@@ -385,3 +385,25 @@ def test_text_that_is_not_unicode_is_one_clear_error(smollm2_path: Path) -> None
     )  # fmt: skip
     assert done.returncode == 1 and "not valid Unicode" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("harmony", [True, False])
+def test_harmony_ends_a_turn_at_return_or_call_not_at_end(harmony: bool) -> None:
+    """gpt-oss answers in two messages (analysis, then final), each closed by <|end|>: with
+    <|return|> and <|call|> in the vocabulary only those end generation, as llama.cpp decides;
+    elsewhere <|end|> ends a turn (phi3's)."""
+    from potluck.modelfile.tokenizer import Tokenizer
+
+    from ggufgen import tiny_vocab
+
+    meta = tiny_vocab()
+    extra = ["<|end|>", "<|return|>", "<|call|>"] if harmony else ["<|end|>"]
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *extra]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], *[3] * len(extra)]
+    tok = Tokenizer(meta)
+    ids = {t: len(meta["tokenizer.ggml.tokens"]) - len(extra) + k for k, t in enumerate(extra)}
+    if harmony:
+        assert ids["<|end|>"] not in tok.eot_ids
+        assert {ids["<|return|>"], ids["<|call|>"]} <= tok.eot_ids
+    else:
+        assert ids["<|end|>"] in tok.eot_ids

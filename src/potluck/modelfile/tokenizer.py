@@ -163,11 +163,16 @@ class Tokenizer:
         self._eos: int | None = _valid_id(meta.get(_K.EOS_ID), n)
         declared = {_valid_id(meta.get(k), n) for k in (_K.EOS_ID, _K.EOT_ID, _K.EOM_ID)}
         named = {
-            i
+            t: i
             for i, t in enumerate(tokens)
             if t in _END_OF_TURN_TEXTS and types[i] != TokenType.NORMAL
         }
-        self._eot = frozenset(i for i in declared | named if i is not None)
+        if "<|return|>" in named and "<|call|>" in named:
+            # gpt-oss's harmony format: <|end|> closes one message (the analysis channel) and
+            # the answer follows in the final channel; <|return|> and <|call|> end the turn
+            # (as llama.cpp removes <|end|> from such a vocabulary's end-of-generation list)
+            named.pop("<|end|>", None)
+        self._eot = frozenset(i for i in declared | set(named.values()) if i is not None)
         # `encode_special_tokens` is a setting on the shared object; flip it only under this lock.
         self._lock = threading.Lock()
 
