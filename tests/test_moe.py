@@ -112,3 +112,40 @@ def test_plan_and_models_show_the_experts(moe: Path, tmp_path: Path) -> None:
     r = _cli("models", env={"POTLUCK_CACHE": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert "active (mixture of 8 experts, 2 per token)" in r.stdout
+
+
+def test_a_mixtral_of_the_old_layout_says_to_convert_it_again(tmp_path: Path) -> None:
+    """Conversions before April 2024 wrote each expert as its own tensor (blk.0.ffn_gate.3.weight):
+    refused with what to do, not a missing-tensor error."""
+    import gguf
+    import numpy as np
+
+    from potluck.errors import UnsupportedError
+    from potluck.model.stage import Stage
+
+    stacked = GGUFFile(_write(tmp_path, "llama"))
+    w = gguf.GGUFWriter(str(tmp_path / "old.gguf"), "llama")
+    for key, value in stacked.metadata.items():
+        if key != "general.architecture" and not key.startswith("GGUF."):
+            _put(w, key, value)
+    for name, info in stacked.tensors.items():
+        raw = np.asarray(stacked.raw(name))
+        if "_exps." in name:  # each expert of the stack as a tensor of its own
+            for e in range(info.shape[0]):
+                w.add_tensor(name.replace("_exps.", f".{e}."), np.ascontiguousarray(raw[e]),
+                             raw_shape=raw[e].shape, raw_dtype=info.qtype)  # fmt: skip
+        else:
+            w.add_tensor(name, np.ascontiguousarray(raw), raw_shape=raw.shape, raw_dtype=info.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    old = GGUFFile(tmp_path / "old.gguf")
+    with pytest.raises(UnsupportedError, match=r"each expert as a tensor of its own .* convert it"):
+        Stage(hparams_from_metadata(old.metadata), old, 0, 4, 64)
+
+
+def _put(w: object, key: str, value: object) -> None:
+    from ggufgen import _add_value
+
+    _add_value(w, key, value)  # type: ignore[arg-type]

@@ -139,6 +139,14 @@ def stage_shapes(
     for t in layer_tensors(hp, start, stop):
         if t.required or t.name in src.tensors:
             out.append((t.name, t.shape))
+        if t.required and is_routed(t.name) and t.name not in src.tensors:
+            one = t.name.replace("_exps.", ".0.")  # (blk.0.ffn_gate.0.weight: expert 0 alone)
+            if one in src.tensors:
+                raise UnsupportedError(
+                    f"the model stores each expert as a tensor of its own ({one}, ...), as "
+                    "conversions before April 2024 did; convert it again with a current llama.cpp "
+                    f"(its experts stacked: {t.name})"
+                )
     if stop == hp.n_layer:
         out.append(("output_norm.weight", (d,)))
         head = "output.weight" if "output.weight" in src.tensors else "token_embd.weight"
