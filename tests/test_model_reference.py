@@ -271,6 +271,15 @@ def _hf_config(path: Path, arch: str, shape: dict) -> dict:
     return config
 
 
+def _ends(f: GGUFFile) -> dict[str, torch.Tensor]:
+    """A transformers state dict's embedding, final norm and (untied) head, from the file."""
+    state = {"model.embed_tokens.weight": _dequantized(f, "token_embd.weight"),
+             "model.norm.weight": _dequantized(f, "output_norm.weight")}  # fmt: skip
+    if "output.weight" in f.tensors:
+        state["lm_head.weight"] = _dequantized(f, "output.weight")
+    return state
+
+
 def _mixtral(path: Path) -> torch.nn.Module:
     """transformers' Mixtral over the file's tensors, dequantized (its GGUF loader reads a llama
     file with experts as a dense llama): q and k un-permuted as its llama loader does."""
@@ -292,10 +301,7 @@ def _mixtral(path: Path) -> torch.nn.Module:
     def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:  # GGUF's rope pairs -> halves
         return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
-    state = {"model.embed_tokens.weight": get("token_embd.weight"),
-             "model.norm.weight": get("output_norm.weight")}  # fmt: skip
-    if "output.weight" in f.tensors:
-        state["lm_head.weight"] = get("output.weight")
+    state = _ends(f)
     for i in range(hp.n_layer):
         p, q = f"blk.{i}.", f"model.layers.{i}."
         state |= {
@@ -361,10 +367,7 @@ def _gpt_oss(path: Path) -> torch.nn.Module:
         """[..., F] gate and up -> [..., 2F], gate at the even places (transformers' layout)."""
         return torch.stack([gate, up], dim=-1).flatten(-2)
 
-    state = {"model.embed_tokens.weight": get("token_embd.weight"),
-             "model.norm.weight": get("output_norm.weight")}  # fmt: skip
-    if "output.weight" in f.tensors:
-        state["lm_head.weight"] = get("output.weight")
+    state = _ends(f)
     for i in range(hp.n_layer):
         p, q = f"blk.{i}.", f"model.layers.{i}."
         state |= {
@@ -458,10 +461,7 @@ def _own_class(path: Path) -> torch.nn.Module:
             w = w.reshape(heads, w.shape[0] // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
         return w
 
-    state = {"model.embed_tokens.weight": get("token_embd.weight"),
-             "model.norm.weight": get("output_norm.weight")}  # fmt: skip
-    if "output.weight" in f.tensors:
-        state["lm_head.weight"] = get("output.weight")
+    state = _ends(f)
     for name in f.tensors:
         parts = name.split(".")
         if parts[0] == "blk" and not parts[2].endswith("_exps"):
@@ -550,10 +550,7 @@ def _glm_deepseek(path: Path) -> torch.nn.Module:
     def get(name: str) -> torch.Tensor:
         return _dequantized(f, name)
 
-    state = {"model.embed_tokens.weight": get("token_embd.weight"),
-             "model.norm.weight": get("output_norm.weight")}  # fmt: skip
-    if "output.weight" in f.tensors:
-        state["lm_head.weight"] = get("output.weight")
+    state = _ends(f)
     for i in range(hp.n_layer):
         p, q = f"blk.{i}.", f"model.layers.{i}."
         for name in f.tensors:
