@@ -186,17 +186,17 @@ def footprint_from_gguf(
         except UnsupportedError as exc:  # said at plan time, not after a pool has loaded
             raise UnsupportedError(f"tensor {t.name}: {exc}") from None
 
-    layers = [0] * hp.n_layer
-    read = [0] * hp.n_layer  # weight bytes one decoded token reads, per layer
-    experts, expert_read = [0] * hp.n_layer, [0] * hp.n_layer  # ... of them, the routed experts'
-    for t in tensors.values():
+    layers = [0] * hp.n_layer  # weight bytes held, per layer
+    experts, expert_read = [0] * hp.n_layer, [0] * hp.n_layer  # ... of them the routed experts',
+    for t in tensors.values():  # and what a decoded token reads of those: k of n
         if t.layer is not None and t.layer < hp.n_layer:
             n = held_by(t)
             layers[t.layer] += n
             if is_routed(t.name):
                 experts[t.layer] += n
                 expert_read[t.layer] += n * hp.n_expert_used // hp.n_expert
-            read[t.layer] += n * hp.n_expert_used // hp.n_expert if is_routed(t.name) else n
+    # weight bytes one decoded token reads, per layer
+    read = [w - x + xr for w, x, xr in zip(layers, experts, expert_read, strict=True)]
     head_matrix = tensors.get("output.weight", embd)  # tied: the head reads token_embd
     head = held_by(head_matrix)
     if norm := tensors.get("output_norm.weight"):
