@@ -4,6 +4,7 @@ and `potluck serve` as a subprocess for the command line itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from potluck.api.server import ServerConfig, bind, create_app, model_id_of, uvicorn_server
 from potluck.engine.generate import Model, generate, load_model
-from potluck.engine.scheduler import Scheduler, SchedulerConfig
+from potluck.engine.scheduler import (
+    Event,
+    Finished,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    Stats,
+    Stream,
+)
 from potluck.sampling import GREEDY, Sampler, SamplingParams
 from workers import Spawn
 from workers import spawn_module_worker as spawn_module_worker
@@ -58,8 +67,13 @@ class Server:
         return False
 
 
-def start_server(model: Model, config: SchedulerConfig, api_key: str | None) -> Iterator[Server]:
-    sched = Scheduler(model, config)
+def start_server(
+    model: Model,
+    config: SchedulerConfig,
+    api_key: str | None,
+    scheduler: Callable[[Model, SchedulerConfig], Scheduler] = Scheduler,
+) -> Iterator[Server]:
+    sched = scheduler(model, config)
     app = create_app(model, sched, ServerConfig(model_id=model_id_of(model), api_key=api_key))
     sock, url = bind("127.0.0.1", 0)
     srv = uvicorn_server(app)
@@ -134,6 +148,7 @@ def test_chat_greedy_equals_generate(server: Server, ref: Model) -> None:
     assert r.choices[0].finish_reason == finish
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(out)
     assert r.usage.total_tokens == len(ids) + len(out)
+    assert 0 <= r.usage.prompt_tokens_details.cached_tokens <= len(ids)  # always there
     # the same through SSE, with the usage chunk at the end
     chunks = list(
         server.client().chat.completions.create(
@@ -149,6 +164,7 @@ def test_chat_greedy_equals_generate(server: Server, ref: Model) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(out)
+    assert 0 <= chunks[-1].usage.prompt_tokens_details.cached_tokens <= len(ids)
     assert all(c.usage is None for c in chunks[:-1])
     assert server.idle()
 
@@ -621,9 +637,11 @@ def test_pool_and_metrics(server: Server) -> None:
         "requests_active",
         "requests_queued",
         "requests_total",
+        "prefix_cache",
         "batches",
     }
     assert p["batches"] == []  # (no batch API on this app: ServerConfig.batch_dir is None)
+    assert set(p["prefix_cache"]) == {"hits", "misses", "cached_tokens", "entries", "bytes"}
     assert p["model"]["name"] == server.model_id and p["model"]["arch"] == "llama"
     assert p["model"]["n_layer"] == 30 and p["model"]["n_ctx"] == N_CTX and p["model"]["quant"]
     (node,) = p["nodes"]
@@ -641,6 +659,8 @@ def test_pool_and_metrics(server: Server) -> None:
     assert samples[compute] > 0
     assert any(name == "potluck_http_requests_total" for name, _ in samples)
     assert ("potluck_kv_cache_sequences", ()) in samples
+    for name in ("potluck_prefix_cache_hits_total", "potluck_prefix_cache_entries"):
+        assert (name, ()) in samples
 
 
 def _metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -650,6 +670,107 @@ def _metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for fam in text_string_to_metric_families(text)
         for s in fam.samples
     }
+
+
+class PrefixCached:
+    """A Scheduler as the API sees one with a prefix cache (engine/requests.py's interface),
+    whatever the real one reuses: every choice's Finished says its first CACHED prompt tokens were
+    reused, and `stats` counts them. The same tokens are generated: only the figures are set."""
+
+    CACHED, ENTRIES, BYTES = 5, 3, 12 << 20
+
+    def __init__(self, model: Model, config: SchedulerConfig) -> None:
+        self.inner = Scheduler(model, config)
+        self.hits = self.tokens = 0  # (written on the scheduler's thread only)
+
+    def submit(self, req: Request, sink: Callable[[Event], None]) -> Stream:
+        def stamped(ev: Event) -> None:
+            if isinstance(ev, Finished):
+                n = min(self.CACHED, ev.n_prompt)
+                self.hits, self.tokens = self.hits + 1, self.tokens + n
+                ev = dataclasses.replace(ev, n_cached=n)
+            sink(ev)
+
+        return self.inner.submit(req, stamped)
+
+    @property
+    def stats(self) -> Stats:
+        return dataclasses.replace(
+            self.inner.stats,
+            prefix_hits=self.hits,
+            prefix_misses=1,
+            cached_tokens=self.tokens,
+            prefix_entries=self.ENTRIES,
+            prefix_bytes=self.BYTES,
+        )
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+@pytest.fixture(scope="module")
+def cached_server(smollm2_path: Path) -> Iterator[Server]:
+    m = load_model(smollm2_path, n_ctx=N_CTX)
+    yield from start_server(m, SchedulerConfig(max_active=8), None, PrefixCached)
+
+
+def test_usage_and_figures_of_the_prefix_cache(cached_server: Server) -> None:
+    """`usage.prompt_tokens_details.cached_tokens` is the choices' Finished.n_cached with each
+    prompt counted once (as prompt_tokens counts it), in every form usage takes; /api/pool and
+    /metrics show the scheduler's prefix cache figures."""
+    s, cached = cached_server, PrefixCached.CACHED
+    c = s.client()
+    msgs = [{"role": "user", "content": "Name a planet."}]
+    one = c.chat.completions.create(model=s.model_id, messages=msgs, max_tokens=4, temperature=0)
+    assert one.usage.prompt_tokens > cached
+    assert one.usage.prompt_tokens_details.cached_tokens == cached
+    three = c.chat.completions.create(
+        model=s.model_id, messages=msgs, max_tokens=4, temperature=0, n=3
+    )
+    assert len(three.choices) == 3 and three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.prompt_tokens_details.cached_tokens == cached  # the prompt once, not 3×
+    chunks = list(
+        c.chat.completions.create(
+            model=s.model_id,
+            messages=msgs,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    # completions: two prompts × n=2, non-streaming and streaming; the JSON as sent
+    body = {"model": s.model_id, "prompt": [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17]],
+            "n": 2, "max_tokens": 3, "temperature": 0}  # fmt: skip
+    usage = _post(s, "/v1/completions", body).json()["usage"]
+    assert usage["prompt_tokens"] == 6 + 7
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 2 * cached}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    events = _post(s, "/v1/completions", body).text.split("\n\n")
+    last = json.loads(events[-3].removeprefix("data: "))  # (then "data: [DONE]" and "")
+    assert last["choices"] == [] and last["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 2 * cached
+    }
+    assert s.idle()
+    stats = s.scheduler.stats
+    assert (
+        stats.prefix_hits == 1 + 3 + 1 + 4 + 4 and stats.cached_tokens == stats.prefix_hits * cached
+    )
+    p = httpx.get(s.url + "/api/pool").json()
+    assert p["prefix_cache"] == {
+        "hits": stats.prefix_hits,
+        "misses": 1,
+        "cached_tokens": stats.cached_tokens,
+        "entries": PrefixCached.ENTRIES,
+        "bytes": PrefixCached.BYTES,
+    }
+    samples = _metrics(httpx.get(s.url + "/metrics").text)
+    assert samples[("potluck_prefix_cache_hits_total", ())] == stats.prefix_hits
+    assert samples[("potluck_prefix_cache_misses_total", ())] == 1
+    assert samples[("potluck_prefix_cached_tokens_total", ())] == stats.cached_tokens
+    assert samples[("potluck_prefix_cache_entries", ())] == PrefixCached.ENTRIES
+    assert samples[("potluck_prefix_cache_bytes", ())] == PrefixCached.BYTES
 
 
 @pytest.fixture

@@ -101,6 +101,9 @@ def test_bad_lines_go_to_the_error_file_and_the_rest_runs(
     results = {line["custom_id"]: line for line in _lines(out)}
     assert sorted(results) == ["a", "b", "c"]
     assert all(r["response"]["status_code"] == 200 and r["error"] is None for r in results.values())
+    for r in results.values():  # serve's usage, cached prompt tokens included
+        usage = r["response"]["body"]["usage"]
+        assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
     errors = {e["error"]["line"]: e for e in _lines(tmp_path / "out.errors.jsonl")}
     codes = {line: e["error"]["code"] for line, e in errors.items()}
     assert codes == {2: "invalid_json", 3: "invalid_url", 4: "duplicate_custom_id",

@@ -595,6 +595,32 @@ def test_dashboard_shows_a_two_node_pool(browser, pool_server: Server, artifacts
         p.close()
 
 
+def test_dashboard_shows_the_prefix_cache(page: Page, artifacts: Path) -> None:
+    """The prefix cache's tiles: its hit rate and hits, the prompt tokens reused, its MiB and the
+    sequences it holds. The figures are set on /api/pool's answer (the page only shows what it is
+    given; tests/test_api.py checks the server's)."""
+    pg = page.page
+    pg.wait_for_selector("#pool-status[data-state=live]")
+    figures = {"hits": 3, "misses": 1, "cached_tokens": 12_345, "entries": 2, "bytes": 3 << 19}
+
+    def answer(route) -> None:
+        route.fulfill(json=route.fetch().json() | {"prefix_cache": figures})
+
+    pg.route("**/api/pool", answer)
+    pg.wait_for_function("() => document.getElementById('pool-cache-rate').textContent === '75%'")
+    assert pg.inner_text("#pool-cache-hits") == "3 of 4 requests"
+    assert pg.inner_text("#pool-cache-tokens") == "12.3K"
+    assert pg.inner_text("#pool-cache-bytes") == "1.5 MiB"
+    assert pg.inner_text("#pool-cache-entries") == "2 sequences"
+    page.shot(artifacts, "desktop-prefix-cache")
+    figures |= dict.fromkeys(figures, 0)  # nothing looked up yet: no rate
+    pg.wait_for_function("() => document.getElementById('pool-cache-rate').textContent === '—'")
+    assert pg.inner_text("#pool-cache-tokens") == "0"
+    assert pg.inner_text("#pool-cache-bytes") == "0 MiB"
+    assert pg.inner_text("#pool-cache-entries") == "0 sequences"
+    pg.unroute("**/api/pool")
+
+
 def test_dashboard_shows_a_mixture_of_experts(browser, artifacts: Path, tmp_path: Path) -> None:
     """A qwen3moe served: /api/pool and the dashboard's model line name its experts and the
     parameters a token computes with."""

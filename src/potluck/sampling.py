@@ -36,6 +36,29 @@ class Token(int):
         return f"Token({int(self)}, logprob={self.logprob:.4f})"
 
 
+class Accepted(int):
+    """What a chunk with drafted ids gives (SeqChunk.draft): every token its samples gave, in
+    order (`tokens`: the drafts they agreed with, then one more); as an int, the last of them
+    (the next step's input id)."""
+
+    tokens: tuple[int, ...]
+
+    def __new__(cls, tokens: Sequence[int]) -> Accepted:
+        if not tokens:
+            raise ValueError("a drafted chunk gives at least one token")
+        self = super().__new__(cls, int(tokens[-1]))
+        self.tokens = tuple(tokens)
+        return self
+
+    def __repr__(self) -> str:
+        return f"Accepted({list(self.tokens)})"
+
+
+def tokens_of(sampled: int) -> tuple[int, ...]:
+    """The tokens one chunk's result stands for: an Accepted's, else the one."""
+    return sampled.tokens if isinstance(sampled, Accepted) else (sampled,)
+
+
 GREEDY_BELOW = 1e-5  # a smaller temperature is greedy: logits / t overflow fp32 (vLLM's eps too)
 # The repeat penalty divides or multiplies fp32 logits (|logit| < 1e4) before the temperature
 # (>= GREEDY_BELOW) divides them: within these bounds no logit overflows to inf (then NaN).
@@ -86,14 +109,34 @@ class SamplingParams:
 GREEDY = SamplingParams(temperature=0.0)
 
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that scatters every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform_at(seed: int, at: int) -> float:
+    """The random number in [0, 1) a seeded sequence draws for its token at position `at`: a
+    function of (seed, position) only, so that whichever stage samples the token, after a
+    failover, a rewind or a speculative run, draws the same number for it."""
+    z = _mix64((_mix64(seed & _MASK64) + (at & _MASK64) * _GOLDEN) & _MASK64)
+    return (z >> 11) / float(1 << 53)
+
+
 class Sampler:
-    """Samples one sequence's tokens; its generator is seeded once, so a seed reproduces a run."""
+    """Samples one sequence's tokens. A token's random draw depends only on the seed and its
+    position in the sequence (`uniform_at`), so a seed reproduces a run on any stage."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.seed = seed  # a remote last stage rebuilds the same sampler from params + seed
-        self.generator = np.random.Generator(np.random.PCG64(seed % 2**64))
+        self._drawn = 0  # draws made without a position (`sample(..., at=None)`)
 
     def penalize(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         p = self.params
@@ -113,10 +156,14 @@ class Sampler:
         logits[ids] = sel
         return logits
 
-    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        """logits: [V] fp32 -> one token id (a `Token` with its logprobs when params.logprobs is set)."""
+    def sample(self, logits: np.ndarray, history: Sequence[int] = (), at: int | None = None) -> int:
+        """logits: [V] fp32 -> one token id (a `Token` with its logprobs when params.logprobs is
+        set). at: the token's position in its sequence (its random draw is keyed by it); None:
+        the next of this sampler's own draws."""
         logits = np.asarray(logits, dtype=np.float32)
-        tok = self._pick(logits, history)
+        if at is None:
+            at, self._drawn = -1 - self._drawn, self._drawn + 1  # (apart from any position)
+        tok = self._pick(logits, history, at)
         k = self.params.logprobs
         if k is None:
             return tok
@@ -127,7 +174,26 @@ class Sampler:
             top = tuple((int(i), float(logp[i])) for i in ids)
         return Token(tok, float(logp[tok]), top)
 
-    def _pick(self, logits: np.ndarray, history: Sequence[int]) -> int:
+    def verify(
+        self, rows: np.ndarray, draft: Sequence[int], history: Sequence[int], at: int
+    ) -> list[int]:
+        """Speculative decoding's check: rows [len(draft) + 1, V] are the logits after the token
+        at position at - 1 and after each drafted id. Samples at each row in turn (the token at
+        position at + i), keeping the drafts the samples agree with; ends with the first sample
+        that differs, or the one after the last draft. Each token is sampled exactly as without
+        drafts (same logits, history and draw), so the output is the same tokens: drafts that
+        are single ids (n-grams, a greedy draft model) leave the distribution as it was."""
+        out: list[int] = []
+        hist = list(history)
+        for i, row in enumerate(rows):
+            tok = self.sample(row, hist, at + i)
+            out.append(tok)
+            if i >= len(draft) or int(tok) != draft[i]:
+                break
+            hist.append(int(tok))
+        return out
+
+    def _pick(self, logits: np.ndarray, history: Sequence[int], at: int) -> int:
         p = self.params
         logits = self.penalize(logits, history)
         if p.greedy:
@@ -145,8 +211,9 @@ class Sampler:
         vals, ids = vals[:keep], ids[:keep]
         probs = _softmax(vals / p.temperature)
         cum = np.cumsum(probs)
-        at = int(np.searchsorted(cum, self.generator.random() * cum[-1], side="right"))
-        return int(ids[min(at, keep - 1)])
+        u = uniform_at(self.seed, at)
+        pick = int(np.searchsorted(cum, u * cum[-1], side="right"))
+        return int(ids[min(pick, keep - 1)])
 
 
 def _top_ids(x: np.ndarray, k: int) -> np.ndarray:

@@ -22,7 +22,7 @@ from potluck.engine.chain import submit_after
 from potluck.engine.contract import Assignment, Held, NodeStatus, Pipeline
 from potluck.errors import NodeError
 from potluck.model.stage import SeqChunk
-from potluck.sampling import Sampler
+from potluck.sampling import Accepted, Sampler
 from potluck.transport import potluck_pb2 as pb
 
 VOCAB = 97
@@ -150,7 +150,16 @@ class FakePipeline:
         rows, i = [], 0
         with self._cond:
             for c in chunks:
+                if c.fork is not None:  # a forked prefix: the source's first pos ids
+                    src = self.caches.get(c.fork, [])
+                    if len(src) < c.pos:
+                        self.misuse.append(f"fork of {c.pos} positions of a {len(src)}-long cache")
+                    self.caches[c.seq_id] = list(src[: c.pos])
                 cache = self.caches.setdefault(c.seq_id, [])
+                if c.pos > len(cache):
+                    self.misuse.append(f"chunk at {c.pos} for a {len(cache)}-long cache")
+                elif c.pos >= 0:
+                    del cache[c.pos :]  # a rewind
                 cache.extend(ids[i : i + c.n])
                 i += c.n
                 rows.append(logits_after(cache))
@@ -216,15 +225,25 @@ class FakePipeline:
             self.forward(np.array(sent.ids, np.int64), sent.chunks, np.empty(0, np.int64))
             job.out.set_result([-1] * len(sent.chunks))
             return
-        logits = self.forward(np.array(sent.ids, np.int64), sent.chunks)
-        job.out.set_result(
-            [
-                job.samplers[c.seq_id].sample(row, job.histories.get(c.seq_id, ()))
-                if c.seq_id in job.samplers
-                else -1
-                for row, c in zip(logits, sent.chunks, strict=True)
-            ]
-        )
+        self.forward(np.array(sent.ids, np.int64), sent.chunks)
+        out: list[int] = []
+        with self._cond:
+            for c in sent.chunks:
+                if c.seq_id not in job.samplers:
+                    out.append(-1)
+                    continue
+                s, hist = job.samplers[c.seq_id], job.histories.get(c.seq_id, ())
+                cache = self.caches[c.seq_id]
+                end = len(cache)  # the position after the chunk
+                # the logits after the id before each draft, and after the last id
+                rows = np.stack(
+                    [logits_after(cache[: end - k]) for k in range(len(c.draft), -1, -1)]
+                )
+                if c.draft:
+                    out.append(Accepted(s.verify(rows, c.draft, hist, end - len(c.draft))))
+                else:
+                    out.append(s.sample(rows[0], hist, end))
+        job.out.set_result(out)
 
     # -- batches held in flight ---------------------------------------------------------------
     @property
@@ -319,3 +338,5 @@ class FakeModel:
 
     def new_seq_id(self) -> int:
         return next(self._ids)
+
+    kv_bytes_per_token = 1  # the prefix cache's budget counts positions here

@@ -279,3 +279,36 @@ def test_a_dead_node_the_heartbeat_never_watched_is_found_without_a_last_answer(
     fresh.clients[1].down = True
     dead, reason, last = fo._find_dead(fresh)  # type: ignore[arg-type]
     assert dead == ["d:4"] and "d:4 is unreachable" in reason and last == 0.0
+
+
+def test_rewound_and_forked_sequences_are_replayed_as_the_stages_held_them(make: Make) -> None:
+    """A sequence rewound into its prompt (a cached prefix reused in part) and one forked from
+    another's prefix: after a failover the new plan's caches hold exactly what the old one's
+    did, and the tokens go on as without the fault."""
+    first, second = FakePipeline(["a:1", "b:2"]), FakePipeline(["a:1"])
+    connect = Connect(second)
+    fo = make(first, connect)
+    long = (3, 1, 4, 1, 5, 9, 2, 6)
+    assert prompt_step(fo, 1, long).result(WAIT_S) == alone(long, 1)
+    # sequence 1 rewound to its first 3 positions, then 2 new ids
+    new = (*long[:3], 7, 7)
+    step = fo.submit(np.array([7, 7]), [SeqChunk(1, 2, pos=3)], SAMPLERS, {})
+    assert step.result(WAIT_S) == alone(new, 1)
+    # sequence 2 forks sequence 1's first 4 positions and adds one id
+    fork = (*new[:4], 8)
+    samplers = {2: Sampler(GREEDY)}
+    step = fo.submit(np.array([8]), [SeqChunk(2, 1, pos=4, fork=1)], samplers, {})
+    assert step.result(WAIT_S) == alone(fork, 1)
+    assert first.caches == {1: list(new), 2: list(fork)} and first.misuse == []
+    first.clients[1].down = True
+    first.fail_if = lambda b: NodeError("node b:2 closed the stream")
+    two = {2: Sampler(GREEDY)}
+    assert fo.submit(np.array([5]), [SeqChunk(2, 1)], two, {}).result(WAIT_S) == alone(
+        (*fork, 5), 1
+    )
+    assert second.caches == {1: list(new), 2: [*fork, 5]} and second.misuse == []
+    assert fo.events[0].replayed_tokens == len(new) + len(fork)
+    fo.drop(1)  # the fork's own batches do not depend on the source's
+    assert fo.submit(np.array([6]), [SeqChunk(2, 1)], two, {}).result(WAIT_S) == alone(
+        (*fork, 5, 6), 1
+    )

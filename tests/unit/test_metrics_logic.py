@@ -132,6 +132,41 @@ def test_the_schedulers_totals_and_current_figures_are_read_at_scrape() -> None:
     assert value(m, "potluck_requests_finished_total", reason="cancelled") == 1
 
 
+def test_prefix_cache_figures_are_read_at_scrape() -> None:
+    """The prefix cache's totals as counters, what it holds now as gauges, each with its HELP
+    and TYPE lines in the exposition."""
+    stats = Stats(
+        prefix_hits=4, prefix_misses=6, cached_tokens=123, prefix_entries=3, prefix_bytes=5 << 20
+    )
+    m = Metrics(idle_scheduler(stats), pool())
+    assert value(m, "potluck_prefix_cache_hits_total") == 4
+    assert value(m, "potluck_prefix_cache_misses_total") == 6
+    assert value(m, "potluck_prefix_cached_tokens_total") == 123
+    assert value(m, "potluck_prefix_cache_entries") == 3
+    assert value(m, "potluck_prefix_cache_bytes") == 5 << 20
+    stats.prefix_hits += 1  # read live
+    stats.cached_tokens += 7
+    stats.prefix_entries, stats.prefix_bytes = 0, 0  # evicted: gauges go down
+    assert value(m, "potluck_prefix_cache_hits_total") == 5
+    assert value(m, "potluck_prefix_cached_tokens_total") == 130
+    assert value(m, "potluck_prefix_cache_entries") == 0
+    assert value(m, "potluck_prefix_cache_bytes") == 0
+    body, _ = m.render(None)
+    lines = body.decode().splitlines()
+    for name, kind in [
+        ("potluck_prefix_cache_hits_total", "counter"),
+        ("potluck_prefix_cache_misses_total", "counter"),
+        ("potluck_prefix_cached_tokens_total", "counter"),
+        ("potluck_prefix_cache_entries", "gauge"),
+        ("potluck_prefix_cache_bytes", "gauge"),
+    ]:
+        assert f"# TYPE {name} {kind}" in lines
+        assert any(line.startswith(f"# HELP {name} ") for line in lines)
+    assert "potluck_prefix_cache_hits_total 5.0" in lines
+    assert "potluck_prefix_cache_misses_total 6.0" in lines
+    assert "potluck_prefix_cached_tokens_total 130.0" in lines
+
+
 def test_kv_cache_and_per_node_figures() -> None:
     nodes = [
         {"address": "local", "name": "head", "compute_ms": 2.5, "hop_ms": None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from potluck.api.text import StopText
 from potluck.engine.scheduler import Event, Stream
@@ -17,7 +18,9 @@ class Choice:
     stream: Stream
     text: StopText
     n_prompt: int
+    prompt: int  # which of the request's prompts it continues (its n choices share one)
     n_generated: int = 0
+    n_cached: int = 0  # of its n_prompt tokens, those reused from the prefix cache (Finished)
     finish: str | None = None
     done: bool = False
     offset: int = 0  # characters sent so far (completions' text_offset)
@@ -44,10 +47,17 @@ class Job:
             if not c.done:
                 c.stream.cancel()
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage. Each prompt counts once however many choices continue it (n), and so
+        do its cached tokens: the fewest any of its choices reused (each choice looks the prefix
+        cache up by itself, so a later one may find more of it)."""
         done = sum(c.n_generated for c in self.choices)
+        cached: dict[int, int] = {}  # prompt → its tokens every choice of it reused
+        for c in self.choices:
+            cached[c.prompt] = min(cached.get(c.prompt, c.n_cached), c.n_cached)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": done,
             "total_tokens": self.prompt_tokens + done,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
         }

@@ -4,8 +4,8 @@ in one process stay apart).
 Counters only grow and histograms are observed once per request (Prometheus' `rate()` needs
 both): HTTP answers are counted by the app's middleware, and each choice's times are observed from
 its events (`RequestTiming`, on the scheduler's thread). The scheduler's totals (its own monotonic
-counters) and the current figures (queue, KV cache, each node's ms per token) are read at scrape
-time by `_Live`.
+counters) and the current figures (queue, KV cache, prefix cache, each node's ms per token) are
+read at scrape time by `_Live`.
 """
 
 from __future__ import annotations
@@ -80,6 +80,31 @@ class _Live(Collector):
             "potluck_prompt_tokens_total", "Prompt tokens of finished requests.", st.prompt_tokens
         )
         yield _counter("potluck_generated_tokens_total", "Tokens generated.", st.generated_tokens)
+        yield _counter(
+            "potluck_prefix_cache_hits_total",
+            "Generation requests that reused a cached prompt prefix.",
+            st.prefix_hits,
+        )
+        yield _counter(
+            "potluck_prefix_cache_misses_total",
+            "Generation requests that found no cached prompt prefix to reuse.",
+            st.prefix_misses,
+        )
+        yield _counter(
+            "potluck_prefix_cached_tokens_total",
+            "Prompt tokens reused from the prefix cache instead of computed.",
+            st.cached_tokens,
+        )
+        yield _gauge(
+            "potluck_prefix_cache_entries",
+            "Finished sequences the prefix cache holds.",
+            st.prefix_entries,
+        )
+        yield _gauge(
+            "potluck_prefix_cache_bytes",
+            "Bytes of KV cache the prefix cache holds, over every stage.",
+            st.prefix_bytes,
+        )
         yield _gauge(
             "potluck_tokens_per_second",
             "Tokens generated per second over the last 5 s, all requests together.",

@@ -1,4 +1,5 @@
-"""What the dashboard shows about the pool: the model, each node's layers, memory and speed.
+"""What the dashboard shows about the pool: the model, each node's layers, memory and speed, and
+the scheduler's prefix cache.
 
 Compute and network times come from the scheduler's recent decode steps (engine/scheduler.Stats:
 per stage, ms per decode step; a local pipeline reports the whole step as this machine's compute).
@@ -115,4 +116,13 @@ class PoolInfo:
             "requests_active": self.scheduler.active,
             "requests_queued": self.scheduler.queued,
             "requests_total": st.requests_total,
+            # prompt prefixes reused: requests that did and did not, their tokens not computed,
+            # and what the cache holds now (finished sequences, KV bytes over every stage)
+            "prefix_cache": {
+                "hits": st.prefix_hits,
+                "misses": st.prefix_misses,
+                "cached_tokens": st.cached_tokens,
+                "entries": st.prefix_entries,
+                "bytes": st.prefix_bytes,
+            },
         }

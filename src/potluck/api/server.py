@@ -26,6 +26,7 @@ GET /api/pool returns exactly:
               "memory_used_bytes", "memory_total_bytes", "compute_ms" (or null), "hop_ms" (or null),
               "tokens_per_s" (or null), "status" ("ok" or "unreachable")}],
    "tokens_per_s", "requests_active", "requests_queued", "requests_total",
+   "prefix_cache": {"hits", "misses", "cached_tokens", "entries", "bytes"},
    "batches": [{"id", "status", "total", "completed", "failed"}] (running ones and the last done)}
 """
 

@@ -164,9 +164,8 @@ class Api:
                         tuple(ids), params, budget, self.tokenizer.eot_ids, priority, lora
                     )
                     stream = self.scheduler.submit(req, sink)
-                    job.choices.append(
-                        Choice(index, stream, StopText(self.tokenizer, body.stops()), len(ids))
-                    )
+                    stop_text = StopText(self.tokenizer, body.stops())
+                    job.choices.append(Choice(index, stream, stop_text, len(ids), p_i))
         except BaseException as exc:
             job.cancel()
             raise api_error(exc) from exc
@@ -221,6 +220,7 @@ class Api:
                     )
                 text, ids = c.text.flush()
                 c.done, remaining = True, remaining - 1
+                c.n_cached = ev.n_cached
                 if ev.reason != "cancelled":
                     c.n_generated = ev.n_generated
                 yield Piece(index, text, ids, c.finish or ev.reason)

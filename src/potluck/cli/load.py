@@ -23,7 +23,18 @@ from potluck.errors import PotluckError
 if TYPE_CHECKING:
     from potluck.discovery.pool import PeerFinder
     from potluck.engine.generate import Model
+    from potluck.modelfile.hparams import HParams
     from potluck.pool.failover import FailoverEvent
+
+
+def cache_sequences(hp: HParams, ctx: int | None, cache_ram: int | None) -> int:
+    """The prefix cache's budget (--cache-ram; None: one context) as full-context sequences, which
+    the plan and every node count beside -np's."""
+    from potluck.engine.generate import DEFAULT_CTX
+    from potluck.engine.prefix import budget_bytes, planned_sequences
+
+    n_ctx, per_token = ctx or min(hp.n_ctx_train, DEFAULT_CTX), hp.kv_bytes_per_token()
+    return planned_sequences(budget_bytes(cache_ram, n_ctx, per_token), n_ctx, per_token)
 
 
 def _load(
@@ -36,6 +47,7 @@ def _load(
     n_seq: int = 1,
     found: list[str] | None = None,
     finder: PeerFinder | None = None,
+    cache_ram: int | None = 0,
 ) -> Model:
     """Set up this machine's compute (threads, cache, GPU), find the pool's workers (net; None:
     this machine alone), plan, load with a progress bar, and print the one-line summary and the
@@ -45,7 +57,9 @@ def _load(
     Over a pool, a node silent for --failover-timeout seconds is dropped and the planner re-plans
     on the nodes left (the generation pauses, then goes on). balance: what the planner evens out
     between stages, "prompt" for one conversation (run, chat) or "decode" for many streams
-    (serve). n_seq: sequences at once (serve's -np): the plan and every node count KV for each."""
+    (serve). n_seq: sequences at once (serve's -np): the plan and every node count KV for each.
+    cache_ram: the prefix cache's --cache-ram (MiB; None: one context), planned as as many more
+    full-context sequences (engine/prefix.py)."""
     from potluck.engine.generate import load_model
     from potluck.modelfile.lora import parse_lora_arg
     from potluck.modelfile.sources import resolve_model
@@ -80,7 +94,9 @@ def _load(
         from potluck.model.archs import hparams_from_metadata
         from potluck.modelfile.gguf_file import GGUFFile
 
-        bar.update(task, total=hparams_from_metadata(GGUFFile(path).metadata, str(path)).n_layer)
+        hp = hparams_from_metadata(GGUFFile(path).metadata, str(path))
+        bar.update(task, total=hp.n_layer)
+        n_seq += cache_sequences(hp, ctx, cache_ram)
         assignments, auth, plan = [], None, None
         addresses = net.found(peers) if net is not None and peers is not None else []
         if found is not None:

@@ -333,6 +333,18 @@ ParallelOpt = Annotated[
 ]
 
 
+CacheRamOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--cache-ram",
+        min=0,
+        help="MiB of KV cache kept for finished conversations, so that a request that begins "
+        "with one (the next turn of a chat) computes only what is new (0: off; default: one "
+        "full context's worth). Planned like -np's caches.",
+    ),
+]
+
+
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")]
 
 

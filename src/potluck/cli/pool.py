@@ -13,6 +13,7 @@ from rich.table import Table
 from potluck.cli.config import PeersFlags, takes
 from potluck.cli.console import err
 from potluck.cli.options import (
+    CacheRamOpt,
     CtxOpt,
     HeadMemOpt,
     JsonOpt,
@@ -35,6 +36,7 @@ def plan(
     tensor_split: SplitOpt = None,
     mem: HeadMemOpt = None,
     parallel: ParallelOpt = 1,
+    cache_ram: CacheRamOpt = None,
     batch_plan: Annotated[
         bool,
         typer.Option(
@@ -75,11 +77,18 @@ def plan(
         for line in lines:
             print(line)
         return
+    from potluck.cli.load import cache_sequences
+    from potluck.model.archs import hparams_from_metadata
+    from potluck.modelfile.gguf_file import GGUFFile
+
+    # serve's and chat's plan: -np sequences and the prefix cache's KV (as whole sequences)
+    cached = cache_sequences(hparams_from_metadata(GGUFFile(path).metadata), ctx, cache_ram)
+    n_seq = parallel + cached
     inputs = PlanInputs(
-        path, ctx, auth, mem=_head_mem(mem), n_seq=parallel, compute=compute, cache=here.cache
+        path, ctx, auth, mem=_head_mem(mem), n_seq=n_seq, compute=compute, cache=here.cache
     )
     p = plan_model(inputs, found, _shares(tensor_split))
-    seqs = f" × {parallel} sequences at once" if parallel > 1 else ""
+    seqs = f" × {n_seq} sequences' KV ({parallel} at once + {cached} cached)" if n_seq > 1 else ""
     table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}{seqs}")
     table.columns[0].no_wrap = True  # a node's address is what the user types: never cut it
     for row in format_plan(p):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -17,6 +18,7 @@ from potluck.cli.console import err
 from potluck.cli.load import _load
 from potluck.cli.options import (
     BatchOpt,
+    CacheRamOpt,
     CacheTypeOpt,
     CpuMoeOpt,
     DeviceOpt,
@@ -32,16 +34,24 @@ from potluck.errors import PotluckError
 
 if TYPE_CHECKING:
     from potluck.engine.generate import Model
+    from potluck.engine.scheduler import Scheduler
     from potluck.sampling import Sampler
 
 
 def _stream(
-    m: Model, ids: list[int], n: int, sampler: Sampler, n_batch: int, chat: bool = False
+    m: Model,
+    ids: list[int],
+    n: int,
+    sampler: Sampler,
+    n_batch: int,
+    chat: Scheduler | None = None,
 ) -> list[int]:
     """Generate up to n tokens (-1: until the end of text or a full context) and print text as it
     comes; timing on stderr, and a line when the context filled (what to do: in a chat, /reset).
-    Returns the generated ids."""
+    chat: the chat's scheduler (its prefix cache keeps the conversation between turns); None:
+    `generate` alone. Returns the generated ids."""
     from potluck.engine.generate import generate
+    from potluck.engine.scheduler import Finished, Request, TokenEvent
     from potluck.modelfile.tokenizer import StreamDecoder
 
     dec = StreamDecoder(m.tokenizer)
@@ -49,12 +59,28 @@ def _stream(
     t0 = time.perf_counter()
     t_first = None
     limit = m.n_ctx if n == -1 else n  # generate stops at a full context anyway
-    for tok in generate(m, ids, limit, sampler, n_batch=n_batch):
+    cached = 0
+    if chat is None:
+        tokens: Iterator[int] = generate(m, ids, limit, sampler, n_batch=n_batch)
+    else:
+        limit = min(limit, m.n_ctx - len(ids))
+        req = Request(tuple(ids), sampler.params, limit, frozenset(m.tokenizer.eot_ids))
+
+        def events() -> Iterator[int]:
+            nonlocal cached
+            for ev in chat.run_one(req):
+                if isinstance(ev, TokenEvent):
+                    yield ev.token
+                elif isinstance(ev, Finished):
+                    cached = ev.n_cached
+
+        tokens = events()
+    for tok in tokens:
         if t_first is None:
             t_first = time.perf_counter()
         out.append(tok)
         if tok in m.tokenizer.eot_ids:
-            break
+            continue  # (the last token: both sources end after it)
         sys.stdout.write(dec.push(tok))
         sys.stdout.flush()
     sys.stdout.write(dec.flush() + "\n")
@@ -69,9 +95,11 @@ def _stream(
     if t_first is not None:
         gen_n = max(len(out) - 1, 0)
         rate = f"{gen_n / (t1 - t_first):.1f} tok/s" if gen_n and t1 > t_first else "-"
+        new = len(ids) - cached
+        reused = f" ({cached} reused from the last turn, {new} computed)" if cached else ""
         err.print(
-            f"[dim]prompt {len(ids)} tokens in {t_first - t0:.2f} s ({len(ids) / (t_first - t0):.1f} tok/s) · "
-            f"generated {len(out)} tokens, {rate}[/]"
+            f"[dim]prompt {len(ids)} tokens{reused} in {t_first - t0:.2f} s "
+            f"({new / (t_first - t0):.1f} tok/s) · generated {len(out)} tokens, {rate}[/]"
         )
     return out
 
@@ -137,6 +165,7 @@ def chat(
         ),
     ] = 512,
     system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    cache_ram: CacheRamOpt = None,
     *,
     flags: ModelFlags,
     net: PoolFlags,
@@ -144,13 +173,35 @@ def chat(
 ) -> None:
     """Chat interactively with the model's chat template. Ctrl-D or /exit to leave."""
     from potluck.engine.generate import prompt_batch
+    from potluck.engine.prefix import budget_bytes
+    from potluck.engine.scheduler import Scheduler, SchedulerConfig
     from potluck.sampling import Sampler
 
     params = sampling.params()
-    m = _load(flags, net)
+    m = _load(flags, net, cache_ram=cache_ram)
     sampler = Sampler(params)
+    # one request at a time; the turn before stays cached, so a turn computes only what is new
+    budget = budget_bytes(cache_ram, m.n_ctx, m.kv_bytes_per_token)
+    config = SchedulerConfig(n_batch=prompt_batch(m, flags.batch), max_active=1, cache_bytes=budget)
+    sched = Scheduler(m, config)
     msgs: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     err.print("[dim]type a message; /exit or Ctrl-D to quit, /reset to start over[/]")
+    try:
+        _converse(m, sched, sampler, msgs, system, n_predict, config.n_batch)
+    finally:
+        sched.close()
+
+
+def _converse(
+    m: Model,
+    sched: Scheduler,
+    sampler: Sampler,
+    msgs: list[dict[str, str]],
+    system: str | None,
+    n_predict: int,
+    n_batch: int,
+) -> None:
+    """The chat's loop: read a line, answer it (or /reset, /exit)."""
     while True:
         try:
             line = input("> ")
@@ -171,7 +222,7 @@ def chat(
             msgs.pop()
             continue
         try:
-            out = _stream(m, ids, n_predict, sampler, prompt_batch(m, flags.batch), chat=True)
+            out = _stream(m, ids, n_predict, sampler, n_batch, chat=sched)
         except PotluckError as exc:  # e.g. a pool node that failed for good: say so, keep going
             err.print(f"[red]error:[/] {exc}")
             msgs.pop()

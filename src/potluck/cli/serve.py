@@ -14,7 +14,7 @@ from potluck.cli.batch import _recruit, _say
 from potluck.cli.config import ModelFlags, PoolFlags, takes
 from potluck.cli.console import err
 from potluck.cli.load import _load
-from potluck.cli.options import DEFAULT_PARALLEL, ParallelOpt, _port
+from potluck.cli.options import DEFAULT_PARALLEL, CacheRamOpt, ParallelOpt, _port
 from potluck.cli.runtime import places
 from potluck.errors import PotluckError
 
@@ -50,6 +50,7 @@ def serve(
         ),
     ] = None,
     parallel: ParallelOpt = DEFAULT_PARALLEL,
+    cache_ram: CacheRamOpt = None,
     *,
     flags: ModelFlags,
     net: PoolFlags,
@@ -60,6 +61,7 @@ def serve(
     from potluck.api.server import ServerConfig, create_app, is_loopback, model_id_of
     from potluck.api.server import serve as run_server
     from potluck.engine.generate import DEFAULT_N_BATCH, Model, prompt_batch
+    from potluck.engine.prefix import budget_bytes
     from potluck.engine.scheduler import Scheduler, SchedulerConfig
 
     key = api_key or os.environ.get("POTLUCK_API_KEY") or None
@@ -80,8 +82,14 @@ def serve(
     # takes it in as a batch replica once it answers (the Recruiter below)
     finder = net.finder(keep_asking=True)
     # many streams at once: stages even in decode time
-    m = _load(flags, net, balance="decode", n_seq=parallel, found=workers, finder=finder)
-    sched_config = dataclasses.replace(sched_config, n_batch=prompt_batch(m, flags.batch))
+    m = _load(
+        flags, net, balance="decode", n_seq=parallel, found=workers, finder=finder,
+        cache_ram=cache_ram,
+    )  # fmt: skip
+    cache_bytes = budget_bytes(cache_ram, m.n_ctx, m.kv_bytes_per_token)
+    sched_config = dataclasses.replace(
+        sched_config, n_batch=prompt_batch(m, flags.batch), cache_bytes=cache_bytes
+    )
     scheduler = Scheduler(m, sched_config)
     # workers the plan leaves idle run batch jobs, each with the whole model, where they can
     used = {a.node for a in m.pipeline.assignments}
@@ -95,7 +103,8 @@ def serve(
     extra_schedulers: list[Scheduler] = []
 
     def replica_app(r: Model) -> FastAPI:
-        config = dataclasses.replace(sched_config, n_batch=prompt_batch(r))
+        # (a replica's memory was planned for -np sequences: no prefix cache beside them)
+        config = dataclasses.replace(sched_config, n_batch=prompt_batch(r), cache_bytes=0)
         extra_schedulers.append(Scheduler(r, config))
         return create_app(r, extra_schedulers[-1], ServerConfig(model_id=model_id_of(r)))
 

@@ -73,6 +73,11 @@ class Model:
         self._next_seq += 1
         return self._next_seq
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one position over every layer (f16: the planner's measure)."""
+        return self.hp.kv_bytes_per_token()
+
     def summary(self) -> str:
         name = self.file.metadata.get("general.name") or self.path.stem
         mem = sum(s.weight_bytes() for s in self.pipeline.stages) / 2**20

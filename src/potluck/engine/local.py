@@ -10,8 +10,8 @@ import numpy as np
 
 from potluck.engine.chain import submit_after
 from potluck.engine.contract import Assignment, Held, NodeStatus
-from potluck.model.stage import SeqChunk, Stage
-from potluck.sampling import Sampler
+from potluck.model.stage import SeqChunk, Stage, sample_rows
+from potluck.sampling import Accepted, Sampler
 
 if TYPE_CHECKING:
     from potluck.transport.auth import PoolAuth
@@ -82,13 +82,31 @@ class LocalPipeline:
         if not any(c.seq_id in samplers for c in chunks):  # an early prompt micro-batch
             self.forward(tokens, chunks, np.empty(0, np.int64))  # no output head
             return [-1] * len(chunks)
-        logits = self.forward(tokens, chunks)
-        return [
-            samplers[c.seq_id].sample(row, histories.get(c.seq_id, ()))
-            if c.seq_id in samplers
-            else -1
-            for row, c in zip(logits, chunks, strict=True)
-        ]
+        last = self.stages[-1]
+        if not any(c.draft for c in chunks):
+            logits = self.forward(tokens, chunks)
+            return [
+                samplers[c.seq_id].sample(row, histories.get(c.seq_id, ()), last.position(c.seq_id))
+                if c.seq_id in samplers
+                else -1
+                for row, c in zip(logits, chunks, strict=True)
+            ]
+        logits = self.forward(tokens, chunks, sample_rows(chunks))
+        out: list[int] = []
+        at = 0
+        for c in chunks:
+            rows = logits[at : at + len(c.draft) + 1]
+            at += len(rows)
+            if c.seq_id not in samplers:
+                out.append(-1)
+                continue
+            s, hist = samplers[c.seq_id], histories.get(c.seq_id, ())
+            end = last.position(c.seq_id)  # the position after the chunk
+            if c.draft:
+                out.append(Accepted(s.verify(rows, c.draft, hist, end - len(c.draft))))
+            else:
+                out.append(s.sample(rows[0], hist, end))
+        return out
 
     def submit(
         self,

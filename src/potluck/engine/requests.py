@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from potluck.engine.spec import SpecConfig
 from potluck.errors import PotluckError
 from potluck.sampling import SamplingParams
 
@@ -34,11 +35,17 @@ class SchedulerConfig:
     max_queue: int = 64  # requests waiting for a slot; one more is refused (QueueFullError)
     max_active: int = 16  # sequences generating at once (each holds a KV cache up to n_ctx)
     max_rows: int = MAX_DECODE_ROWS  # decode rows (sequences) per forward
+    # KV bytes (over every stage) of finished sequences kept for later requests that begin with
+    # the same ids (engine/prefix.py; serve's --cache-ram); 0: none kept
+    cache_bytes: int = 0
+    spec: SpecConfig = SpecConfig()  # speculative decoding (engine/spec.py): off by default
 
     def __post_init__(self) -> None:
         for name in ("n_batch", "max_active", "max_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be ≥ 0, got {self.cache_bytes}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be ≥ 0, got {self.max_queue}")
 
@@ -67,6 +74,7 @@ class Finished:
     reason: str  # "stop" (a stop id), "length" (max_tokens or the context is full), "cancelled"
     n_prompt: int
     n_generated: int
+    n_cached: int = 0  # of the n_prompt tokens, those reused from a cached prefix (not computed)
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,17 @@ class Stats:
     decode_rows: float = 0.0  # recent rows per decode step
     max_in_flight: int = 0  # most batches in flight at once so far
     follow_ups: int = 0  # decode steps sent before the token they follow was back (pool)
+    # the prefix cache (engine/prefix.py): requests that reused a cached prefix, the prompt tokens
+    # they did not compute, and what the cache holds now (sequences, KV bytes over every stage)
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    cached_tokens: int = 0
+    prefix_entries: int = 0
+    prefix_bytes: int = 0
+    # speculative decoding: decode steps that carried drafts, ids drafted, and those kept
+    draft_steps: int = 0
+    drafted: int = 0
+    draft_kept: int = 0
     recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
 
     def tokens_per_s(self, window_s: float = 5.0) -> float:

@@ -23,6 +23,7 @@ be passed between files.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -30,7 +31,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,6 +40,7 @@ import numpy as np
 
 from potluck.engine.contract import Pipeline
 from potluck.engine.generate import prompt_ubatch
+from potluck.engine.prefix import PrefixCache
 from potluck.engine.requests import (
     BATCH,
     INTERACTIVE,
@@ -55,9 +57,10 @@ from potluck.engine.requests import (
     Stats,
     TokenEvent,
 )
+from potluck.engine.spec import Drafter, SpecConfig
 from potluck.errors import ContextError, UnsupportedError
 from potluck.model.stage import SeqChunk
-from potluck.sampling import Sampler, Token
+from potluck.sampling import Sampler, Token, tokens_of
 
 # the scheduler's whole API from here: Scheduler, Stream, and the request types of engine/requests.py
 __all__ = [
@@ -86,6 +89,9 @@ class _Model(Protocol):
     pipeline: Pipeline
     n_ctx: int
 
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
     def new_seq_id(self) -> int: ...
 
 
@@ -99,6 +105,11 @@ class _Seq:
     sampler: Sampler
     history: list[int]  # prompt + generated ids (the sampler's penalties read it)
     prefilled: int = 0  # prompt tokens submitted so far
+    cached: int = 0  # prompt tokens reused from a cached prefix (its stages already hold them)
+    fed: int = 0  # leading ids of `history` whose K/V the stages hold (batches that came back)
+    drafted: int = 0  # ids drafted for it so far (speculative decoding), and how many were kept
+    kept: int = 0
+    resting: int = 0  # decode steps it takes without drafts (its drafts were seldom kept)
     generated: int = 0
     in_flight: int = 0  # batches of this sequence not finished yet
     last_turn: int = 0  # scheduler loop count of its last decode batch (fairness)
@@ -120,7 +131,11 @@ class Stream:
 
     def __init__(self, scheduler: Scheduler, seq: _Seq) -> None:
         self._scheduler, self._seq = scheduler, seq
-        self.seq_id = seq.seq_id
+
+    @property
+    def seq_id(self) -> int:
+        """Its sequence (a cached prefix's, once admitted with one)."""
+        return self._seq.seq_id
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Stop generating and free the sequence's KV cache (a no-op once it has finished); it
@@ -147,9 +162,19 @@ def _ema(old: list[float], new: Sequence[float], a: float = 0.2) -> list[float]:
 class Scheduler:
     """Continuous batching over one model's pipeline, on its own compute thread."""
 
-    def __init__(self, model: _Model, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: _Model,
+        config: SchedulerConfig | None = None,
+        drafter: Drafter | None = None,
+    ) -> None:
+        """drafter: drafts for speculative decoding (engine/spec.py), as config.spec says."""
         self.model, self.pipeline = model, model.pipeline
         self.config = config or SchedulerConfig()
+        self.spec: SpecConfig = self.config.spec
+        if self.spec.on and drafter is None:
+            raise ValueError(f"--spec-type {self.spec.kind} needs a drafter")
+        self.drafter = drafter if self.spec.on else None
         self.n_ctx = model.n_ctx
         self.depth = max(1, self.pipeline.depth)
         self.logprobs_ok = self.pipeline.supports_logprobs
@@ -162,6 +187,7 @@ class Scheduler:
         self._turn = itertools.count(1)
         self._prefer_prompt = True
         self._late_drops: set[int] = set()  # finished sequences with a batch still in flight
+        self.prefixes = PrefixCache(self.config.cache_bytes, model.kv_bytes_per_token)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="potluck-scheduler", daemon=True)
         self._thread.start()
@@ -201,6 +227,24 @@ class Scheduler:
             self.stats.requests_total += 1
         self._inbox.put(("wake", None))
         return Stream(self, seq)
+
+    def run_one(self, req: Request, timeout: float = 3600.0) -> Iterator[TokenEvent | Finished]:
+        """Submit `req` and yield its events here, ending with its Finished (for one synchronous
+        caller: `potluck chat`); raises what a Failed carries; closing the iterator before the
+        end (an exception in the caller, Ctrl-C) cancels the request."""
+        sink = QueueSink()
+        stream = self.submit(req, sink)
+        done = False
+        try:
+            for ev in sink.events(timeout):
+                if isinstance(ev, Failed):
+                    done = True
+                    raise ev.error
+                done = isinstance(ev, Finished)
+                yield ev
+        finally:
+            if not done:
+                stream.cancel()
 
     def _cancel(self, seq: _Seq, reason: str) -> None:
         if not seq.cancelled:
@@ -264,10 +308,32 @@ class Scheduler:
                 # the first waiting request of the most urgent kind (FIFO within a kind)
                 seq = min(self._waiting, key=lambda s: s.req.priority)
                 self._waiting.remove(seq)
+                self._reuse(seq)
                 self._active[seq.seq_id] = seq
         # a request cancelled while it waited never touches the pipeline
         for seq in [s for s in self._active.values() if s.cancelled and s.in_flight == 0]:
             self._end(seq, Finished(seq.cancel_reason, len(seq.req.prompt), seq.generated))
+
+    def _reuse(self, seq: _Seq) -> None:
+        """Start `seq` from the cached sequence that shares the longest prefix with its prompt,
+        if any: it becomes that sequence, and its first prompt batch rewinds the stages to the
+        shared part (SeqChunk.pos)."""
+        if not self.prefixes.on or seq.cancelled:
+            return
+        hit = self.prefixes.take(seq.req.prompt, seq.req.lora)
+        st = self.stats
+        if hit is None:
+            st.prefix_misses += 1
+        else:
+            seq.seq_id = hit.entry.seq_id
+            seq.cached = seq.prefilled = seq.fed = hit.reuse
+            st.prefix_hits += 1
+            st.cached_tokens += hit.reuse
+        self._count_prefixes()
+
+    def _count_prefixes(self) -> None:
+        self.stats.prefix_entries = self.prefixes.entries
+        self.stats.prefix_bytes = self.prefixes.nbytes
 
     def _reap(self, closing: bool) -> None:
         if not closing:
@@ -280,6 +346,9 @@ class Scheduler:
             seq.cancelled = True
         for seq in [s for s in self._active.values() if s.in_flight == 0]:
             self._end(seq, Finished("cancelled", len(seq.req.prompt), seq.generated))
+        for seq_id in self.prefixes.clear():
+            self._drop(seq_id)
+        self._count_prefixes()
 
     def _next_batch(self) -> _Batch | None:
         live = [s for s in self._active.values() if not s.cancelled and not s.done]
@@ -331,12 +400,14 @@ class Scheduler:
     def _prompt_batch(self, seq: _Seq) -> _Batch:
         a = seq.prefilled
         n = len(seq.req.prompt)  # micro-batches as generate() cuts them alone (same tokens)
-        b = min(a + prompt_ubatch(n, self.config.n_batch, self.depth), n)
+        b = min(a + prompt_ubatch(n - seq.cached, self.config.n_batch, self.depth), n)
         seq.prefilled = b
+        # after a cached prefix the first batch says where it starts: the stages forget the rest
+        pos = a if a == seq.cached and a else -1
         return _Batch(
             "prompt",
             (seq,),
-            (SeqChunk(seq.seq_id, b - a, seq.req.lora),),
+            (SeqChunk(seq.seq_id, b - a, seq.req.lora, pos=pos),),
             b == len(seq.req.prompt),
             time.perf_counter(),
         )
@@ -345,13 +416,39 @@ class Scheduler:
         turn = next(self._turn)
         for s in seqs:
             s.last_turn = turn
+        n_decoding = sum(1 for s in self._active.values() if s.decoding and not s.done)
         return _Batch(
             "decode",
             tuple(seqs),
-            tuple(SeqChunk(s.seq_id, 1, s.req.lora) for s in seqs),
+            tuple(self._decode_chunk(s, n_decoding) for s in seqs),
             True,
             time.perf_counter(),
         )
+
+    def _decode_chunk(self, s: _Seq, n_decoding: int) -> SeqChunk:
+        """A decode step's chunk: the last token, and drafted ids after it when drafting pays
+        (few streams, drafts kept often enough; never where logprobs are asked). A drafting
+        sequence's chunk names its position: a step after drafts that were not all kept rewinds
+        the stages past them."""
+        if self.drafter is None:
+            return SeqChunk(s.seq_id, 1, s.req.lora)
+        spec = self.spec
+        room = min(
+            spec.n_max,
+            s.req.max_tokens - s.generated - 1,  # the step gives up to k + 1 tokens
+            self.n_ctx - len(s.history) - 1,
+        )
+        if s.resting:
+            s.resting -= 1
+            room = 0
+        if s.drafted >= spec.probe and s.kept < spec.min_rate * s.drafted:
+            s.drafted = s.kept = 0  # seldom kept: rest a while, then try again
+            s.resting = spec.probe
+            room = 0
+        draft: list[int] = []
+        if room > 0 and n_decoding <= spec.max_streams and s.req.params.logprobs is None:
+            draft = self.drafter.draft(s.seq_id, s.history, room)[:room]
+        return SeqChunk(s.seq_id, 1 + len(draft), s.req.lora, pos=s.fed, draft=tuple(draft))
 
     def _submit(self, batch: _Batch) -> None:
         samplers = {s.seq_id: s.sampler for s in batch.seqs} if batch.samples else {}
@@ -374,7 +471,11 @@ class Scheduler:
                     a = seq.prefilled - batch.chunks[0].n
                     ids = list(seq.req.prompt[a : seq.prefilled])
                 else:
-                    ids = [s.history[-1] for s in batch.seqs]
+                    ids = [
+                        t
+                        for s, c in zip(batch.seqs, batch.chunks, strict=True)
+                        for t in (s.history[-1], *c.draft)
+                    ]
                 histories = {s.seq_id: s.history for s in batch.seqs}
                 fut = self.pipeline.submit(
                     np.array(ids, np.int64), list(batch.chunks), samplers, histories
@@ -382,7 +483,7 @@ class Scheduler:
         except Exception as exc:  # a pipeline that fails before returning a future
             fut = Future()
             fut.set_exception(exc)
-        if batch.kind == "decode" and len(batch.seqs) == 1:
+        if batch.kind == "decode" and len(batch.seqs) == 1 and not batch.chunks[0].draft:
             batch.seqs[0].tail = fut
         fut.add_done_callback(lambda f: self._inbox.put(("done", (batch, f))))
 
@@ -401,6 +502,16 @@ class Scheduler:
                 self._late_drops.discard(s.seq_id)
                 self._drop(s.seq_id)
         exc = fut.exception()
+        if exc is None and not (batch.follow and not fut.result()):
+            for s, c, tok in zip(batch.seqs, batch.chunks, fut.result(), strict=True):
+                # (a skipped follow-up step computed nothing; of drafted ids, only those kept)
+                s.fed += len(tokens_of(tok)) if c.draft else c.n
+                if c.draft:
+                    s.drafted += len(c.draft)
+                    s.kept += len(tokens_of(tok)) - 1
+                    self.stats.drafted += len(c.draft)
+                    self.stats.draft_kept += len(tokens_of(tok)) - 1
+                    self.stats.draft_steps += 1
         if exc is not None:
             log.warning("batch of %d sequences failed: %s", len(batch.seqs), exc)
             err = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
@@ -418,25 +529,30 @@ class Scheduler:
         if not batch.samples:
             return
         now = time.monotonic()
-        for s, tok in zip(batch.seqs, tokens, strict=True):
+        n_new = 0
+        for s, sampled in zip(batch.seqs, tokens, strict=True):
             if s.done:
                 continue
             if s.cancelled:
                 if s.in_flight == 0:
                     self._end(s, Finished(s.cancel_reason, len(s.req.prompt), s.generated))
                 continue
-            if s.req.params.logprobs is not None and not isinstance(tok, Token):
+            if s.req.params.logprobs is not None and not isinstance(sampled, Token):
                 self._fail(s, UnsupportedError("logprobs are not yet supported over a pool"))
                 continue
-            s.history.append(tok)
-            s.generated += 1
-            self._emit(s, TokenEvent(tok, s.generated - 1))
-            if tok in s.req.stop_ids:
-                self._end(s, Finished("stop", len(s.req.prompt), s.generated))
-            elif s.generated >= s.req.max_tokens or len(s.history) >= self.n_ctx:
-                self._end(s, Finished("length", len(s.req.prompt), s.generated))
-        self.stats.generated_tokens += len(tokens)
-        self.stats.recent.append((now, len(tokens)))
+            for tok in tokens_of(sampled):  # one, or a drafted step's kept drafts and one more
+                s.history.append(tok)
+                s.generated += 1
+                n_new += 1
+                self._emit(s, TokenEvent(tok, s.generated - 1))
+                if tok in s.req.stop_ids:
+                    self._end(s, Finished("stop", len(s.req.prompt), s.generated))
+                elif s.generated >= s.req.max_tokens or len(s.history) >= self.n_ctx:
+                    self._end(s, Finished("length", len(s.req.prompt), s.generated))
+                if s.done:
+                    break
+        self.stats.generated_tokens += n_new
+        self.stats.recent.append((now, n_new))
 
     def _record_decode(self, rows: int, ms: float) -> None:
         st = self.stats
@@ -452,11 +568,12 @@ class Scheduler:
         st.hop_ms = _ema(st.hop_ms, hop)
 
     def _fail(self, seq: _Seq, exc: Exception) -> None:
-        self._release(seq)
+        self._release(seq, keep=False)
         self._emit(seq, Failed(exc))
 
     def _end(self, seq: _Seq, fin: Finished) -> None:
-        self._release(seq)
+        fin = dataclasses.replace(fin, n_cached=seq.cached)
+        self._release(seq, keep=True)
         fin_count = self.stats.requests_finished
         fin_count[fin.reason] = fin_count.get(fin.reason, 0) + 1
         self.stats.prompt_tokens += fin.n_prompt
@@ -469,17 +586,26 @@ class Scheduler:
             log.warning("sequence %d: its sink failed (%s); cancelling", seq.seq_id, exc)
             seq.cancelled = True
 
-    def _release(self, seq: _Seq) -> None:
-        """Mark done and free the KV cache once no batch of the sequence is in flight."""
+    def _release(self, seq: _Seq, keep: bool) -> None:
+        """Mark done; keep its KV as a cached prefix (`keep`, when nothing of it is in flight and
+        the cache has room), else free it once no batch of the sequence is in flight."""
         seq.done = True
         seq.cancelled = True
         self._active.pop(seq.seq_id, None)
         if seq.in_flight == 0:
-            self._drop(seq.seq_id)
+            if keep and seq.fed and not self._closed:
+                gone = self.prefixes.put(seq.seq_id, seq.history[: seq.fed], seq.req.lora)
+            else:
+                gone = [seq.seq_id]
+            for seq_id in gone:
+                self._drop(seq_id)
+            self._count_prefixes()
         else:  # dropped when its last batch comes back
             self._late_drops.add(seq.seq_id)
 
     def _drop(self, seq_id: int) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(seq_id)
         try:
             self.pipeline.drop(seq_id)
         except Exception as exc:  # a node that is gone: its caches went with it

@@ -143,6 +143,30 @@ class SeqCache:
     def commit(self, n_new: int) -> None:
         self.length += n_new
 
+    def truncate(self, n: int) -> None:
+        """Forget the positions from `n` on (their rows stay, masked out, until overwritten)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot keep {n} positions of a cache holding {self.length}")
+        self.length = n
+
+    def copy_from(self, src: SeqCache, n: int) -> None:
+        """Hold exactly the first `n` positions of `src` (a forked prefix), replacing what this
+        cache held."""
+        if src.layers != self.layers or (src.row_k, src.row_v) != (self.row_k, self.row_v):
+            raise ValueError("a cache can only copy a cache of the same layers and shape")
+        if not 0 <= n <= src.length:
+            raise ValueError(f"cannot copy {n} positions of a cache holding {src.length}")
+        self.length = 0
+        self.reserve(n)
+        size = np.dtype(_ELEMENT[self.cache_type]).itemsize
+        for i in self.layers:
+            for a, b, row in ((src.k[i], self.k[i], self.row_k), (src.v[i], self.v[i], self.row_v)):
+                nbytes = n * row * size
+                tmp = np.empty(nbytes, np.uint8)
+                lib.ggml_backend_tensor_get(a, tmp.ctypes.data, 0, nbytes)
+                lib.ggml_backend_tensor_set(b, tmp.ctypes.data, 0, nbytes)
+        self.length = n
+
     def nbytes(self) -> int:
         return self._bytes(self.capacity)
 

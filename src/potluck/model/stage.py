@@ -119,11 +119,34 @@ def _no(name: str) -> bool:
 @dataclass(frozen=True)
 class SeqChunk:
     """`n` consecutive new tokens of sequence `seq_id` in one forward call. lora: which of the
-    stage's adapters apply to them (None: every one; -1: none; k: the k-th only)."""
+    stage's adapters apply to them (None: every one; -1: none; k: the k-th only).
+
+    pos: the position of the chunk's first token; -1: where the sequence ends now (append). A
+    stage that holds more positions of the sequence forgets those from `pos` on first (a rewind:
+    rejected drafts, a cached prefix reused in part). fork: a sequence whose first `pos`
+    positions this one starts from (copied; a cached prefix shared by another request).
+    draft: the chunk's last len(draft) ids are drafted (speculative decoding): the last stage
+    samples after each of them too and keeps those its samples agree with (sampling.verify)."""
 
     seq_id: int
     n: int
     lora: int | None = None
+    pos: int = -1
+    fork: int | None = None
+    draft: tuple[int, ...] = ()
+
+
+def sample_rows(chunks: Sequence[SeqChunk]) -> np.ndarray:
+    """The rows a batch's last stage samples at: each chunk's last, and before it one per
+    drafted id (the row of the id before each draft)."""
+    rows: list[int] = []
+    end = 0
+    for c in chunks:
+        end += c.n
+        if len(c.draft) >= c.n:
+            raise ValueError(f"a chunk of {c.n} ids cannot hold {len(c.draft)} drafted ones")
+        rows.extend(range(end - 1 - len(c.draft), end))
+    return np.array(rows, np.int64)
 
 
 def stage_shapes(
@@ -381,6 +404,32 @@ class Stage:
             cache.free()
             self._device_kv_freed()
 
+    def place(self, chunk: SeqChunk) -> SeqCache:
+        """The cache a chunk writes into, at the chunk's position: forked from `chunk.fork`'s
+        first `pos` positions, or rewound to `pos` (raises ValueError when the stage holds fewer
+        positions of the sequence than the chunk starts at: it would compute from a wrong state)."""
+        cache = self.cache(chunk.seq_id)
+        if chunk.fork is not None:
+            src = self.caches.get(chunk.fork)
+            if src is None or src.length < chunk.pos or chunk.pos < 0:
+                held = 0 if src is None else src.length
+                raise ValueError(
+                    f"sequence {chunk.seq_id} forks the first {chunk.pos} positions of sequence "
+                    f"{chunk.fork}, which holds {held} here"
+                )
+            moves = cache.generation
+            cache.copy_from(src, chunk.pos)
+            if cache.generation != moves:
+                self._device_kv_freed()
+        elif 0 <= chunk.pos < cache.length:
+            cache.truncate(chunk.pos)
+        elif chunk.pos > cache.length:
+            raise ValueError(
+                f"sequence {chunk.seq_id} holds {cache.length} positions here, but a chunk for "
+                f"position {chunk.pos} came: the positions between were never computed"
+            )
+        return cache
+
     def position(self, seq_id: int) -> int:
         """Tokens of `seq_id` already in this stage's cache (0 for a sequence it has not seen)."""
         cache = self.caches.get(seq_id)
@@ -422,7 +471,7 @@ class Stage:
             )
         if not self.is_first and x.shape[1:] != (self.hp.n_embd,):
             raise ValueError(f"hidden states have shape {x.shape}, expected [T, {self.hp.n_embd}]")
-        caches = [self.cache(c.seq_id) for c in chunks]
+        caches = [self.place(c) for c in chunks]
         for c, cache in zip(chunks, caches, strict=True):
             moves = cache.generation
             cache.reserve(c.n)

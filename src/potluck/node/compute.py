@@ -21,10 +21,10 @@ import grpc
 import numpy as np
 
 from potluck.errors import ContextError, PotluckError
-from potluck.model.stage import SeqChunk, Stage
+from potluck.model.stage import SeqChunk, Stage, sample_rows
 from potluck.node.followup import FollowUps
 from potluck.node.plans import LoadedStage, PlanStore, Refused
-from potluck.sampling import Sampler
+from potluck.sampling import Accepted, Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.codec import (
     WireError,
@@ -68,7 +68,21 @@ class Forwarder:
         loaded = self.plans.loaded(request.plan_id)
         stage = loaded.stage
         try:
-            chunks = [SeqChunk(c.seq_id, c.n, lora_from_wire(c.lora)) for c in request.chunks]
+            chunks = [
+                SeqChunk(
+                    c.seq_id,
+                    c.n,
+                    lora_from_wire(c.lora),
+                    c.pos,
+                    c.fork_from if c.fork else None,
+                    tuple(c.draft),
+                )
+                for c in request.chunks
+            ]
+            if any(len(c.draft) >= c.n for c in chunks):
+                raise WireError("a chunk's drafted ids must be fewer than its ids")
+            if any(c.fork and c.fork_from == c.seq_id for c in request.chunks):
+                raise WireError("a sequence cannot fork itself")
             total = sum(c.n for c in chunks)
             if not chunks or any(c.n < 1 for c in chunks) or total > stage.n_ctx * len(chunks):
                 raise WireError(
@@ -79,8 +93,8 @@ class Forwarder:
             if any(c.follow for c in request.chunks):
                 raise WireError("a follow-up batch goes on the forward stream or the data port")
             n_vocab = stage.hp.n_vocab
-            if any(t >= n_vocab for c in request.chunks for t in c.recent):
-                raise WireError(f"recent token ids (for penalties) must be in [0, {n_vocab})")
+            if any(not 0 <= t < n_vocab for c in request.chunks for t in (*c.recent, *c.draft)):
+                raise WireError(f"recent and drafted token ids must be in [0, {n_vocab})")
             x = tensor_from_proto(request.input)
             if stage.is_first:
                 if x.dtype != np.int64 or x.shape != (total,):
@@ -96,6 +110,8 @@ class Forwarder:
             rows = np.arange(total) if request.want_logits else None
             if stage.is_last and rows is None and not any(c.sample for c in request.chunks):
                 rows = np.empty(0, np.int64)  # an early prompt micro-batch: no head
+            elif stage.is_last and rows is None and any(c.draft for c in chunks):
+                rows = sample_rows(chunks)  # a row before each drafted id too
             return loaded, chunks, x, rows
         except WireError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
@@ -130,7 +146,8 @@ class Forwarder:
                 finally:
                     self.turn.notify_all()
                 return loaded, y, (time.perf_counter() - t0) * 1e3
-        except WireError as exc:  # a repeated or stale batch (_wait_turn)
+        except (WireError, ValueError) as exc:  # a repeated or stale batch (_wait_turn), a fork
+            # of positions this node does not hold (Stage.place)
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except ContextError as exc:
             raise Refused(grpc.StatusCode.OUT_OF_RANGE, str(exc)) from None
@@ -163,8 +180,11 @@ class Forwarder:
             return logits_reply(y, stage_ms)
         if y.shape[0] == 0:  # nothing to sample in this batch (the output head was skipped)
             return tokens_reply([-1] * len(request.chunks), stage_ms)
-        tokens = []
-        for row, chunk in zip(y, request.chunks, strict=True):
+        tokens: list[int] = []
+        at = 0
+        for chunk in request.chunks:
+            rows = y[at : at + len(chunk.draft) + 1]
+            at += len(rows)
             if not chunk.sample:
                 tokens.append(-1)
                 continue
@@ -176,7 +196,12 @@ class Forwarder:
                     )
                 except WireError as exc:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            tokens.append(sampler.sample(row, list(chunk.recent)))
+            end = chunk.pos + chunk.n  # the position of the token after the chunk
+            if chunk.draft:
+                run = sampler.verify(rows, chunk.draft, list(chunk.recent), end - len(chunk.draft))
+                tokens.append(Accepted(run))
+            else:
+                tokens.append(sampler.sample(rows[0], list(chunk.recent), end))
         return tokens_reply(tokens, stage_ms)
 
     def serve_forward(self, request: pb.ForwardRequest, answer: Answer) -> None:
@@ -269,7 +294,9 @@ class Forwarder:
         while True:
             late = None
             for c in chunks:
-                at = stage.position(c.seq_id)
+                at = stage.position(c.fork_from if c.fork else c.seq_id)
+                if (c.rewind or c.fork) and at >= c.pos:
+                    continue  # it may hold more: they are forgotten (rewind) or not copied
                 if at > c.pos:
                     raise WireError(
                         f"sequence {c.seq_id} is at position {at} here, but a batch for position "

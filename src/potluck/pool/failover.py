@@ -134,6 +134,7 @@ class FailoverPipeline:
         # sends them again with the same shapes, so the rebuilt caches are bit-identical (a prompt
         # batch and single-token steps take different kernels; re-chunking would shift the floats)
         self._confirmed: list[list[tuple[SeqChunk, list[int]]]] = []
+        self._lengths: dict[int, int] = {}  # per sequence, the positions its confirmed batches hold
         self._failed: PoolLostError | None = None
         self._redo: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._health: dict[str, _Health] = {}
@@ -253,13 +254,14 @@ class FailoverPipeline:
             inner = self.inner
         logits = inner.forward(tokens, chunks, logits_rows)
         with self._lock:
-            self._confirmed.append(list(zip(chunks, _split(tokens, chunks), strict=True)))
+            self._confirm(chunks, tokens)
         return logits
 
     def drop(self, seq_id: int) -> None:
         with self._lock:
             kept = [[(c, t) for c, t in batch if c.seq_id != seq_id] for batch in self._confirmed]
             self._confirmed = [batch for batch in kept if batch]
+            self._lengths.pop(seq_id, None)
             inner = self.inner
         with contextlib.suppress(PotluckError):  # a node that is gone took its caches with it
             inner.drop(seq_id)
@@ -342,9 +344,7 @@ class FailoverPipeline:
             with self._lock:
                 current = b.epoch == self.epoch
                 if current:
-                    self._confirmed.append(
-                        list(zip(b.chunks, _split(b.tokens, b.chunks), strict=True))
-                    )
+                    self._confirm(b.chunks, b.tokens)
             if current:
                 b.out.set_result(f.result())
             else:  # it finished on the old plan after the replay was taken: run it on the new one
@@ -359,6 +359,56 @@ class FailoverPipeline:
             self._redo.put(b)  # a node failed: the recovery thread re-plans and sends it again
         else:
             b.out.set_exception(exc)
+
+    def _confirm(self, chunks: Sequence[SeqChunk], tokens: np.ndarray) -> None:
+        """Under self._lock: remember a computed batch for the replay. A chunk that rewinds its
+        sequence cuts the sequence's batches to its position first; one that forks another's
+        prefix becomes a copy of that sequence's batches up to its position (the replay computes
+        the prefix again for it: the source may be gone by then)."""
+        batch = []
+        for c, ids in zip(chunks, _split(tokens, chunks), strict=True):
+            if c.fork is not None:
+                self._cut(c.seq_id, 0)
+                for piece, part in self._pieces(c.fork, c.pos):
+                    self._confirmed.append([(dataclasses.replace(piece, seq_id=c.seq_id), part)])
+                self._lengths[c.seq_id] = c.pos
+                c = dataclasses.replace(c, fork=None)
+            elif 0 <= c.pos < self._lengths.get(c.seq_id, 0):
+                self._cut(c.seq_id, c.pos)
+            batch.append((c, ids))
+            at = c.pos if c.pos >= 0 else self._lengths.get(c.seq_id, 0)
+            self._lengths[c.seq_id] = at + c.n
+        self._confirmed.append(batch)
+
+    def _pieces(self, seq_id: int, keep: int) -> list[tuple[SeqChunk, list[int]]]:
+        """The confirmed chunks of `seq_id` that hold its first `keep` positions, in order (the
+        last one cut short where it reaches past them)."""
+        out: list[tuple[SeqChunk, list[int]]] = []
+        at = 0
+        for batch in self._confirmed:
+            for c, ids in batch:
+                if c.seq_id != seq_id or at >= keep:
+                    continue
+                n = min(c.n, keep - at)
+                out.append((c if n == c.n else dataclasses.replace(c, n=n), ids[:n]))
+                at += n
+        return out
+
+    def _cut(self, seq_id: int, keep: int) -> None:
+        """Under self._lock: the confirmed batches keep `seq_id`'s first `keep` positions only."""
+        self._lengths[seq_id] = keep
+        pieces = iter(self._pieces(seq_id, keep))  # one per chunk of it, in order, while kept
+        out = []
+        for batch in self._confirmed:
+            part = []
+            for c, ids in batch:
+                if c.seq_id != seq_id:
+                    part.append((c, ids))
+                elif (piece := next(pieces, None)) is not None:
+                    part.append(piece)
+            if part:
+                out.append(part)
+        self._confirmed = out
 
     # -- recovery ---------------------------------------------------------------------------------
     def _recoverer(self) -> None:

@@ -32,7 +32,7 @@ from potluck.modelfile.hparams import HParams
 from potluck.modelfile.lora import LoraAdapter, adapter_part
 from potluck.node.transfer import PULL_TIMEOUT_S, push_chunks
 from potluck.node.weights import sha256_file, tensor_digests
-from potluck.sampling import Sampler, Token
+from potluck.sampling import Accepted, Sampler, Token
 from potluck.transport.auth import PoolAuth
 from potluck.transport.client import NodeClient, NodeError
 from potluck.transport.codec import (
@@ -268,9 +268,21 @@ class RemotePipeline:
         are in flight; the local first stage (if any) runs on its own thread, in submission order.
         after: for a follow-up batch, the previous step (its reply's time starts the first hop's)."""
         with self._lock:
-            for c in wire_chunks:
-                c.pos = self._pos.get(c.seq_id, 0)
-                self._pos[c.seq_id] = c.pos + c.n
+            for c, w in zip(chunks, wire_chunks, strict=True):
+                held = self._pos.get(w.seq_id, 0)
+                if c.fork is not None:  # the first pos positions of another sequence
+                    w.fork, w.fork_from = True, c.fork
+                    w.pos = c.pos
+                elif 0 <= c.pos < held:  # the head rewound the sequence
+                    w.rewind, w.pos = True, c.pos
+                elif c.pos > held:
+                    raise ValueError(
+                        f"sequence {c.seq_id} has {held} positions on the pool, a chunk came "
+                        f"for position {c.pos}"
+                    )
+                else:
+                    w.pos = held
+                self._pos[w.seq_id] = w.pos + w.n
         out: Future[pb.ForwardReply] = Future()
 
         def remote(x: np.ndarray, local_ms: list[float]) -> None:
@@ -373,6 +385,14 @@ class RemotePipeline:
             reply = f.result()
             if reply.skipped:
                 out.set_result([])
+                return
+            if reply.runs:  # drafted chunks: each one's tokens (no logprobs: none are drafted)
+                out.set_result(
+                    [
+                        Accepted(run.tokens) if run.tokens else t
+                        for t, run in zip(reply.tokens, reply.runs, strict=True)
+                    ]
+                )
                 return
             if not reply.logprobs:
                 out.set_result(list(reply.tokens))

@@ -24,13 +24,13 @@ import numpy as np
 
 from potluck.errors import PotluckError
 from potluck.modelfile.gguf_file import Matrix
-from potluck.sampling import Sampler, SamplingParams, Token
+from potluck.sampling import Accepted, Sampler, SamplingParams, Token
 from potluck.transport import potluck_pb2 as pb
 
 if TYPE_CHECKING:
     from potluck.model.stage import SeqChunk
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: SeqChunk.rewind / fork (cached prefixes)
 MAX_MESSAGE_BYTES = (
     512 * 2**20
 )  # a prompt micro-batch of hidden states or a tensor chunk stays far below
@@ -347,6 +347,7 @@ def seq_chunks(
                 sample=True,
                 follow=follow,
                 lora=lora_to_wire(c.lora),
+                draft=c.draft,
             )
         )
     return wire
@@ -451,8 +452,12 @@ def logits_reply(logits: np.ndarray, stage_ms: float) -> pb.ForwardReply:
 
 def tokens_reply(tokens: Sequence[int], stage_ms: float) -> pb.ForwardReply:
     """One sampled id per chunk (-1: none sampled); with each one's logprobs and alternatives
-    when any of them is a `Token` (its sampling asked for logprobs)."""
+    when any of them is a `Token` (its sampling asked for logprobs); a drafted chunk's tokens
+    (an `Accepted`) in `runs`."""
     reply = pb.ForwardReply(tokens=tokens, stage_ms=[stage_ms])
+    if any(isinstance(t, Accepted) for t in tokens):
+        for t in tokens:
+            reply.runs.add(tokens=list(t.tokens) if isinstance(t, Accepted) else [])
     if any(isinstance(t, Token) for t in tokens):  # logprobs asked: one entry per chunk
         for t in tokens:
             lp = t.logprob if isinstance(t, Token) else 0.0

@@ -221,7 +221,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "n", "sampling", "recent", "sample", "pos", "lora", "follow")
+    __slots__ = ("seq_id", "n", "sampling", "recent", "sample", "pos", "lora", "follow", "rewind", "fork", "fork_from", "draft")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,10 @@ class SeqChunk(_message.Message):
     POS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
+    FORK_FROM_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     n: int
     sampling: SamplingConfig
@@ -238,7 +242,17 @@ class SeqChunk(_message.Message):
     pos: int
     lora: int
     follow: bool
-    def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., pos: _Optional[int] = ..., lora: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+    rewind: bool
+    fork: bool
+    fork_from: int
+    draft: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., pos: _Optional[int] = ..., lora: _Optional[int] = ..., follow: _Optional[bool] = ..., rewind: _Optional[bool] = ..., fork: _Optional[bool] = ..., fork_from: _Optional[int] = ..., draft: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Run(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("plan_id", "chunks", "input", "want_logits", "request_id", "stop_ids")
@@ -257,7 +271,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, plan_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., request_id: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("tokens", "logits", "stage_ms", "hop_ms", "request_id", "error", "error_code", "logprobs", "top", "skipped")
+    __slots__ = ("tokens", "logits", "stage_ms", "hop_ms", "request_id", "error", "error_code", "logprobs", "top", "skipped", "runs")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     STAGE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +282,7 @@ class ForwardReply(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logits: Tensor
     stage_ms: _containers.RepeatedScalarFieldContainer[float]
@@ -278,7 +293,8 @@ class ForwardReply(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     skipped: bool
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., stage_ms: _Optional[_Iterable[float]] = ..., hop_ms: _Optional[_Iterable[float]] = ..., request_id: _Optional[int] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., skipped: _Optional[bool] = ...) -> None: ...
+    runs: _containers.RepeatedCompositeFieldContainer[Run]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., stage_ms: _Optional[_Iterable[float]] = ..., hop_ms: _Optional[_Iterable[float]] = ..., request_id: _Optional[int] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., skipped: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[Run, _Mapping]]] = ...) -> None: ...
 
 class DropRequest(_message.Message):
     __slots__ = ("plan_id", "seq_ids", "release")

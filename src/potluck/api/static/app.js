@@ -498,6 +498,12 @@ function fmtBytes(n) {
   return n >= 2 ** 30 ? `${(n / 2 ** 30).toFixed(1)} GiB` : `${Math.round(n / 2 ** 20)} MiB`;
 }
 
+// The prefix cache's bytes: as fmtBytes, with a decimal under 10 MiB (a small model's prefixes)
+function fmtHeld(n) {
+  if (!Number.isFinite(n) || n >= 10 * 2 ** 20) return fmtBytes(n);
+  return `${n > 0 ? (n / 2 ** 20).toFixed(1) : 0} MiB`;
+}
+
 async function pollPool() {
   if (polling) return;
   polling = true;
@@ -547,6 +553,7 @@ function renderPool(pool) {
   $("pool-active").textContent = String(pool.requests_active ?? "—");
   $("pool-queued").textContent = String(pool.requests_queued ?? "—");
   $("pool-total").textContent = String(pool.requests_total ?? "—");
+  renderPrefixCache(pool.prefix_cache ?? {});
   rates.push(Number(pool.tokens_per_s) || 0);
   if (rates.length > SPARK_POINTS) rates.shift();
   drawSpark();
@@ -575,6 +582,18 @@ function renderPool(pool) {
     }
   }
   renderBatches(Array.isArray(pool.batches) ? pool.batches : []);
+}
+
+// The prefix cache: the share of requests that reused a cached prompt prefix (and how many), the
+// prompt tokens they did not compute, and what it holds (KV bytes, finished sequences).
+function renderPrefixCache(c) {
+  const looked = (c.hits ?? 0) + (c.misses ?? 0);
+  $("pool-cache-rate").textContent = looked > 0 ? `${Math.round((100 * c.hits) / looked)}%` : "—";
+  $("pool-cache-hits").textContent = looked > 0 ? `${c.hits} of ${looked} requests` : "";
+  const tokens = c.cached_tokens;
+  $("pool-cache-tokens").textContent = tokens == null ? "—" : tokens >= 10_000 ? fmtCount(tokens) : String(tokens);
+  $("pool-cache-bytes").textContent = c.bytes == null ? "—" : fmtHeld(c.bytes);
+  $("pool-cache-entries").textContent = c.entries == null ? "" : `${c.entries} sequence${c.entries === 1 ? "" : "s"}`;
 }
 
 // Batch jobs (the Batches API): one line each, with a bar of the requests done.

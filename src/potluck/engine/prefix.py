@@ -1,0 +1,118 @@
+"""Cached prefixes: finished sequences whose KV the stages keep, for a later request to start from.
+
+A chat UI sends the whole conversation every turn; the previous turn's sequence already holds the
+KV of all of it but the new message. When a sequence ends, the scheduler puts it here (its ids,
+the positions the stages hold) instead of dropping it; a new request takes the entry whose ids
+share the longest prefix with its prompt and computes only the rest (the stages forget the
+entry's positions past the shared part: a rewind). Entries past the byte budget go, least
+recently used first, and the scheduler drops their KV everywhere.
+
+Plain bookkeeping: no model, no pipeline; the scheduler does the dropping (engine/scheduler.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# A prefix shorter than this is not worth an entry's KV (a chat template's first few tokens are
+# the same in every conversation): the request starts afresh.
+MIN_REUSE = 4
+
+
+def budget_bytes(cache_ram_mib: int | None, n_ctx: int, kv_per_token: int) -> int:
+    """The cache's KV budget: `cache_ram_mib` MiB (--cache-ram; 0: off), by default one full
+    context's K and V (`kv_per_token`: one position over every layer)."""
+    if cache_ram_mib is None:
+        return n_ctx * kv_per_token
+    return cache_ram_mib << 20
+
+
+def planned_sequences(budget: int, n_ctx: int, kv_per_token: int) -> int:
+    """How many full-context sequences' KV the budget is planned as (beside -np's): the planner
+    and every node count that much more KV room."""
+    return math.ceil(budget / max(1, n_ctx * kv_per_token))
+
+
+@dataclass(frozen=True)
+class Entry:
+    seq_id: int
+    ids: tuple[int, ...]  # the ids whose K/V the stages hold, position 0 on
+    lora: int | None  # the adapters its K/V were computed with (a request must match them)
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class Hit:
+    entry: Entry
+    reuse: int  # leading positions of the entry the request keeps
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """Finished sequences by seq id, least recently used first, within `budget_bytes` of KV
+    (`bytes_per_token`: K and V of one position over every stage of the model)."""
+
+    def __init__(self, budget_bytes: int, bytes_per_token: int) -> None:
+        self.budget_bytes = max(0, budget_bytes)
+        self.bytes_per_token = max(1, bytes_per_token)
+        self._entries: OrderedDict[int, Entry] = OrderedDict()
+
+    @property
+    def on(self) -> bool:
+        return self.budget_bytes > 0
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.n for e in self._entries.values()) * self.bytes_per_token
+
+    def take(self, prompt: Sequence[int], lora: int | None) -> Hit | None:
+        """The entry sharing the longest prefix with `prompt` (at least MIN_REUSE ids, and never
+        the whole prompt: its last token is computed, for the logits), removed from the cache:
+        the request's sequence becomes it. None when no entry shares enough."""
+        best: Hit | None = None
+        for e in self._entries.values():
+            if e.lora != lora:
+                continue
+            n = min(common_prefix(e.ids, prompt), len(prompt) - 1)
+            if n >= MIN_REUSE and (best is None or n > best.reuse):
+                best = Hit(e, n)
+        if best is not None:
+            del self._entries[best.entry.seq_id]
+        return best
+
+    def put(self, seq_id: int, ids: Sequence[int], lora: int | None) -> list[int]:
+        """Keep a finished sequence; the seq ids to drop (evicted ones, or this one when it alone
+        is over the budget)."""
+        entry = Entry(seq_id, tuple(ids), lora)
+        if not self.on or entry.n * self.bytes_per_token > self.budget_bytes or not entry.n:
+            return [seq_id]
+        self._entries[seq_id] = entry
+        self._entries.move_to_end(seq_id)
+        gone: list[int] = []
+        while self.nbytes > self.budget_bytes:
+            old, _ = self._entries.popitem(last=False)
+            gone.append(old)
+        return gone
+
+    def clear(self) -> list[int]:
+        """Forget every entry; their seq ids (to drop)."""
+        ids = list(self._entries)
+        self._entries.clear()
+        return ids
