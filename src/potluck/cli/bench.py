@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from potluck.cli.config import PeersFlags, takes
+from potluck.cli.config import PeersFlags, SpecFlags, takes
 from potluck.cli.console import err
 from potluck.cli.options import (
     WIRE_DTYPES,
@@ -48,9 +48,12 @@ def bench(
     ] = False,
     *,
     net: PeersFlags,
+    speculative: SpecFlags,
 ) -> None:
     """Measure the model on the best single machine and on the pool, side by side: tokens/s,
-    compute per stage and time on each link, and whether pooling is worth it (measured)."""
+    compute per stage and time on each link, and whether pooling is worth it (measured). With
+    --spec-type, each is measured again with drafts: the drafts kept and the speedup."""
+    from potluck.cli.load import _drafter
     from potluck.engine.contract import LOCAL, Assignment
     from potluck.engine.generate import load_model
     from potluck.engine.measure import bench_report, measure, measured_verdict
@@ -84,6 +87,7 @@ def bench(
         runs.append((best.node, [Assignment(node, 0, plan_.n_layer)]))
     runs.append(("pool", pool_plan))
     results = []
+    drafts = []  # the same runs with speculative decoding (--spec-type)
     for label, assignments in runs:
         err.print(
             f"[dim]measuring {label}: " + "; ".join(a.describe() for a in assignments) + "[/]"
@@ -94,6 +98,20 @@ def bench(
         )  # fmt: skip
         try:
             results.append(measure(m, label, n_predict, n_prompt))
+            if speculative.config().on:
+                drafter = _drafter(speculative, m, compute)
+                drafted = measure(
+                    m, f"{label} + {speculative.config().kind}", n_predict, n_prompt,
+                    spec=speculative.config(), drafter=drafter,
+                )  # fmt: skip
+                plain = results[-1]
+                speedup = drafted.decode_tokens_per_s / plain.decode_tokens_per_s
+                rate = drafted.kept / max(1, drafted.drafted)
+                err.print(
+                    f"[dim]{label}: drafts kept {drafted.kept} of {drafted.drafted} "
+                    f"({rate:.0%}); decode ×{speedup:.2f} with them[/]"
+                )
+                drafts.append(drafted)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         finally:
@@ -110,9 +128,9 @@ def bench(
         "link ms/token per hop",
     ):
         table.add_column(col, justify="left" if col == "run" else "right")
-    for r in results:
+    for r in [*results, *drafts]:
         table.add_row(
-            r.label if r.label == "pool" else f"{r.label} alone",
+            r.label if r.label.startswith("pool") else f"{r.label} alone",
             f"{r.decode_tokens_per_s:.1f}", f"{r.prompt_tokens_per_s:.1f}",
             " + ".join(f"{x:.2f}" for x in r.stage_ms), " + ".join(f"{x:.2f}" for x in r.hop_ms) or "–",
         )  # fmt: skip

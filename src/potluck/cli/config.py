@@ -25,16 +25,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, TypeVar
 
+import typer
+
 from potluck.cli.options import (
     DEFAULT_POOL,
     CacheTypeOpt,
     CpuMoeOpt,
     CtxOpt,
     DeviceOpt,
+    DraftMaxOpt,
     FailoverOpt,
     HeadMemOpt,
     LoraOpt,
     MinPOpt,
+    ModelDraftOpt,
     ModelOpt,
     NCpuMoeOpt,
     NglOpt,
@@ -47,6 +51,7 @@ from potluck.cli.options import (
     RpcOpt,
     SecretOpt,
     SeedOpt,
+    SpecTypeOpt,
     SplitOpt,
     TempOpt,
     ThreadsOpt,
@@ -60,6 +65,7 @@ from potluck.cli.options import (
     _shares,
     cpu_moe_layers,
 )
+from potluck.engine.spec import DEFAULT_DRAFT_MAX, SpecConfig
 
 if typing.TYPE_CHECKING:
     from potluck.discovery.pool import PeerFinder
@@ -176,7 +182,37 @@ class SamplingFlags:
         )
 
 
-GROUPS = (ModelFlags, PeersFlags, PoolFlags, SamplingFlags)
+@dataclass(frozen=True)
+class SpecFlags:
+    """Speculative decoding (run, chat, serve): llama.cpp's flags."""
+
+    PANEL: ClassVar[str] = "Speculative decoding"
+
+    spec_type: SpecTypeOpt = "none"
+    model_draft: ModelDraftOpt = None
+    spec_draft_n_max: DraftMaxOpt = DEFAULT_DRAFT_MAX
+
+    def __post_init__(self) -> None:
+        self.config()
+
+    def config(self) -> SpecConfig:
+        kind = self.spec_type
+        if self.model_draft is not None and kind == "none":
+            kind = "draft-simple"  # -md alone: drafts from that model, as llama.cpp
+        if kind == "draft-simple" and self.model_draft is None:
+            raise typer.BadParameter("--spec-type draft-simple needs a draft model: -md FILE")
+        if kind == "ngram-simple" and self.model_draft is not None:
+            raise typer.BadParameter(
+                "-md is the draft model of --spec-type draft-simple; ngram-simple drafts "
+                "without one (give one of them)"
+            )
+        try:
+            return SpecConfig(kind, n_max=self.spec_draft_n_max)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+
+
+GROUPS = (ModelFlags, PeersFlags, PoolFlags, SamplingFlags, SpecFlags)
 
 
 def _in_panel(flag: Any, panel: str) -> Any:

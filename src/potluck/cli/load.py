@@ -21,8 +21,11 @@ from potluck.cli.runtime import _backends, places
 from potluck.errors import PotluckError
 
 if TYPE_CHECKING:
+    from potluck.cli.config import SpecFlags
     from potluck.discovery.pool import PeerFinder
     from potluck.engine.generate import Model
+    from potluck.engine.spec import Drafter
+    from potluck.model.stage import Compute
     from potluck.modelfile.hparams import HParams
     from potluck.pool.failover import FailoverEvent
 
@@ -35,6 +38,25 @@ def cache_sequences(hp: HParams, ctx: int | None, cache_ram: int | None) -> int:
 
     n_ctx, per_token = ctx or min(hp.n_ctx_train, DEFAULT_CTX), hp.kv_bytes_per_token()
     return planned_sequences(budget_bytes(cache_ram, n_ctx, per_token), n_ctx, per_token)
+
+
+def _drafter(spec: SpecFlags, m: Model, compute: Compute) -> Drafter | None:
+    """The drafter `spec` asks for (engine/spec.py): prompt lookup, or a draft model loaded on
+    this machine (checked to share the model's vocabulary); None without speculative decoding."""
+    from potluck.engine.generate import load_model
+    from potluck.engine.spec import ModelDrafter, NgramDrafter, check_draft_vocab
+    from potluck.modelfile.sources import resolve_model
+
+    kind = spec.config().kind
+    if kind == "ngram-simple":
+        return NgramDrafter()
+    if kind != "draft-simple":
+        return None
+    path = resolve_model(spec.model_draft, places())
+    draft = load_model(path, m.n_ctx, compute=compute)
+    check_draft_vocab(m, draft)
+    err.print(f"[dim]draft model: {draft.summary()}[/]")
+    return ModelDrafter(draft)
 
 
 def _load(

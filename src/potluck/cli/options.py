@@ -345,6 +345,32 @@ CacheRamOpt = Annotated[
 ]
 
 
+SpecTypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--spec-type",
+        help="Speculative decoding: none; ngram-simple (drafts what followed the last few "
+        "tokens earlier on: quoting, editing, code); draft-simple (a small model, -md). The "
+        "output is the same; a step checks several tokens at once.",
+    ),
+]
+
+ModelDraftOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-md",
+        "--model-draft",
+        help="A small model with the same vocabulary that drafts for --spec-type draft-simple "
+        "(run on this machine).",
+    ),
+]
+
+DraftMaxOpt = Annotated[
+    int,
+    typer.Option("--spec-draft-n-max", min=1, help="Drafted tokens per step at most."),
+]
+
+
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")]
 
 

@@ -13,9 +13,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from potluck.cli.config import ModelFlags, PoolFlags, SamplingFlags, takes
+from potluck.cli.config import ModelFlags, PoolFlags, SamplingFlags, SpecFlags, takes
 from potluck.cli.console import err
-from potluck.cli.load import _load
+from potluck.cli.load import _drafter, _load
 from potluck.cli.options import (
     BatchOpt,
     CacheRamOpt,
@@ -39,18 +39,15 @@ if TYPE_CHECKING:
 
 
 def _stream(
-    m: Model,
-    ids: list[int],
-    n: int,
-    sampler: Sampler,
-    n_batch: int,
-    chat: Scheduler | None = None,
+    m: Model, ids: list[int], n: int, sampler: Sampler, sched: Scheduler, chat: bool = False
 ) -> list[int]:
-    """Generate up to n tokens (-1: until the end of text or a full context) and print text as it
-    comes; timing on stderr, and a line when the context filled (what to do: in a chat, /reset).
-    chat: the chat's scheduler (its prefix cache keeps the conversation between turns); None:
-    `generate` alone. Returns the generated ids."""
-    from potluck.engine.generate import generate
+    """Generate up to n tokens (-1: until the end of text or a full context) through `sched` (a
+    chat's keeps the conversation cached between turns) and print text as it comes; timing on
+    stderr (with the prefix reused and the drafts kept), and a line when the context filled
+    (what to do: in a chat, /reset). Returns the generated ids."""
+    import dataclasses
+
+    from potluck.engine.generate import check_prompt
     from potluck.engine.scheduler import Finished, Request, TokenEvent
     from potluck.modelfile.tokenizer import StreamDecoder
 
@@ -58,24 +55,23 @@ def _stream(
     out: list[int] = []
     t0 = time.perf_counter()
     t_first = None
-    limit = m.n_ctx if n == -1 else n  # generate stops at a full context anyway
+    check_prompt(m, ids)
+    asked = m.n_ctx if n == -1 else n
+    limit = min(asked, m.n_ctx - len(ids))  # up to a full context
+    params = dataclasses.replace(sampler.params, seed=sampler.seed)
+    req = Request(tuple(ids), params, limit, frozenset(m.tokenizer.eot_ids))
     cached = 0
-    if chat is None:
-        tokens: Iterator[int] = generate(m, ids, limit, sampler, n_batch=n_batch)
-    else:
-        limit = min(limit, m.n_ctx - len(ids))
-        req = Request(tuple(ids), sampler.params, limit, frozenset(m.tokenizer.eot_ids))
+    drafted, kept = sched.stats.drafted, sched.stats.draft_kept
 
-        def events() -> Iterator[int]:
-            nonlocal cached
-            for ev in chat.run_one(req):
-                if isinstance(ev, TokenEvent):
-                    yield ev.token
-                elif isinstance(ev, Finished):
-                    cached = ev.n_cached
+    def events() -> Iterator[int]:
+        nonlocal cached
+        for ev in sched.run_one(req):
+            if isinstance(ev, TokenEvent):
+                yield ev.token
+            elif isinstance(ev, Finished):
+                cached = ev.n_cached
 
-        tokens = events()
-    for tok in tokens:
+    for tok in events():
         if t_first is None:
             t_first = time.perf_counter()
         out.append(tok)
@@ -86,7 +82,7 @@ def _stream(
     sys.stdout.write(dec.flush() + "\n")
     t1 = time.perf_counter()
     ended = bool(out) and out[-1] in m.tokenizer.eot_ids
-    if not ended and len(out) < limit and len(ids) + len(out) >= m.n_ctx:
+    if not ended and len(out) < asked and len(ids) + len(out) >= m.n_ctx:
         todo = [*(["/reset to start over"] if chat else []), *filter(None, [_more_ctx(m)])]
         err.print(
             f"stopped after {len(out)} tokens: the context of {m.n_ctx} tokens is full"
@@ -97,9 +93,11 @@ def _stream(
         rate = f"{gen_n / (t1 - t_first):.1f} tok/s" if gen_n and t1 > t_first else "-"
         new = len(ids) - cached
         reused = f" ({cached} reused from the last turn, {new} computed)" if cached else ""
+        drafted, kept = sched.stats.drafted - drafted, sched.stats.draft_kept - kept
+        drafts = f" · drafts kept {kept} of {drafted}" if sched.drafter is not None else ""
         err.print(
             f"[dim]prompt {len(ids)} tokens{reused} in {t_first - t0:.2f} s "
-            f"({new / (t_first - t0):.1f} tok/s) · generated {len(out)} tokens, {rate}[/]"
+            f"({new / (t_first - t0):.1f} tok/s) · generated {len(out)} tokens, {rate}{drafts}[/]"
         )
     return out
 
@@ -134,15 +132,22 @@ def run(
     flags: ModelFlags,
     net: PoolFlags,
     sampling: SamplingFlags,
+    speculative: SpecFlags,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout (over the pool's workers: found on
     mDNS, or --peer)."""
     from potluck.engine.generate import prompt_batch
+    from potluck.engine.scheduler import Scheduler, SchedulerConfig
     from potluck.sampling import Sampler
 
     params = sampling.params()
     splits = [int(s) for s in split.split(",")] if split else None
     m = _load(flags, net, splits=splits)
+    config = SchedulerConfig(
+        n_batch=prompt_batch(m, flags.batch), max_active=1, spec=speculative.config()
+    )
+    # the one decode loop, turned in this thread (no hand-over per token)
+    sched = Scheduler(m, config, _drafter(speculative, m, flags.compute()), inline=True)
     if raw:
         ids = m.tokenizer.encode(prompt)
     else:
@@ -150,7 +155,10 @@ def run(
             {"role": "user", "content": prompt}
         ]
         ids = m.tokenizer.encode(m.chat.render(msgs))
-    _stream(m, ids, n_predict, Sampler(params), prompt_batch(m, flags.batch))
+    try:
+        _stream(m, ids, n_predict, Sampler(params), sched)
+    finally:
+        sched.close()
 
 
 @takes
@@ -170,6 +178,7 @@ def chat(
     flags: ModelFlags,
     net: PoolFlags,
     sampling: SamplingFlags,
+    speculative: SpecFlags,
 ) -> None:
     """Chat interactively with the model's chat template. Ctrl-D or /exit to leave."""
     from potluck.engine.generate import prompt_batch
@@ -182,12 +191,17 @@ def chat(
     sampler = Sampler(params)
     # one request at a time; the turn before stays cached, so a turn computes only what is new
     budget = budget_bytes(cache_ram, m.n_ctx, m.kv_bytes_per_token)
-    config = SchedulerConfig(n_batch=prompt_batch(m, flags.batch), max_active=1, cache_bytes=budget)
-    sched = Scheduler(m, config)
+    config = SchedulerConfig(
+        n_batch=prompt_batch(m, flags.batch),
+        max_active=1,
+        cache_bytes=budget,
+        spec=speculative.config(),
+    )
+    sched = Scheduler(m, config, _drafter(speculative, m, flags.compute()))
     msgs: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     err.print("[dim]type a message; /exit or Ctrl-D to quit, /reset to start over[/]")
     try:
-        _converse(m, sched, sampler, msgs, system, n_predict, config.n_batch)
+        _converse(m, sched, sampler, msgs, system, n_predict)
     finally:
         sched.close()
 
@@ -199,7 +213,6 @@ def _converse(
     msgs: list[dict[str, str]],
     system: str | None,
     n_predict: int,
-    n_batch: int,
 ) -> None:
     """The chat's loop: read a line, answer it (or /reset, /exit)."""
     while True:
@@ -222,7 +235,7 @@ def _converse(
             msgs.pop()
             continue
         try:
-            out = _stream(m, ids, n_predict, sampler, n_batch, chat=sched)
+            out = _stream(m, ids, n_predict, sampler, sched, chat=True)
         except PotluckError as exc:  # e.g. a pool node that failed for good: say so, keep going
             err.print(f"[red]error:[/] {exc}")
             msgs.pop()

@@ -11,9 +11,9 @@ import typer
 
 from potluck import __version__
 from potluck.cli.batch import _recruit, _say
-from potluck.cli.config import ModelFlags, PoolFlags, takes
+from potluck.cli.config import ModelFlags, PoolFlags, SpecFlags, takes
 from potluck.cli.console import err
-from potluck.cli.load import _load
+from potluck.cli.load import _drafter, _load
 from potluck.cli.options import DEFAULT_PARALLEL, CacheRamOpt, ParallelOpt, _port
 from potluck.cli.runtime import places
 from potluck.errors import PotluckError
@@ -54,6 +54,7 @@ def serve(
     *,
     flags: ModelFlags,
     net: PoolFlags,
+    speculative: SpecFlags,
 ) -> None:
     """Serve the model (over a pool with --peer) as an OpenAI-compatible API with a web page."""
     import dataclasses
@@ -63,6 +64,7 @@ def serve(
     from potluck.engine.generate import DEFAULT_N_BATCH, Model, prompt_batch
     from potluck.engine.prefix import budget_bytes
     from potluck.engine.scheduler import Scheduler, SchedulerConfig
+    from potluck.engine.spec import NO_SPEC
 
     key = api_key or os.environ.get("POTLUCK_API_KEY") or None
     if not is_loopback(host) and key is None and not no_api_key:
@@ -88,9 +90,12 @@ def serve(
     )  # fmt: skip
     cache_bytes = budget_bytes(cache_ram, m.n_ctx, m.kv_bytes_per_token)
     sched_config = dataclasses.replace(
-        sched_config, n_batch=prompt_batch(m, flags.batch), cache_bytes=cache_bytes
+        sched_config,
+        n_batch=prompt_batch(m, flags.batch),
+        cache_bytes=cache_bytes,
+        spec=speculative.config(),
     )
-    scheduler = Scheduler(m, sched_config)
+    scheduler = Scheduler(m, sched_config, _drafter(speculative, m, flags.compute()))
     # workers the plan leaves idle run batch jobs, each with the whole model, where they can
     used = {a.node for a in m.pipeline.assignments}
     idle = [a for a in workers if a not in used]
@@ -103,8 +108,11 @@ def serve(
     extra_schedulers: list[Scheduler] = []
 
     def replica_app(r: Model) -> FastAPI:
-        # (a replica's memory was planned for -np sequences: no prefix cache beside them)
-        config = dataclasses.replace(sched_config, n_batch=prompt_batch(r), cache_bytes=0)
+        # (a replica's memory was planned for -np sequences: no prefix cache beside them; it
+        # serves batch jobs' many streams: no drafts)
+        config = dataclasses.replace(
+            sched_config, n_batch=prompt_batch(r), cache_bytes=0, spec=NO_SPEC
+        )
         extra_schedulers.append(Scheduler(r, config))
         return create_app(r, extra_schedulers[-1], ServerConfig(model_id=model_id_of(r)))
 

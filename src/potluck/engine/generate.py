@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections import deque
+import dataclasses
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +12,11 @@ import numpy as np
 
 from potluck.engine.contract import DEFAULT_TIMEOUT_S, LOCAL, Assignment, Pipeline
 from potluck.engine.local import LocalPipeline
+from potluck.engine.requests import DEFAULT_N_BATCH as DEFAULT_N_BATCH
+from potluck.engine.requests import MIN_POOL_UBATCH as MIN_POOL_UBATCH  # (re-exported: their
+from potluck.engine.requests import POOL_N_BATCH, Request, SchedulerConfig
+from potluck.engine.requests import prompt_ubatch as prompt_ubatch  # home was here)
+from potluck.engine.spec import NO_SPEC, Drafter, SpecConfig
 from potluck.errors import ContextError
 from potluck.model.archs import hparams_from_metadata
 from potluck.model.stage import DEFAULT_COMPUTE, Compute, SeqChunk, Stage
@@ -30,14 +32,6 @@ if TYPE_CHECKING:
     from potluck.transport.auth import PoolAuth
 
 DEFAULT_CTX = 4096
-DEFAULT_N_BATCH = 512  # prompt tokens per forward pass on one machine (llama.cpp's -b)
-# Over a pool: micro-batches small enough that the stages work on one prompt at once. Measured
-# (bench/RESULTS.md, SmolLM2 over two single-core workers, 512-token prompt): 64 → 1.38×, 96 and
-# 128 → 1.45× one core; 256 → 1.06×, 512 → no overlap at all.
-POOL_N_BATCH = 128
-# The smallest micro-batch a prompt is cut into over a pool: below it, ggml's matrix products lose
-# more per token than the overlap gains (prompt_ubatch).
-MIN_POOL_UBATCH = 32
 
 
 def layer_ranges(n_layer: int, splits: Sequence[int]) -> list[tuple[int, int]]:
@@ -243,17 +237,6 @@ def prompt_batch(model: Model, n_batch: int | None = None) -> int:
     return n_batch or (POOL_N_BATCH if model.pipeline.depth > 1 else DEFAULT_N_BATCH)
 
 
-def prompt_ubatch(n_prompt: int, n_batch: int, depth: int) -> int:
-    """Tokens per micro-batch for a prompt of n_prompt tokens: at most n_batch; over a pool of
-    `depth` stages, small enough that the prompt makes 2 × depth micro-batches, so that every
-    stage works on one while the others work on theirs (with k equal micro-batches, the prompt
-    takes (k + depth - 1) / k stage-times instead of depth), but not under MIN_POOL_UBATCH
-    tokens. One machine: n_batch."""
-    if depth <= 1:
-        return n_batch
-    return max(1, min(n_batch, max(MIN_POOL_UBATCH, math.ceil(n_prompt / (2 * depth)))))
-
-
 def prefill(
     pipeline: Pipeline,
     seq_id: int,
@@ -275,19 +258,9 @@ def prefill(
     return [f.result() for f in pending][-1][0]
 
 
-def generate(
-    model: Model,
-    prompt_ids: Sequence[int],
-    max_tokens: int,
-    sampler: Sampler,
-    stop_ids: frozenset[int] | None = None,
-    n_batch: int = DEFAULT_N_BATCH,
-) -> Generator[int, None, None]:
-    """Yield up to max_tokens sampled ids (a stop id is yielded, then generation ends).
-
-    Ends early without error when the context is full. The sequence's KV cache is freed when the
-    iterator finishes or is closed.
-    """
+def check_prompt(model: Model, prompt_ids: Sequence[int]) -> None:
+    """A prompt one command can run: not empty, shorter than the context (ContextError saying
+    what to do)."""
     if not prompt_ids:
         raise ContextError("the prompt is empty after tokenization; give some text")
     if len(prompt_ids) >= model.n_ctx:
@@ -295,44 +268,37 @@ def generate(
             f"prompt is {len(prompt_ids)} tokens but the context is {model.n_ctx}; "
             f"shorten the prompt or raise -c (the model allows up to {model.hp.n_ctx_train})"
         )
-    stop = model.tokenizer.eot_ids if stop_ids is None else stop_ids
-    seq = model.new_seq_id()
-    pipe = model.pipeline
-    history = list(prompt_ids)
+
+
+def generate(
+    model: Model,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    sampler: Sampler,
+    stop_ids: frozenset[int] | None = None,
+    n_batch: int = DEFAULT_N_BATCH,
+    spec: SpecConfig = NO_SPEC,
+    drafter: Drafter | None = None,
+) -> Generator[int, None, None]:
+    """Yield up to max_tokens sampled ids (a stop id is yielded, then generation ends), through
+    a scheduler of its own (engine/scheduler.py: the one decode loop, with its follow-up steps
+    over a pool and its drafts with `spec`).
+
+    Ends early without error when the context is full. The sequence's KV cache is freed when the
+    iterator finishes or is closed.
+    """
+    from potluck.engine.scheduler import Scheduler, TokenEvent
+
+    check_prompt(model, prompt_ids)
     if max_tokens <= 0:
         return
-    # Over a pool whose first stage is a node, the step for token i + 2 is sent while token i + 1
-    # is computed (`submit_next`): the first node starts it as soon as it relays token i + 1, so
-    # the head's round trip leaves the critical path. Only steps the plain loop would also take
-    # are sent (a stop id is checked by the node: such a step is skipped). Asked at every step: a
-    # failover may move the first stage onto this machine.
-    ahead: deque[Future[list[int]]] = deque()  # the steps for the next tokens, in order
+    stop = model.tokenizer.eot_ids if stop_ids is None else stop_ids
+    params = dataclasses.replace(sampler.params, seed=sampler.seed)  # this sampler's draws
+    config = SchedulerConfig(n_batch=n_batch, max_active=1, max_queue=0, spec=spec)
+    sched = Scheduler(model, config, drafter, inline=True)
     try:
-        ubatch = prompt_ubatch(len(prompt_ids), n_batch, pipe.depth)
-        tok = prefill(pipe, seq, prompt_ids, sampler, ubatch)
-        for i in range(max_tokens):
-            history.append(tok)
-            yield tok
-            if tok in stop or len(history) >= model.n_ctx or i + 1 == max_tokens:
-                break
-            if not ahead:
-                ahead.append(
-                    pipe.submit(
-                        np.array([tok], np.int64),
-                        [SeqChunk(seq, 1)],
-                        {seq: sampler},
-                        {seq: history},
-                    )
-                )
-            if pipe.chains and i + 2 < max_tokens and len(history) + 1 < model.n_ctx:
-                # (a copy: `history` grows before this step is done)
-                hist = {seq: list(history)} if sampler.params.penalizes else {}
-                ahead.append(
-                    pipe.submit_next(ahead[-1], [SeqChunk(seq, 1)], {seq: sampler}, hist, stop)
-                )
-            tok = ahead.popleft().result()[0]
+        for ev in sched.run_one(Request(tuple(prompt_ids), params, max_tokens, frozenset(stop))):
+            if isinstance(ev, TokenEvent):
+                yield ev.token
     finally:
-        for f in ahead:  # a step still in flight finishes before its sequence is dropped
-            with contextlib.suppress(Exception):
-                f.result()
-        pipe.drop(seq)
+        sched.close()

@@ -9,7 +9,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from potluck.engine.generate import Model, generate, prefill
+from potluck.engine.generate import Model, prefill
+from potluck.engine.requests import Request, SchedulerConfig, TokenEvent
+from potluck.engine.scheduler import Scheduler
+from potluck.engine.spec import NO_SPEC, Drafter, SpecConfig
 from potluck.planner import Plan
 from potluck.sampling import GREEDY, Sampler
 
@@ -27,6 +30,8 @@ class Measured:
     prompt_tokens_per_s: float
     stage_ms: tuple[float, ...]  # compute per stage, in pipeline order
     hop_ms: tuple[float, ...]  # head → first node, then node → node (network + serialization)
+    drafted: int = 0  # speculative decoding: ids drafted while decoding, and those kept
+    kept: int = 0
 
     @property
     def ms_per_token(self) -> float:
@@ -34,9 +39,16 @@ class Measured:
 
 
 def measure(
-    model: Model, label: str, n_tokens: int = 32, n_prompt: int = 128, n_batch: int = 512
+    model: Model,
+    label: str,
+    n_tokens: int = 32,
+    n_prompt: int = 128,
+    n_batch: int = 512,
+    spec: SpecConfig = NO_SPEC,
+    drafter: Drafter | None = None,
 ) -> Measured:
-    """Process an n_prompt-token prompt, then decode n_tokens greedily; time both."""
+    """Process an n_prompt-token prompt, then decode n_tokens greedily (with drafts as `spec`
+    says); time both."""
     if n_tokens < 1 or n_prompt < 1:
         raise ValueError(f"need at least one token to time, got -n {n_tokens}, -p {n_prompt}")
     if n_prompt + n_tokens + 1 > model.n_ctx:
@@ -49,9 +61,12 @@ def measure(
     warm = model.new_seq_id()  # first calls pay for lazy setup on every node
     prefill(pipe, warm, ids[:4], Sampler(GREEDY))
     pipe.drop(warm)
-    # as `potluck run` generates: the prompt's token first, then n_tokens steps (no stop id)
+    # as `potluck run` generates: the prompt's token first, then n_tokens tokens (no stop id)
+    config = SchedulerConfig(n_batch=n_batch, max_active=1, spec=spec)
+    sched = Scheduler(model, config, drafter, inline=True)
+    req = Request(tuple(ids), GREEDY, n_tokens + 1, frozenset())
     t0 = time.perf_counter()
-    tokens = generate(model, ids, n_tokens + 1, Sampler(GREEDY), frozenset(), n_batch)
+    tokens = (ev for ev in sched.run_one(req) if isinstance(ev, TokenEvent))
     try:
         next(tokens)
         prompt_s = time.perf_counter() - t0
@@ -66,12 +81,15 @@ def measure(
         decode_s = time.perf_counter() - t0
     finally:
         tokens.close()
+        sched.close()
     return Measured(
         label=label,
         decode_tokens_per_s=n_tokens / decode_s,
         prompt_tokens_per_s=len(ids) / prompt_s,
         stage_ms=tuple(statistics.median(col) for col in zip(*stages, strict=True)),
         hop_ms=tuple(statistics.median(col) for col in zip(*hops, strict=True)) if hops[0] else (),
+        drafted=sched.stats.drafted,
+        kept=sched.stats.draft_kept,
     )
 
 

@@ -6,6 +6,7 @@ here computes.
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 from collections import deque
@@ -25,8 +26,28 @@ class SchedulerClosedError(PotluckError):
     """The scheduler was shut down."""
 
 
+DEFAULT_N_BATCH = 512  # prompt tokens per forward pass on one machine (llama.cpp's -b)
+# Over a pool: micro-batches small enough that the stages work on one prompt at once. Measured
+# (bench/RESULTS.md, SmolLM2 over two single-core workers, 512-token prompt): 64 → 1.38×, 96 and
+# 128 → 1.45× one core; 256 → 1.06×, 512 → no overlap at all.
+POOL_N_BATCH = 128
+# The smallest micro-batch a prompt is cut into over a pool: below it, ggml's matrix products lose
+# more per token than the overlap gains (prompt_ubatch).
+MIN_POOL_UBATCH = 32
+
 MAX_DECODE_ROWS = 8  # sequences in one decode step by default
 INTERACTIVE, BATCH = 0, 1  # Request.priority: who is admitted first when sequences free up
+
+
+def prompt_ubatch(n_prompt: int, n_batch: int, depth: int) -> int:
+    """Tokens per micro-batch for a prompt of n_prompt tokens: at most n_batch; over a pool of
+    `depth` stages, small enough that the prompt makes 2 × depth micro-batches, so that every
+    stage works on one while the others work on theirs (with k equal micro-batches, the prompt
+    takes (k + depth - 1) / k stage-times instead of depth), but not under MIN_POOL_UBATCH
+    tokens. One machine: n_batch."""
+    if depth <= 1:
+        return n_batch
+    return max(1, min(n_batch, max(MIN_POOL_UBATCH, math.ceil(n_prompt / (2 * depth)))))
 
 
 @dataclass(frozen=True)

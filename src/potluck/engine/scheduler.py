@@ -39,7 +39,6 @@ from typing import Protocol
 import numpy as np
 
 from potluck.engine.contract import Pipeline
-from potluck.engine.generate import prompt_ubatch
 from potluck.engine.prefix import PrefixCache
 from potluck.engine.requests import (
     BATCH,
@@ -56,6 +55,7 @@ from potluck.engine.requests import (
     Sink,
     Stats,
     TokenEvent,
+    prompt_ubatch,
 )
 from potluck.engine.spec import Drafter, SpecConfig
 from potluck.errors import ContextError, UnsupportedError
@@ -167,8 +167,12 @@ class Scheduler:
         model: _Model,
         config: SchedulerConfig | None = None,
         drafter: Drafter | None = None,
+        inline: bool = False,
     ) -> None:
-        """drafter: drafts for speculative decoding (engine/spec.py), as config.spec says."""
+        """drafter: drafts for speculative decoding (engine/spec.py), as config.spec says.
+        inline: no compute thread: `run_one` turns the loop in its caller's thread (one
+        synchronous caller, `generate`: no hand-over between threads per token)."""
+        self.inline = inline
         self.model, self.pipeline = model, model.pipeline
         self.config = config or SchedulerConfig()
         self.spec: SpecConfig = self.config.spec
@@ -190,7 +194,8 @@ class Scheduler:
         self.prefixes = PrefixCache(self.config.cache_bytes, model.kv_bytes_per_token)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="potluck-scheduler", daemon=True)
-        self._thread.start()
+        if not inline:
+            self._thread.start()
 
     # -- callers' side (any thread) ----------------------------------------------------------------
     def submit(self, req: Request, sink: Sink) -> Stream:
@@ -236,7 +241,7 @@ class Scheduler:
         stream = self.submit(req, sink)
         done = False
         try:
-            for ev in sink.events(timeout):
+            for ev in self._turned(sink) if self.inline else sink.events(timeout):
                 if isinstance(ev, Failed):
                     done = True
                     raise ev.error
@@ -245,6 +250,21 @@ class Scheduler:
         finally:
             if not done:
                 stream.cancel()
+
+    def _turned(self, sink: QueueSink) -> Iterator[Event]:
+        """The events of the one request of an inline scheduler, turning its loop here until
+        it ends."""
+        while True:
+            self._cycle(False)
+            self._wait(False, 1.0)
+            while True:
+                try:
+                    ev = sink.q.get_nowait()
+                except queue.Empty:
+                    break
+                yield ev
+                if isinstance(ev, Finished | Failed):
+                    return
 
     def _cancel(self, seq: _Seq, reason: str) -> None:
         if not seq.cancelled:
@@ -265,42 +285,55 @@ class Scheduler:
         with self._lock:
             self._closed = True
         self._inbox.put(("close", None))
-        self._thread.join(timeout)
+        if self.inline:
+            self._run()
+        else:
+            self._thread.join(timeout)
 
     # -- the compute thread ------------------------------------------------------------------------
     def _run(self) -> None:
         closing = False
         while True:
             try:
-                self._admit()
-                self._reap(closing)
-                if closing and not self._active and not self._waiting and not self._inflight:
+                if self._cycle(closing):
                     return
-                while self._plain_in_flight() < self.depth and not closing:
-                    batch = self._next_batch()
-                    if batch is None:
-                        break
-                    self._submit(batch)
-                if not closing:
-                    self._follow_ups()
-                # wait for a finished batch or news from a caller; with nothing in flight and
-                # nothing to do the timeout only bounds how long a missed wake-up could last
-                try:
-                    kind, item = self._inbox.get(timeout=1.0)
-                except queue.Empty:
-                    continue
-                while True:
-                    if kind == "close":
-                        closing = True
-                    elif kind == "done":
-                        self._finish_batch(*item)  # type: ignore[misc]
-                    try:
-                        kind, item = self._inbox.get_nowait()
-                    except queue.Empty:
-                        break
+                closing = self._wait(closing, 1.0)
             except Exception:  # a bug here must not silently stop every request: log and go on
                 log.exception("scheduler loop error")
                 time.sleep(0.05)
+
+    def _cycle(self, closing: bool) -> bool:
+        """Admit, submit what is ready; True once closing found nothing left."""
+        self._admit()
+        self._reap(closing)
+        if closing and not self._active and not self._waiting and not self._inflight:
+            return True
+        while self._plain_in_flight() < self.depth and not closing:
+            batch = self._next_batch()
+            if batch is None:
+                break
+            self._submit(batch)
+        if not closing:
+            self._follow_ups()
+        return False
+
+    def _wait(self, closing: bool, timeout: float) -> bool:
+        """Wait for a finished batch or news from a caller (with nothing in flight and nothing
+        to do, the timeout only bounds how long a missed wake-up could last) and take in all
+        there is; whether the scheduler is closing."""
+        try:
+            kind, item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return closing
+        while True:
+            if kind == "close":
+                closing = True
+            elif kind == "done":
+                self._finish_batch(*item)  # type: ignore[misc]
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return closing
 
     def _admit(self) -> None:
         with self._lock:

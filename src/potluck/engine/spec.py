@@ -56,6 +56,9 @@ class SpecConfig:
         return self.kind != "none"
 
 
+NO_SPEC = SpecConfig()
+
+
 class Drafter(Protocol):
     def draft(self, seq_id: int, history: Sequence[int], k: int) -> list[int]:
         """Up to k ids likely to follow `history` (the sequence's ids so far); [] for none."""
