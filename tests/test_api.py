@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from potluck.api.server import ServerConfig, bind, create_app, model_id_of, uvicorn_server
-from potluck.engine.generate import Model, generate, load_model
+from potluck.engine.generate import Model, generate
 from potluck.engine.scheduler import (
     Event,
     Finished,
@@ -33,6 +33,7 @@ from potluck.engine.scheduler import (
     Stats,
     Stream,
 )
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler, SamplingParams
 from workers import Spawn
 from workers import spawn_module_worker as spawn_module_worker

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from potluck.api.batch import Journal, read_input
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
 from potluck.model.stage import Compute
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler
 from workers import Spawn
 from workers import spawn_worker as spawn_worker

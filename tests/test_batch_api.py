@@ -22,8 +22,9 @@ import pytest
 
 from potluck.api.batch import REVIVE_S
 from potluck.api.batch_store import BatchStore
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
 from potluck.model.stage import Compute
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler
 from workers import Spawn
 from workers import spawn_worker as spawn_worker

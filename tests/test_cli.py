@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler
 
 

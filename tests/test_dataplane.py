@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from potluck.engine.contract import LOCAL, Assignment
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
 from potluck.errors import NodeError
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import AuthError, PoolAuth

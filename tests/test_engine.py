@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from potluck.engine.chain import submit_after
-from potluck.engine.generate import generate, layer_ranges, load_model
+from potluck.engine.generate import generate, layer_ranges
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler, SamplingParams
 
 from ggufgen import write_tiny_model

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from potluck.engine.contract import LOCAL, Assignment
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
+from potluck.pool.build import load_model
 from potluck.pool.failover import FailoverPipeline, PoolLostError
 from potluck.sampling import GREEDY, Sampler
 from workers import Spawn

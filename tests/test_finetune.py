@@ -139,7 +139,8 @@ def _questions() -> list[dict]:
 
 def _answers(model: Path, lora: Path | None, n: int = 40) -> tuple[int, list[str]]:
     """Greedy answers to the first n held-out questions: (how many name the fact, the answers)."""
-    from potluck.engine.generate import generate, load_model
+    from potluck.engine.generate import generate
+    from potluck.pool.build import load_model
     from potluck.sampling import GREEDY, Sampler
 
     m = load_model(model, 512, loras=[(lora, 1.0)] if lora else [])
@@ -195,8 +196,8 @@ def test_llama_cpp_applies_our_adapter(smollm2_path: Path, town: Path) -> None:
         pytest.skip(
             f"no llama-completion in {LLAMA_BIN} (LLAMA_CPP_BIN; bench/README.md builds it)"
         )
-    from potluck.engine.generate import load_model
     from potluck.model.stage import SeqChunk
+    from potluck.pool.build import load_model
 
     _, ours = _answers(smollm2_path, town)
     m = load_model(smollm2_path, 512, loras=[(town, 1.0)])

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from potluck.engine.contract import Assignment
-from potluck.engine.generate import generate, load_model, prefill
+from potluck.engine.generate import generate, prefill
+from potluck.pool.build import load_model
 from potluck.pool.pipeline import RemotePipeline
 from potluck.sampling import GREEDY, Sampler, SamplingParams
 from potluck.transport import potluck_pb2 as pb

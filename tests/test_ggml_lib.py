@@ -60,7 +60,7 @@ import numpy as np
 from potluck.model import ggml_lib
 if sys.argv[2]:
     ggml_lib.use_library(sys.argv[2])
-from potluck.engine.generate import load_model
+from potluck.pool.build import load_model
 from potluck.model.stage import SeqChunk
 m = load_model(sys.argv[1], n_ctx=64)
 ids = np.array(m.tokenizer.encode("The capital of France is"))

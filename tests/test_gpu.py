@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
 from potluck.model.archs import hparams_from_metadata
 from potluck.model.archs.common import is_routed
 from potluck.model.ggml_lib import BackendError, devices
 from potluck.model.stage import Compute, GpuConfig, SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler, log_softmax
 from test_model_reference import CASES, _ids
 from workers import Spawn

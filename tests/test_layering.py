@@ -34,6 +34,7 @@ FORBIDDEN = (
     "module",
     [
         "potluck.engine.scheduler",
+        "potluck.engine.generate",  # (the composition root hands it a pool: potluck.pool.build)
         "potluck.engine.contract",
         "potluck.engine.local",
         "potluck.planner",

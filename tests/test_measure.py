@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from potluck.engine.generate import load_model
 from potluck.engine.measure import Measured, measure, measured_verdict
+from potluck.pool.build import load_model
 from workers import Spawn
 from workers import spawn_worker as spawn_worker
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from potluck.engine.generate import load_model
 from potluck.engine.scheduler import SchedulerConfig
+from potluck.pool.build import load_model
 from test_api import Server, start_server
 
 from ggufgen import write_tiny_model

@@ -18,12 +18,13 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from potluck.engine.contract import Assignment
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
 from potluck.model.archs import hparams_from_metadata
 from potluck.model.archs.common import is_routed
 from potluck.model.layout import stage_tensor_names
 from potluck.modelfile.gguf_file import GGUFFile, layer_matrices
 from potluck.planner import footprint_from_gguf
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler
 from workers import Spawn
 from workers import spawn_worker as spawn_worker

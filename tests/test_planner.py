@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from potluck.engine.generate import load_model
 from potluck.errors import PotluckError
 from potluck.model.archs import hparams_from_metadata
 from potluck.model.stage import Stage
@@ -26,6 +25,7 @@ from potluck.planner import (
     plan_pool,
 )
 from potluck.planner.cost import CostModel
+from potluck.pool.build import load_model
 
 from ggufgen import write_tiny_model
 

@@ -20,8 +20,9 @@ import grpc
 import numpy as np
 import pytest
 
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
 from potluck.model.stage import SeqChunk
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler, SamplingParams
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc

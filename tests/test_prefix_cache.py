@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from potluck.engine.contract import Assignment
-from potluck.engine.generate import Model, load_model
+from potluck.engine.generate import Model
 from potluck.engine.scheduler import (
     Finished,
     QueueSink,
@@ -22,6 +22,7 @@ from potluck.engine.scheduler import (
     TokenEvent,
 )
 from potluck.model.stage import SeqChunk
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY
 from workers import Spawn
 from workers import spawn_module_worker as spawn_module_worker

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from potluck.engine.generate import Model, generate, load_model
+from potluck.engine.generate import Model, generate
 from potluck.model.stage import SeqChunk, Stage
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler
 
 transformers = pytest.importorskip("transformers")

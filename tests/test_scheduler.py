@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from potluck.engine.generate import Model, generate, load_model
+from potluck.engine.generate import Model, generate
 from potluck.engine.scheduler import (
     Failed,
     Finished,
@@ -25,6 +25,7 @@ from potluck.engine.scheduler import (
 )
 from potluck.errors import ContextError
 from potluck.model.stage import SeqChunk
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler, SamplingParams, Token, log_softmax
 from workers import Spawn
 from workers import spawn_module_worker as spawn_module_worker

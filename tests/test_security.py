@@ -32,7 +32,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc

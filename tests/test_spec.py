@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from potluck.engine.contract import Assignment
-from potluck.engine.generate import Model, load_model
+from potluck.engine.generate import Model
 from potluck.engine.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenEvent
 from potluck.engine.spec import (
     Drafter,
@@ -22,6 +22,7 @@ from potluck.engine.spec import (
     check_draft_vocab,
 )
 from potluck.errors import PotluckError
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, SamplingParams
 from workers import Spawn
 from workers import spawn_module_worker as spawn_module_worker

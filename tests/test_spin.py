@@ -183,7 +183,8 @@ _HEAD = (
     + """
 import json
 from potluck.engine.contract import Assignment
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler
 
 path, prompt, n, n_layer, first, second = sys.argv[1:]
@@ -205,7 +206,8 @@ def test_a_pool_without_poll_and_sched_yield_equals_one_process(
     """Two workers and a head, each a process without select.poll and os.sched_yield (Windows
     has neither): the workers poll their data connections (the head's and the one between them)
     with the fallbacks, and the tokens are one process's."""
-    from potluck.engine.generate import generate, load_model
+    from potluck.engine.generate import generate
+    from potluck.pool.build import load_model
     from potluck.sampling import GREEDY, Sampler
 
     prompt, n = "Name three planets.", 8

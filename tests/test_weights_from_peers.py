@@ -16,10 +16,11 @@ import grpc
 
 from cut_proxy import CutProxy
 from potluck.engine.contract import LOCAL, Assignment
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
 from potluck.model.archs import hparams_from_metadata
 from potluck.model.layout import stage_tensor_names
 from potluck.modelfile.gguf_file import GGUFFile
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport import potluck_pb2_grpc as pb_grpc

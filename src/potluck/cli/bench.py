@@ -55,9 +55,9 @@ def bench(
     --spec-type, each is measured again with drafts: the drafts kept and the speedup."""
     from potluck.cli.load import _drafter
     from potluck.engine.contract import LOCAL, Assignment
-    from potluck.engine.generate import load_model
     from potluck.engine.measure import bench_report, measure, measured_verdict
     from potluck.modelfile.sources import resolve_model
+    from potluck.pool.build import load_model
     from potluck.pool.planning import PlanInputs, plan_to_compare
     from potluck.pool.survey import THIS_MACHINE, assignments_of
 

@@ -43,9 +43,9 @@ def cache_sequences(hp: HParams, ctx: int | None, cache_ram: int | None) -> int:
 def _drafter(spec: SpecFlags, m: Model, compute: Compute) -> Drafter | None:
     """The drafter `spec` asks for (engine/spec.py): prompt lookup, or a draft model loaded on
     this machine (checked to share the model's vocabulary); None without speculative decoding."""
-    from potluck.engine.generate import load_model
     from potluck.engine.spec import ModelDrafter, NgramDrafter, check_draft_vocab
     from potluck.modelfile.sources import resolve_model
+    from potluck.pool.build import load_model
 
     kind = spec.config().kind
     if kind == "ngram-simple":
@@ -82,9 +82,9 @@ def _load(
     (serve). n_seq: sequences at once (serve's -np): the plan and every node count KV for each.
     cache_ram: the prefix cache's --cache-ram (MiB; None: one context), planned as as many more
     full-context sequences (engine/prefix.py)."""
-    from potluck.engine.generate import load_model
     from potluck.modelfile.lora import parse_lora_arg
     from potluck.modelfile.sources import resolve_model
+    from potluck.pool.build import load_model
     from potluck.pool.planning import PlanInputs, plan_model, replanner
     from potluck.pool.survey import assignments_of
 

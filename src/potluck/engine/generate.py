@@ -6,11 +6,10 @@ import dataclasses
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from potluck.engine.contract import DEFAULT_TIMEOUT_S, LOCAL, Assignment, Pipeline
+from potluck.engine.contract import Pipeline
 from potluck.engine.local import LocalPipeline
 from potluck.engine.requests import DEFAULT_N_BATCH as DEFAULT_N_BATCH
 from potluck.engine.requests import MIN_POOL_UBATCH as MIN_POOL_UBATCH  # (re-exported: their
@@ -26,10 +25,6 @@ from potluck.modelfile.hparams import HParams
 from potluck.modelfile.lora import LoraAdapter, open_lora
 from potluck.modelfile.tokenizer import Tokenizer
 from potluck.sampling import Sampler
-
-if TYPE_CHECKING:
-    from potluck.pool.failover import FailoverEvent
-    from potluck.transport.auth import PoolAuth
 
 DEFAULT_CTX = 4096
 
@@ -81,44 +76,40 @@ class Model:
         )
 
 
+@dataclass(frozen=True)
+class Opened:
+    """A model file opened and checked, before its pipeline exists: what a builder needs."""
+
+    path: Path
+    file: GGUFFile
+    hp: HParams
+    n_ctx: int
+    adapters: tuple[LoraAdapter, ...]
+
+
+# what builds a model's pipeline from the opened file: local stages (the default), or the pool's
+# (potluck.pool.build, chosen by the composition root: the engine never builds a pool)
+Build = Callable[[Opened], Pipeline]
+
+
 def load_model(
     path: str | Path,
     n_ctx: int | None = None,
     splits: Sequence[int] = (),
     on_layer: Callable[[int], None] | None = None,
-    peers: Sequence[str] = (),
-    tensor_split: Sequence[float] = (),
-    wire_dtype: str = "float32",
-    assignments: Sequence[Assignment] = (),
-    auth: PoolAuth | None = None,
-    failover_s: float | None = DEFAULT_TIMEOUT_S,
-    replan: Callable[[list[str]], Sequence[Assignment]] | None = None,
-    on_failover: Callable[[FailoverEvent], None] | None = None,
-    on_transfer: Callable[[str, int, int], None] | None = None,
     n_seq: int = 1,
     loras: Sequence[tuple[Path, float]] = (),
     compute: Compute = DEFAULT_COMPUTE,
-    cache: Path | None = None,
+    build: Build | None = None,
 ) -> Model:
-    """Open `path`, check it, and build its pipeline: one local stage by default; in-process stages
-    split at `splits`; or with `peers` (host:port) a pool where this machine takes the first share
-    of the layers and each peer the next, in proportion to `tensor_split` (even by default); or
-    exactly the given `assignments` (the planner's, see pool/survey.py). `auth` (the pool secret,
-    TLS) is how this machine proves membership to the nodes.
-
-    A pool fails over (pool/failover.py): a node silent for `failover_s` seconds is dropped, and
-    `replan(surviving nodes)` gives the new assignments (default: the layers evenly over this
-    machine and the survivors). failover_s = 0: no failover, but a node silent for OFF_TIMEOUT_S
-    ends the request with an error (the CLI's --failover-timeout 0); None: a bare pipeline, no
-    heartbeat at all (measurements, tests). n_seq: sequences at once (serve's -np), for which
-    every node checks its memory (KV for each at n_ctx). loras: (adapter file, scale) each,
-    applied where a SeqChunk asks (modelfile/lora.py; over a pool each node gets its layers' part).
-    compute: this machine's threads, KV cache type, repacking and GPU (the CLI's -t, -ngl, ...).
-    cache: where a pool's file and tensor hashes are remembered (Places.cache; None: hashed each
-    time)."""
+    """Open `path`, check it, and build its pipeline: `build`'s (a pool: potluck.pool.build), or
+    one local stage, or in-process stages split at `splits`. n_seq: sequences at once (serve's
+    -np), which a pool's nodes plan memory for. loras: (adapter file, scale) each, applied where a
+    SeqChunk asks (modelfile/lora.py). compute: this machine's threads, KV cache type, repacking
+    and GPU (the CLI's -t, -ngl, ...)."""
     gguf = GGUFFile(path)
     hp = hparams_from_metadata(gguf.metadata, str(path))
-    adapters = [open_lora(p, hp.arch, gguf.tensors, scale) for p, scale in loras]
+    adapters = tuple(open_lora(p, hp.arch, gguf.tensors, scale) for p, scale in loras)
     n_ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_CTX)
     if n_ctx > hp.n_ctx_train:
         raise ContextError(
@@ -128,91 +119,35 @@ def load_model(
         raise ContextError(f"context must be at least 1 token, got {n_ctx}")
     tokenizer = Tokenizer(gguf.metadata)
     chat = ChatTemplate.from_metadata(gguf.metadata, hp.arch)
-    if assignments:
-        if len(assignments) == 1 and assignments[0].node == LOCAL:
-            pipe: Pipeline = LocalPipeline(
-                [
-                    Stage(
-                        hp, gguf, 0, hp.n_layer, n_ctx, on_layer, adapters=adapters, compute=compute
-                    )
-                ]
-            )
-        else:
-            pipe = _pool(
-                gguf, hp, assignments, n_ctx, wire_dtype, auth, replan, failover_s, on_failover,
-                on_transfer, n_seq, adapters, compute, cache,
-            )  # fmt: skip
-    elif peers:
-        nodes = [LOCAL, *peers]
-        bounds = split_points(hp.n_layer, tensor_split or [1.0] * len(nodes))
-        if len(bounds) + 1 != len(nodes):
-            raise ValueError(
-                f"--tensor-split needs one share per node ({len(nodes)}: this machine + {len(peers)} peers)"
-            )
-        ranges = layer_ranges(hp.n_layer, bounds)
-        plan = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True) if b > a]
-        pipe = _pool(
-            gguf, hp, plan, n_ctx, wire_dtype, auth, replan, failover_s, on_failover, on_transfer,
-            n_seq, adapters, compute, cache,
-        )  # fmt: skip
-    else:
-        pipe = LocalPipeline(
-            [
-                Stage(hp, gguf, a, b, n_ctx, on_layer, adapters=adapters, compute=compute)
-                for a, b in layer_ranges(hp.n_layer, splits)
-            ]
-        )
+    opened = Opened(Path(path), gguf, hp, n_ctx, adapters)
+    pipe = build(opened) if build is not None else local_pipeline(opened, compute, splits, on_layer)
     names = tuple(a.name for a in adapters)
     return Model(Path(path), gguf, hp, tokenizer, chat, pipe, n_ctx, n_seq, names)
 
 
-def _pool(
-    gguf: GGUFFile,
-    hp: HParams,
-    plan: Sequence[Assignment],
-    n_ctx: int,
-    wire_dtype: str,
-    auth: PoolAuth | None,
-    replan: Callable[[list[str]], Sequence[Assignment]] | None,
-    failover_s: float | None,
-    on_failover: Callable[[FailoverEvent], None] | None = None,
-    on_transfer: Callable[[str, int, int], None] | None = None,
-    n_seq: int = 1,
-    adapters: Sequence[LoraAdapter] = (),
+def local_pipeline(
+    opened: Opened,
     compute: Compute = DEFAULT_COMPUTE,
-    cache: Path | None = None,
-) -> Pipeline:
-    """The pool's pipeline for `plan`, wrapped to fail over to the nodes left when one goes away."""
-    from potluck.pool.failover import OFF_TIMEOUT_S, FailoverPipeline
-    from potluck.pool.pipeline import RemotePipeline
-
-    first = RemotePipeline(
-        gguf, hp, plan, n_ctx, wire_dtype, auth, on_transfer=on_transfer, n_seq=n_seq,
-        adapters=adapters, compute=compute, cache=cache,
-    )  # fmt: skip
-    if failover_s is None:
-        return first
-    if failover_s == 0:  # watched, not re-planned: a hung node ends the request, not the head
-        return FailoverPipeline(first, None, OFF_TIMEOUT_S, on_failover)
-    remotes = [a.node for a in plan if a.node != LOCAL]
-
-    def connect(gone: frozenset[str], epoch: int) -> Pipeline:
-        alive = [n for n in remotes if n not in gone]
-        if replan is not None:
-            new = list(replan(alive))
-        else:  # even over this machine and the survivors
-            nodes = [LOCAL, *alive][: hp.n_layer]
-            ranges = layer_ranges(hp.n_layer, split_points(hp.n_layer, [1.0] * len(nodes)))
-            new = [Assignment(n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True)]
-        if all(a.node == LOCAL for a in new):
-            whole = Stage(hp, gguf, 0, hp.n_layer, n_ctx, adapters=adapters, compute=compute)
-            return LocalPipeline([whole])
-        return RemotePipeline(
-            gguf, hp, new, n_ctx, wire_dtype, auth, epoch, on_transfer, n_seq=n_seq,
-            adapters=adapters, compute=compute, cache=cache,
-        )  # fmt: skip
-
-    return FailoverPipeline(first, connect, failover_s, on_failover)
+    splits: Sequence[int] = (),
+    on_layer: Callable[[int], None] | None = None,
+) -> LocalPipeline:
+    """Every layer in this process: one stage, or stages split at `splits`."""
+    hp = opened.hp
+    return LocalPipeline(
+        [
+            Stage(
+                hp,
+                opened.file,
+                a,
+                b,
+                opened.n_ctx,
+                on_layer,
+                adapters=opened.adapters,
+                compute=compute,
+            )  # fmt: skip
+            for a, b in layer_ranges(hp.n_layer, splits)
+        ]
+    )
 
 
 def split_points(n_layer: int, shares: Sequence[float]) -> list[int]:

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from potluck.engine.contract import Assignment
-from potluck.engine.generate import Model, load_model
+from potluck.engine.generate import Model
 from potluck.errors import PotluckError
 from potluck.model.stage import DEFAULT_COMPUTE, Compute
 from potluck.planner import THIS_MACHINE, weight_sources
 from potluck.planner.errors import NotEnoughMemoryError
 from potluck.planner.nodes import Links, NodeInfo
 from potluck.planner.replicas import Replica, plan_replicas
+from potluck.pool.build import load_model
 from potluck.pool.planning import PlanInputs, survey_model
 from potluck.pool.survey import assignments_of
 from potluck.transport.auth import PoolAuth
