@@ -188,14 +188,18 @@ class Forwarder:
             if not chunk.sample:
                 tokens.append(-1)
                 continue
-            sampler = loaded.samplers.get(chunk.seq_id)
-            if sampler is None:
+            # a sampler is its settings and seed (a token's draw is keyed by its position): made
+            # again when they change (a new request in a cached sequence), else kept
+            kept = loaded.samplers.get(chunk.seq_id)
+            if kept is None or kept[0] != chunk.sampling:
                 try:
-                    sampler = loaded.samplers[chunk.seq_id] = Sampler(
-                        sampling_from_proto(chunk.sampling)
-                    )
+                    params = sampling_from_proto(chunk.sampling)
                 except WireError as exc:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                config = pb.SamplingConfig()
+                config.CopyFrom(chunk.sampling)
+                kept = loaded.samplers[chunk.seq_id] = (config, Sampler(params))
+            sampler = kept[1]
             end = chunk.pos + chunk.n  # the position of the token after the chunk
             if chunk.draft:
                 run = sampler.verify(rows, chunk.draft, list(chunk.recent), end - len(chunk.draft))
