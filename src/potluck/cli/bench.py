@@ -101,9 +101,8 @@ def bench(
             if speculative.config().on:
                 drafter = _drafter(speculative, m, compute)
                 drafted = measure(
-                    m, f"{label} + {speculative.config().kind}", n_predict, n_prompt,
-                    spec=speculative.config(), drafter=drafter,
-                )  # fmt: skip
+                    m, label, n_predict, n_prompt, spec=speculative.config(), drafter=drafter
+                )
                 plain = results[-1]
                 speedup = drafted.decode_tokens_per_s / plain.decode_tokens_per_s
                 rate = drafted.kept / max(1, drafted.drafted)
@@ -128,9 +127,11 @@ def bench(
         "link ms/token per hop",
     ):
         table.add_column(col, justify="left" if col == "run" else "right")
+    kind = speculative.config().kind
     for r in [*results, *drafts]:
         table.add_row(
-            r.label if r.label.startswith("pool") else f"{r.label} alone",
+            (r.label if r.label == "pool" else f"{r.label} alone")
+            + (f" + {kind} (kept {r.kept}/{r.drafted})" if r in drafts else ""),
             f"{r.decode_tokens_per_s:.1f}", f"{r.prompt_tokens_per_s:.1f}",
             " + ".join(f"{x:.2f}" for x in r.stage_ms), " + ".join(f"{x:.2f}" for x in r.hop_ms) or "–",
         )  # fmt: skip
