@@ -12,8 +12,10 @@ With no `connect` (failover off) the heartbeat still watches: a node silent for 
 every waiting batch and later call with PoolLostError, so that a hung machine never hangs the
 head.
 
-Replay gives the same tokens as a run without the fault for greedy sampling; a seeded sampler on
-the new last stage restarts its random stream (noted in docs/ARCHITECTURE.md).
+Replay gives the same tokens as a run without the fault, greedy or seeded (a token's random draw
+depends only on the seed and its position: sampling.uniform_at, so the new last stage draws what
+the old one would have). Rewinds (cached prefixes, rejected drafts) cut the replay of their
+sequence; a fork copies its source's prefix into it (`_confirm`).
 
 One state machine (heartbeat, declaring nodes gone, re-plan, replay, resend) over state guarded by
 one lock; over 400 lines on purpose: split, the lock's reach would cross files.
