@@ -222,6 +222,11 @@ def _said(done: subprocess.CompletedProcess) -> str:
         (["nodes", "--timeout", "0"], "--timeout must be > 0, got 0"),
         (["worker", "--mem", "0"], "--mem '0' is 0 bytes: give a size like 4G"),
         (["serve", "--failover-timeout", "-1"], "--failover-timeout must be 0 (off) or positive"),
+        (["run", "--spec-type", "draft-simple", "x"], "draft-simple needs a draft model: -md"),
+        (["chat", "--spec-type", "ngram-simple", "-md", "a.gguf"], "ngram-simple drafts without"),
+        (["serve", "--spec-type", "eagle"], "--spec-type must be one of none, ngram-simple"),
+        (["run", "--spec-draft-n-max", "0", "x"], "--spec-draft-n-max"),
+        (["serve", "--cache-ram", "-1"], "--cache-ram"),
     ],
 )
 def test_bad_numbers_say_so_in_one_line(args: list[str], says: str) -> None:
@@ -259,3 +264,15 @@ def test_chat_says_the_conversation_fills_the_context(smollm2_path: Path) -> Non
     assert re.search(r"error: the conversation is \d+ tokens, the context 96: /reset to", said)
     assert "shorten the prompt" not in said, said
     assert said.count("generated") == 2, said  # the first answer and the one after /reset
+
+
+def test_run_with_drafts_prints_the_same_text(smollm2_path: Path) -> None:
+    """Prompt lookup on a text the answer repeats: the same greedy text, and the drafts kept."""
+    text = "The keeper climbed the ninety steps, lit the lamp and watched the ships pass below."
+    args = ["run", "-m", str(smollm2_path), "-n", "40", "--temp", "0", f"Repeat exactly: {text}"]
+    plain = potluck(*args)
+    drafted = potluck(*args, "--spec-type", "ngram-simple")
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout
+    kept = re.search(r"drafts kept (\d+) of (\d+)", drafted.stderr)
+    assert kept is not None and int(kept.group(1)) > 0, drafted.stderr
