@@ -161,3 +161,38 @@ def test_a_new_request_in_a_cached_sequence_samples_with_its_own_settings(
     want = two_turns(smol, BIG)
     assert two_turns(pool, BIG) == want
     assert two_turns(pool, 0)[:2] == want[:2]  # (without the cache: the same until rounding)
+
+
+SYSTEM = (
+    "You are the help desk of the Brindlemoor town library. Answer in one or two plain "
+    "sentences, politely, and never invent opening hours, fees or the names of staff."
+)
+ASKS = ["Can I renew a book online?", "Do you lend board games?", "Is there a reading room?"]
+
+
+def _asks(m: Model, budget: int) -> tuple[list[list[int]], Scheduler, int]:
+    """The answers, the scheduler, and how many conversations it held cached at the end."""
+    sched = Scheduler(m, SchedulerConfig(cache_bytes=budget))
+    out = []
+    try:
+        for ask in ASKS:
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}]
+            ids = m.tokenizer.encode(m.chat.render(msgs))
+            evs = list(sched.run_one(Request(tuple(ids), GREEDY, 16, frozenset())))
+            out.append([e.token for e in evs if isinstance(e, TokenEvent)])
+        held = sched.stats.prefix_entries
+    finally:
+        sched.close()
+    return out, sched, held
+
+
+def test_requests_that_share_a_system_prompt_copy_it(smol: Model, pool: Model) -> None:
+    """Each request after the first copies the system prompt's KV from the first conversation
+    (a fork on every stage, workers included) and answers as without the cache."""
+    want, _, _ = _asks(smol, 0)
+    for m in (smol, pool):
+        got, sched, held = _asks(m, BIG)
+        assert got == want
+        assert sched.stats.prefix_hits == len(ASKS) - 1
+        assert sched.stats.cached_tokens >= (len(ASKS) - 1) * 30
+        assert held == len(ASKS)  # copied, not taken over: every conversation stayed cached

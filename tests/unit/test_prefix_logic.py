@@ -176,3 +176,58 @@ def test_prefix_cache_bookkeeping() -> None:
     assert hit is not None and (hit.entry.seq_id, hit.reuse) == (2, 25)
     assert c.entries == 1 and c.clear() == [3]
     assert PrefixCache(0, 2).put(5, range(3), None) == [5]
+
+
+def test_a_shared_system_prompt_is_copied_and_stays_cached(made: list) -> None:
+    """Requests that share only a long system prompt with a cached conversation each copy that
+    part (a fork: the cached sequence stays for the next one), and give their own tokens."""
+    pipe = FakePipeline()
+    s = sched(made, pipe, cache_bytes=BIG)
+    system = tuple(range(200, 230))
+    first = (*system, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20)
+    run(s, [request(first, 12)])  # an entry of 30 + 20 + 11 positions
+    asks = [(*system, 40 + k, 41, 42) for k in range(3)]
+    got = run(s, [request(a, 5) for a in asks])
+    for a, evs in zip(asks, got, strict=True):
+        assert tokens_of(evs) == alone(a, 5)
+        assert finished(evs).n_cached == len(system)
+    forks = [c for b in pipe.sent for c in b.chunks if c.fork is not None]
+    # (one that comes after another ended may take that one over: it keeps most of it)
+    assert forks and all(c.pos == len(system) and c.fork == 1 for c in forks)
+    # the first conversation is still cached: its next turn reuses all of it
+    (evs,) = run(s, [request((*first, *alone(first, 12), 9), 2)])
+    assert finished(evs).n_cached == len(first) + 11 and s.stats.prefix_hits == 4
+
+
+def test_a_fork_in_flight_completes(made: list) -> None:
+    pipe = FakePipeline(hold=True)
+    s = sched(made, pipe, cache_bytes=60)
+    system = tuple(range(300, 320))
+    rel = Releaser(pipe, seed=1)
+    try:
+        run(s, [request((*system, *range(1, 30)), 2)])  # 49 + 1 positions: alone in the budget
+    finally:
+        rel.stop()
+    sink = QueueSink()
+    s.submit(request((*system, 77, 78), 3), sink)  # forks the 20 positions...
+    pipe.wait_held(1)
+    assert pipe.in_flight[0].chunks[0].fork is not None  # (its source pinned meanwhile)
+    assert s.stats.prefix_entries == 1 and pipe.dropped == []
+    pipe.hold = False
+    pipe.release()
+    assert tokens_of(events(sink)) == alone((*system, 77, 78), 3)
+    assert pipe.misuse == []
+
+
+def test_a_pinned_entry_is_never_evicted() -> None:
+    c = PrefixCache(100, 1)
+    c.put(1, range(50), None)
+    hit = c.take([*range(10), 99, 98], None)
+    assert hit is not None and hit.fork and hit.reuse == 10 and c.entries == 1
+    assert c.put(2, range(500, 560), None) == [2]  # over the budget: not the pinned one
+    assert c.unpin(1) == []
+    assert c.put(3, range(600, 660), None) == [1]  # unpinned: least recently used goes
+    # an entry a fork copies from now is copied again rather than taken over
+    assert c.take([*range(600, 620), 1], None).fork  # type: ignore[union-attr]
+    again = c.take(list(range(600, 660)), None)
+    assert again is not None and again.fork and c.entries == 1

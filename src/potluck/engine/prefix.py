@@ -2,10 +2,14 @@
 
 A chat UI sends the whole conversation every turn; the previous turn's sequence already holds the
 KV of all of it but the new message. When a sequence ends, the scheduler puts it here (its ids,
-the positions the stages hold) instead of dropping it; a new request takes the entry whose ids
-share the longest prefix with its prompt and computes only the rest (the stages forget the
-entry's positions past the shared part: a rewind). Entries past the byte budget go, least
-recently used first, and the scheduler drops their KV everywhere.
+the positions the stages hold) instead of dropping it; a new request finds the entry whose ids
+share the longest prefix with its prompt and computes only the rest. When it shares most of the
+entry (the next turn of that chat) it takes the entry over: the stages forget the positions past
+the shared part (a rewind). When it shares a smaller part (a system prompt or a batch's common
+instructions, which other requests will share too) the entry stays, and the request's sequence
+starts as a copy of that part (a fork); the entry is pinned until the copy is made. Entries past
+the byte budget go, least recently used first (never a pinned one), and the scheduler drops
+their KV everywhere.
 
 Plain bookkeeping: no model, no pipeline; the scheduler does the dropping (engine/scheduler.py).
 """
@@ -36,6 +40,13 @@ def planned_sequences(budget: int, n_ctx: int, kv_per_token: int) -> int:
     return math.ceil(budget / max(1, n_ctx * kv_per_token))
 
 
+def adopts(held: int, reuse: int) -> bool:
+    """Whether a request that keeps `reuse` of a cached sequence's `held` positions takes it over
+    (it drops little of it: the next turn of that chat) rather than copying the shared part and
+    leaving the sequence cached (a system prompt, instructions that other requests share)."""
+    return held - reuse <= max(4 * MIN_REUSE, held // 8)
+
+
 @dataclass(frozen=True)
 class Entry:
     seq_id: int
@@ -51,6 +62,9 @@ class Entry:
 class Hit:
     entry: Entry
     reuse: int  # leading positions of the entry the request keeps
+    # the request's sequence starts as a copy of those (SeqChunk.fork) and the entry stays; else
+    # it takes the entry over (most of it is kept: the next turn of a chat)
+    fork: bool = False
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -69,6 +83,7 @@ class PrefixCache:
         self.budget_bytes = max(0, budget_bytes)
         self.bytes_per_token = max(1, bytes_per_token)
         self._entries: OrderedDict[int, Entry] = OrderedDict()
+        self._pins: dict[int, int] = {}  # entries a fork copies from now: kept until it is done
 
     @property
     def on(self) -> bool:
@@ -84,8 +99,9 @@ class PrefixCache:
 
     def take(self, prompt: Sequence[int], lora: int | None) -> Hit | None:
         """The entry sharing the longest prefix with `prompt` (at least MIN_REUSE ids, and never
-        the whole prompt: its last token is computed, for the logits), removed from the cache:
-        the request's sequence becomes it. None when no entry shares enough."""
+        the whole prompt: its last token is computed, for the logits); None when no entry shares
+        enough. A hit to adopt leaves the cache (the request's sequence becomes it); one to fork
+        from stays, pinned (`unpin` once the copy is made), and becomes the most recently used."""
         best: Hit | None = None
         for e in self._entries.values():
             if e.lora != lora:
@@ -93,9 +109,26 @@ class PrefixCache:
             n = min(common_prefix(e.ids, prompt), len(prompt) - 1)
             if n >= MIN_REUSE and (best is None or n > best.reuse):
                 best = Hit(e, n)
-        if best is not None:
-            del self._entries[best.entry.seq_id]
-        return best
+        if best is None:
+            return None
+        seq_id = best.entry.seq_id
+        if adopts(best.entry.n, best.reuse) and not self._pins.get(seq_id):
+            del self._entries[seq_id]
+            return best
+        # a shorter shared part (or one a fork copies from now): copy it, keep the entry
+        self._pins[seq_id] = self._pins.get(seq_id, 0) + 1
+        self._entries.move_to_end(seq_id)
+        return Hit(best.entry, best.reuse, fork=True)
+
+    def unpin(self, seq_id: int) -> list[int]:
+        """A fork from `seq_id` is done; the seq ids to drop (entries the budget no longer
+        holds, which the pin kept)."""
+        n = self._pins.get(seq_id, 0) - 1
+        if n > 0:
+            self._pins[seq_id] = n
+        else:
+            self._pins.pop(seq_id, None)
+        return self._evict()
 
     def put(self, seq_id: int, ids: Sequence[int], lora: int | None) -> list[int]:
         """Keep a finished sequence; the seq ids to drop (evicted ones, or this one when it alone
@@ -105,14 +138,22 @@ class PrefixCache:
             return [seq_id]
         self._entries[seq_id] = entry
         self._entries.move_to_end(seq_id)
+        return self._evict()
+
+    def _evict(self) -> list[int]:
+        """Least recently used entries out until the rest fit the budget (pinned ones stay)."""
         gone: list[int] = []
-        while self.nbytes > self.budget_bytes:
-            old, _ = self._entries.popitem(last=False)
-            gone.append(old)
+        for seq_id in list(self._entries):
+            if self.nbytes <= self.budget_bytes:
+                break
+            if not self._pins.get(seq_id):
+                del self._entries[seq_id]
+                gone.append(seq_id)
         return gone
 
     def clear(self) -> list[int]:
         """Forget every entry; their seq ids (to drop)."""
         ids = list(self._entries)
         self._entries.clear()
+        self._pins.clear()
         return ids

@@ -106,6 +106,8 @@ class _Seq:
     history: list[int]  # prompt + generated ids (the sampler's penalties read it)
     prefilled: int = 0  # prompt tokens submitted so far
     cached: int = 0  # prompt tokens reused from a cached prefix (its stages already hold them)
+    # the cached sequence its first batch copies the `cached` positions from (a fork), until sent
+    fork_from: int | None = None
     fed: int = 0  # leading ids of `history` whose K/V the stages hold (batches that came back)
     drafted: int = 0  # ids drafted for it so far (speculative decoding), and how many were kept
     kept: int = 0
@@ -350,7 +352,8 @@ class Scheduler:
     def _reuse(self, seq: _Seq) -> None:
         """Start `seq` from the cached sequence that shares the longest prefix with its prompt,
         if any: it becomes that sequence, and its first prompt batch rewinds the stages to the
-        shared part (SeqChunk.pos)."""
+        shared part (SeqChunk.pos); or, when it shares a small part of it (a system prompt), its
+        first batch copies that part (SeqChunk.fork) and the cached one stays for others."""
         if not self.prefixes.on or seq.cancelled:
             return
         hit = self.prefixes.take(seq.req.prompt, seq.req.lora)
@@ -358,10 +361,18 @@ class Scheduler:
         if hit is None:
             st.prefix_misses += 1
         else:
-            seq.seq_id = hit.entry.seq_id
+            if hit.fork:
+                seq.fork_from = hit.entry.seq_id
+            else:
+                seq.seq_id = hit.entry.seq_id
             seq.cached = seq.prefilled = seq.fed = hit.reuse
             st.prefix_hits += 1
             st.cached_tokens += hit.reuse
+        self._count_prefixes()
+
+    def _unpin(self, seq_id: int) -> None:
+        for gone in self.prefixes.unpin(seq_id):
+            self._drop(gone)
         self._count_prefixes()
 
     def _count_prefixes(self) -> None:
@@ -435,12 +446,14 @@ class Scheduler:
         n = len(seq.req.prompt)  # micro-batches as generate() cuts them alone (same tokens)
         b = min(a + prompt_ubatch(n - seq.cached, self.config.n_batch, self.depth), n)
         seq.prefilled = b
-        # after a cached prefix the first batch says where it starts: the stages forget the rest
+        # after a cached prefix the first batch says where it starts: the stages forget the rest,
+        # or copy the shared part of another sequence (a fork)
         pos = a if a == seq.cached and a else -1
+        fork, seq.fork_from = (seq.fork_from, None) if pos >= 0 else (None, seq.fork_from)
         return _Batch(
             "prompt",
             (seq,),
-            (SeqChunk(seq.seq_id, b - a, seq.req.lora, pos=pos),),
+            (SeqChunk(seq.seq_id, b - a, seq.req.lora, pos=pos, fork=fork),),
             b == len(seq.req.prompt),
             time.perf_counter(),
         )
@@ -522,6 +535,9 @@ class Scheduler:
 
     def _finish_batch(self, batch: _Batch, fut: Future[list[int]]) -> None:
         self._inflight.remove(batch)
+        for c in batch.chunks:
+            if c.fork is not None:  # the copy is made (or failed): its source may go now
+                self._unpin(c.fork)
         now_pc = time.perf_counter()
         t_start = batch.t0
         for s in batch.seqs:
@@ -624,6 +640,10 @@ class Scheduler:
         the cache has room), else free it once no batch of the sequence is in flight."""
         seq.done = True
         seq.cancelled = True
+        if seq.fork_from is not None:  # it ended before its first batch: no copy to wait for
+            self._unpin(seq.fork_from)
+            seq.fork_from = None
+            seq.fed = 0  # (its stages hold nothing)
         self._active.pop(seq.seq_id, None)
         if seq.in_flight == 0:
             if keep and seq.fed and not self._closed:
