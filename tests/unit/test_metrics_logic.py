@@ -167,6 +167,16 @@ def test_prefix_cache_figures_are_read_at_scrape() -> None:
     assert "potluck_prefix_cached_tokens_total 130.0" in lines
 
 
+def test_speculative_decoding_counters() -> None:
+    stats = Stats(draft_steps=5, drafted=40, draft_kept=31)
+    m = Metrics(idle_scheduler(stats), pool())
+    assert value(m, "potluck_spec_draft_steps_total") == 5
+    assert value(m, "potluck_spec_drafted_tokens_total") == 40
+    assert value(m, "potluck_spec_kept_tokens_total") == 31
+    stats.draft_kept += 2
+    assert value(m, "potluck_spec_kept_tokens_total") == 33
+
+
 def test_kv_cache_and_per_node_figures() -> None:
     nodes = [
         {"address": "local", "name": "head", "compute_ms": 2.5, "hop_ms": None,

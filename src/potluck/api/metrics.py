@@ -105,6 +105,19 @@ class _Live(Collector):
             "Bytes of KV cache the prefix cache holds, over every stage.",
             st.prefix_bytes,
         )
+        yield _counter(
+            "potluck_spec_draft_steps_total",
+            "Decode steps that carried drafted tokens (speculative decoding).",
+            st.draft_steps,
+        )
+        yield _counter(
+            "potluck_spec_drafted_tokens_total", "Tokens drafted for checking.", st.drafted
+        )
+        yield _counter(
+            "potluck_spec_kept_tokens_total",
+            "Drafted tokens the model agreed with (kept: each saved a step).",
+            st.draft_kept,
+        )
         yield _gauge(
             "potluck_tokens_per_second",
             "Tokens generated per second over the last 5 s, all requests together.",
