@@ -16,7 +16,7 @@ from potluck.engine.contract import LOCAL, Assignment
 from potluck.engine.generate import generate
 from potluck.pool.build import load_model
 from potluck.pool.failover import FailoverPipeline, PoolLostError
-from potluck.sampling import GREEDY, Sampler
+from potluck.sampling import GREEDY, Sampler, SamplingParams
 from workers import Spawn
 from workers import spawn_worker as spawn_worker
 
@@ -311,3 +311,26 @@ def test_failover_off_passes_on_an_answering_nodes_own_error(
         list(generate(m, _ids(m), 2, Sampler(GREEDY)))
     assert "went away" not in str(err.value)
     assert m.pipeline._failed is None
+
+
+def test_seeded_sampling_goes_on_exactly_after_a_failover(
+    spawn_worker: Spawn, smollm2_path: Path
+) -> None:
+    """The last stage is killed in the middle of a seeded sampled stream: the new last stage
+    draws each token's random number from the seed and the token's position (not from a stream
+    of its own), so the answer is the one a run without the fault gives."""
+    params = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=21)
+    single = load_model(smollm2_path, n_ctx=256)
+    want = list(generate(single, _ids(single), N, Sampler(params)))
+    assert want != list(generate(single, _ids(single), N, Sampler(GREEDY)))  # (sampled)
+    workers = [spawn_worker(), spawn_worker()]
+    n = single.hp.n_layer
+    plan = [Assignment(workers[0].address, 0, 14), Assignment(workers[1].address, 14, n)]
+    m = load_model(smollm2_path, n_ctx=256, assignments=plan, failover_s=2.0)
+    out = []
+    for i, tok in enumerate(generate(m, _ids(m), N, Sampler(params))):
+        out.append(tok)
+        if i == 6:
+            workers[1].kill()
+    assert out == want
+    assert isinstance(m.pipeline, FailoverPipeline) and len(m.pipeline.events) == 1
