@@ -191,7 +191,14 @@ class Forwarder:
             # a sampler is its settings and seed (a token's draw is keyed by its position): made
             # again when they change (a new request in a cached sequence), else kept
             kept = loaded.samplers.get(chunk.seq_id)
-            if kept is None or kept[0] != chunk.sampling:
+            if not chunk.HasField("sampling"):  # opened by an earlier batch of the request
+                if kept is None:
+                    raise Refused(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"sequence {chunk.seq_id} asks for a token, but no sampling settings "
+                        "reached this node for it",
+                    )
+            elif kept is None or kept[0] != chunk.sampling:
                 try:
                     params = sampling_from_proto(chunk.sampling)
                 except WireError as exc:

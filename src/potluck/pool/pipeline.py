@@ -170,6 +170,9 @@ class RemotePipeline:
         self.last_hop_ms: list[float] = []
         self._lock = threading.Lock()
         self._pos: dict[int, int] = {}  # tokens of each sequence sent down the chain so far
+        # the sampler whose settings each sequence's last stage was sent (a sequence is opened
+        # once per request: later steps carry no settings; a new request's sampler opens it again)
+        self._opened: dict[int, Sampler] = {}
         # the local first stage computes on one thread, in submission order
         self._local_thread = ThreadPoolExecutor(1, thread_name_prefix="potluck-local-stage")
 
@@ -337,8 +340,16 @@ class RemotePipeline:
         """Start one forward of the chunks through every stage; its future gives one sampled token
         per chunk (-1 for a chunk whose sequence has no sampler here: an earlier prompt
         micro-batch)."""
-        wire = seq_chunks(chunks, samplers, histories)
+        wire = seq_chunks(chunks, samplers, histories, opened=self._open(samplers))
         return self._tokens_of(self._start(tokens, chunks, wire, False), wire)
+
+    def _open(self, samplers: Mapping[int, Sampler]) -> set[int]:
+        """Of these samplers' sequences, those whose last stage has this very sampler already;
+        the others count as opened from this batch on (it carries their settings)."""
+        with self._lock:
+            known = {q for q, s in samplers.items() if self._opened.get(q) is s}
+            self._opened.update(samplers)
+        return known
 
     @property
     def chains(self) -> bool:
@@ -442,6 +453,7 @@ class RemotePipeline:
     def drop(self, seq_id: int) -> None:
         with self._lock:
             self._pos.pop(seq_id, None)
+            self._opened.pop(seq_id, None)
         if self.local is not None:
             # abandoned (a failover, or the pool lost with failover off): the stage goes with this
             # pipeline; a forward may still be running on it, so it is not touched from here. The

@@ -16,7 +16,7 @@ protocol (PROTOCOL_VERSION) is read and reviewed in one place.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -317,11 +317,14 @@ def seq_chunks(
     samplers: Mapping[int, Sampler],
     histories: Mapping[int, Sequence[int]],
     follow: bool = False,
+    opened: Collection[int] = (),
 ) -> list[pb.SeqChunk]:
-    """A batch's chunks on the wire, each with its sampling and the recent ids its penalties need
-    (none for a chunk without a sampler: a prompt micro-batch that is not the last). follow:
-    follow-up chunks, whose input id (not in `histories` yet) the first node adds to the recent
-    ids itself. The sender sets each chunk's `pos`."""
+    """A batch's chunks on the wire, each with the recent ids its penalties need and its
+    sampling settings (none for a chunk without a sampler: a prompt micro-batch that is not the
+    last). opened: sequences whose last stage has their sampler already: no settings (a
+    follow-up chunk always carries them: the first node reads its penalties). follow: follow-up
+    chunks, whose input id (not in `histories` yet) the first node adds to the recent ids
+    itself. The sender sets each chunk's `pos`."""
     wire = []
     for c in chunks:
         s = samplers.get(c.seq_id)
@@ -338,11 +341,14 @@ def seq_chunks(
             hist = histories.get(c.seq_id, ())
             keep = n - 1 if follow else n
             recent = list(hist[-keep:]) if keep > 0 else [] if n > 0 else list(hist)
+        settings = (
+            None if c.seq_id in opened and not follow else sampling_to_proto(s.params, s.seed)
+        )
         wire.append(
             pb.SeqChunk(
                 seq_id=c.seq_id,
                 n=c.n,
-                sampling=sampling_to_proto(s.params, s.seed),
+                sampling=settings,
                 recent=recent,
                 sample=True,
                 follow=follow,
