@@ -190,8 +190,11 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """A rich table when rich is importable, else a plain Markdown one (same columns)."""
+def print_table(
+    title: str, header: Sequence[str], rows: Sequence[Sequence[str]], width: int = 130
+) -> None:
+    """A rich table when rich is importable, else a plain Markdown one (same columns); at least
+    `width` columns wide."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -209,7 +212,7 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
         table.add_column(escape(h), justify="left" if i < 3 else "right")
     for row in rows:
         table.add_row(*(escape(c) for c in row))
-    Console(width=max(Console().width, 130)).print(table)
+    Console(width=max(Console().width, width)).print(table)
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -265,7 +268,7 @@ class ComputeClock:
 def load_local(path: str, n_ctx: int, threads: int) -> Any:
     """`load_model(path)` as one local stage on `threads` threads, on this tree or an older one
     (a --baseline from before `Compute` sets the threads through the process-wide setter)."""
-    from potluck.engine.generate import load_model
+    from potluck.pool.build import load_model
 
     try:
         from potluck.model.stage import Compute

@@ -11,7 +11,8 @@ import sys
 import time
 from dataclasses import asdict
 
-from potluck.engine.generate import generate, load_model
+from potluck.engine.generate import generate
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler
 
 

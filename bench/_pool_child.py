@@ -21,10 +21,11 @@ import time
 import numpy as np
 
 from potluck.engine.contract import Assignment
-from potluck.engine.generate import POOL_N_BATCH, generate, load_model, prefill, prompt_ubatch
+from potluck.engine.generate import POOL_N_BATCH, generate, prefill, prompt_ubatch
 from potluck.model.archs import hparams_from_metadata
 from potluck.model.stage import Compute, SeqChunk
 from potluck.modelfile.gguf_file import GGUFFile
+from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, Sampler
 
 N_STREAMS = 4

@@ -28,7 +28,8 @@ from _common import print_table, run_info, write_json  # noqa: E402
 CHILD = r"""
 import json, sys, time
 import numpy as np
-from potluck.engine.generate import load_model, prefill
+from potluck.engine.generate import prefill
+from potluck.pool.build import load_model
 from potluck.engine.contract import Assignment
 from potluck.sampling import GREEDY, Sampler
 from potluck.model.stage import Compute, SeqChunk

@@ -85,7 +85,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     if spec["ngl"]:  # the last ngl layers on the first GPU, as `potluck run -ngl N` puts them
         from potluck.cli.runtime import compute_of
-        from potluck.engine.generate import load_model
+        from potluck.pool.build import load_model
 
         compute = compute_of(spec["threads"], n_gpu_layers=spec["ngl"])
         model = load_model(spec["path"], n_ctx=max(pp, tg), compute=compute)

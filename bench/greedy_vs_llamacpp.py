@@ -184,9 +184,10 @@ def compare_on_llama_ids(m, base: KLBase) -> dict:
 
 
 def run_model(name: str, args, bin_dir: Path, text: str, prompts: tuple[str, ...]) -> dict:
-    from potluck.engine.generate import generate, load_model
+    from potluck.engine.generate import generate
     from potluck.engine.perplexity import perplexity
     from potluck.model.stage import Compute
+    from potluck.pool.build import load_model
     from potluck.sampling import GREEDY, Sampler
 
     path = model_path(name)
