@@ -1,7 +1,10 @@
 """The contract between generation (engine/generate.py, engine/scheduler.py) and a pipeline.
 
-A pipeline computes batches of sequence chunks through a model's layers and gives one sampled
-token per chunk. Three kinds implement `Pipeline` in full: LocalPipeline (stages in this process,
+A pipeline computes batches of sequence chunks through a model's layers and gives one result per
+chunk: a sampled token, or for a chunk with drafted ids (speculative decoding) an `Accepted` run
+of tokens (sampling.py). A chunk also says where its sequence stands (model/stage.py `SeqChunk`:
+`pos` rewinds the stages, `fork` starts it from another sequence's prefix); the sequences
+themselves, their tokens and samplers, belong to the head's scheduler (engine/scheduler.py). Three kinds implement `Pipeline` in full: LocalPipeline (stages in this process,
 engine/local.py), RemotePipeline (a plan over nodes, pool/pipeline.py) and FailoverPipeline (a
 remote one that re-plans when a node goes away, pool/failover.py). Callers use only this protocol:
 what a kind has nothing for, it gives as an empty value (a local pipeline has no nodes, no clients,
@@ -156,8 +159,9 @@ class Pipeline(Protocol):
         samplers: Mapping[int, Sampler],
         histories: Mapping[int, Sequence[int]],
     ) -> list[int]:
-        """One forward of the chunks; one sampled token per chunk (from its last row), -1 for a
-        chunk whose sequence has no sampler (an earlier prompt micro-batch)."""
+        """One forward of the chunks; one sampled token per chunk (from its last row; an
+        `Accepted` run for a chunk with drafts), -1 for a chunk whose sequence has no sampler
+        (an earlier prompt micro-batch)."""
         ...
 
     def submit(
