@@ -88,7 +88,8 @@ def plan(
         path, ctx, auth, mem=_head_mem(mem), n_seq=n_seq, compute=compute, cache=here.cache
     )
     p = plan_model(inputs, found, _shares(tensor_split))
-    seqs = f" × {n_seq} sequences' KV ({parallel} at once + {cached} cached)" if n_seq > 1 else ""
+    seqs = f" × {parallel} sequences at once" if parallel > 1 else ""
+    seqs += f" + {cached} cached" if cached else ""
     table = Table(*PLAN_COLUMNS, title=f"{path.name} · context {p.n_ctx}{seqs}")
     table.columns[0].no_wrap = True  # a node's address is what the user types: never cut it
     for row in format_plan(p):

@@ -93,8 +93,10 @@ class Forwarder:
             if any(c.follow for c in request.chunks):
                 raise WireError("a follow-up batch goes on the forward stream or the data port")
             n_vocab = stage.hp.n_vocab
-            if any(not 0 <= t < n_vocab for c in request.chunks for t in (*c.recent, *c.draft)):
-                raise WireError(f"recent and drafted token ids must be in [0, {n_vocab})")
+            if any(not 0 <= t < n_vocab for c in request.chunks for t in c.recent):
+                raise WireError(f"recent token ids (for penalties) must be in [0, {n_vocab})")
+            if any(not 0 <= t < n_vocab for c in request.chunks for t in c.draft):
+                raise WireError(f"drafted token ids must be in [0, {n_vocab})")
             x = tensor_from_proto(request.input)
             if stage.is_first:
                 if x.dtype != np.int64 or x.shape != (total,):
@@ -198,15 +200,14 @@ class Forwarder:
                         f"sequence {chunk.seq_id} asks for a token, but no sampling settings "
                         "reached this node for it",
                     )
-            elif kept is None or kept[0] != chunk.sampling:
+            else:
                 try:
                     params = sampling_from_proto(chunk.sampling)
                 except WireError as exc:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-                config = pb.SamplingConfig()
-                config.CopyFrom(chunk.sampling)
-                kept = loaded.samplers[chunk.seq_id] = (config, Sampler(params))
-            sampler = kept[1]
+                if kept is None or kept.params != params:
+                    kept = loaded.samplers[chunk.seq_id] = Sampler(params)
+            sampler = kept
             end = chunk.pos + chunk.n  # the position of the token after the chunk
             if chunk.draft:
                 run = sampler.verify(rows, chunk.draft, list(chunk.recent), end - len(chunk.draft))

@@ -51,8 +51,8 @@ class LoadedStage:
     stage: Stage
     next_hop: NodeClient | None
     wire_dtype: str  # hidden states to the next node: float32, float16 or bfloat16
-    # per sequence: the sampling settings its last stage was sent, and the sampler made of them
-    samplers: dict[int, tuple[pb.SamplingConfig, Sampler]] = field(default_factory=dict)
+    # per sequence: the sampler made of the sampling settings its last stage was sent
+    samplers: dict[int, Sampler] = field(default_factory=dict)
     reserved_bytes: int = 0  # weights + full-context KV of one sequence, counted against --mem
     last_used: float = field(default_factory=time.monotonic)
     head_id: str = ""  # the head that loaded it ("" from a head that does not say)

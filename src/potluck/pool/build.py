@@ -24,7 +24,8 @@ from potluck.engine.generate import (
 from potluck.engine.generate import load_model as open_model
 from potluck.engine.local import LocalPipeline
 from potluck.model.stage import DEFAULT_COMPUTE, Compute, Stage
-from potluck.pool.failover import OFF_TIMEOUT_S, FailoverPipeline
+from potluck.pool import failover
+from potluck.pool.failover import FailoverPipeline
 from potluck.pool.pipeline import RemotePipeline
 
 if TYPE_CHECKING:
@@ -115,7 +116,8 @@ def pool_build(
         if failover_s is None:
             return first
         if failover_s == 0:  # watched, not re-planned: a hung node ends the request, not the head
-            return FailoverPipeline(first, None, OFF_TIMEOUT_S, on_failover)
+            # (read at the call: tests shorten it)
+            return FailoverPipeline(first, None, failover.OFF_TIMEOUT_S, on_failover)
         remotes = [a.node for a in plan if a.node != LOCAL]
 
         def connect(gone: frozenset[str], epoch: int) -> Pipeline:

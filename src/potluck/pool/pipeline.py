@@ -341,7 +341,7 @@ class RemotePipeline:
         per chunk (-1 for a chunk whose sequence has no sampler here: an earlier prompt
         micro-batch)."""
         wire = seq_chunks(chunks, samplers, histories, opened=self._open(samplers))
-        return self._tokens_of(self._start(tokens, chunks, wire, False), wire)
+        return self._tokens_of(self._start(tokens, chunks, wire, False), chunks, samplers)
 
     def _open(self, samplers: Mapping[int, Sampler]) -> set[int]:
         """Of these samplers' sequences, those whose last stage has this very sampler already;
@@ -377,16 +377,22 @@ class RemotePipeline:
         placeholder = np.zeros(1, np.int64)
         return self._tokens_of(
             self._start(placeholder, chunks, wire, False, after=prev, stop_ids=sorted(stop_ids)),
-            wire,
+            chunks,
+            samplers,
         )
 
     @staticmethod
     def _tokens_of(
-        pending: Future[pb.ForwardReply], wire: Sequence[pb.SeqChunk]
+        pending: Future[pb.ForwardReply],
+        chunks: Sequence[SeqChunk],
+        samplers: Mapping[int, Sampler],
     ) -> Future[list[int]]:
-        """The sampled tokens of a batch's reply (`Token`s when logprobs were asked); [] for a
-        skipped follow-up batch."""
+        """The sampled tokens of a batch's reply (`Token`s where the sampler asked for logprobs);
+        [] for a skipped follow-up batch."""
         out: Future[list[int]] = Future()
+        asked = [
+            c.seq_id in samplers and samplers[c.seq_id].params.logprobs is not None for c in chunks
+        ]
 
         def done(f: Future[pb.ForwardReply]) -> None:
             exc = f.exception()
@@ -411,10 +417,10 @@ class RemotePipeline:
             out.set_result(
                 [
                     Token(t, lp, tuple(zip(top.ids, top.logprobs, strict=True)))
-                    if t >= 0 and s.sample and s.sampling.has_logprobs
+                    if t >= 0 and a
                     else t
-                    for t, lp, top, s in zip(
-                        reply.tokens, reply.logprobs, reply.top, wire, strict=True
+                    for t, lp, top, a in zip(
+                        reply.tokens, reply.logprobs, reply.top, asked, strict=True
                     )
                 ]
             )
