@@ -205,3 +205,18 @@ def test_the_chunk_rows_a_stage_samples() -> None:
     assert sample_rows(chunks).tolist() == [2, 3, 4, 5, 6, 7]
     with pytest.raises(ValueError):
         sample_rows([SeqChunk(1, 2, draft=(1, 2))])
+
+
+def test_follow_up_steps_leave_room_for_drafts(made: list) -> None:
+    """Over a pool that chains follow-up steps, a sequence whose first steps find nothing to
+    draft still drafts later: follow-ups are not chained on follow-ups while drafting."""
+
+    class Late(Oracle):
+        def draft(self, seq_id: int, history: Sequence[int], k: int) -> list[int]:
+            return [] if len(history) < len(PROMPT) + 6 else super().draft(seq_id, history, k)
+
+    pipe = FakePipeline(["a:1", "b:2"], depth=2, chains=True)
+    s = sched(made, pipe, Late(wrong_every=1000))
+    (evs,) = run(s, [request(PROMPT, 40)])
+    assert event_tokens(evs) == alone(PROMPT, 40)
+    assert s.stats.follow_ups > 0 and s.stats.draft_kept > 10

@@ -121,6 +121,7 @@ class _Seq:
     # its decode step in flight alone (a batch of this sequence only), which a follow-up step
     # may be chained on (pipeline.submit_next); None when there is none
     tail: Future[list[int]] | None = None
+    tail_follows: bool = False  # the tail is itself a follow-up step
     t_done: float = 0.0  # when its last batch came back (time.perf_counter)
 
     @property
@@ -433,6 +434,9 @@ class Scheduler:
                 or s.in_flight != 1
                 or s.generated + 1 >= s.req.max_tokens  # the step in flight gives the last token
                 or len(s.history) + 1 >= self.n_ctx  # ... or fills the context
+                # drafting: one follow-up at a time, so that the step after it may carry drafts
+                # (a chain of follow-ups never comes back to the drafter)
+                or (self.drafter is not None and s.tail_follows)
             ):
                 continue
             batch = _Batch(
@@ -530,7 +534,7 @@ class Scheduler:
             fut = Future()
             fut.set_exception(exc)
         if batch.kind == "decode" and len(batch.seqs) == 1 and not batch.chunks[0].draft:
-            batch.seqs[0].tail = fut
+            batch.seqs[0].tail, batch.seqs[0].tail_follows = fut, batch.follow
         fut.add_done_callback(lambda f: self._inbox.put(("done", (batch, f))))
 
     def _finish_batch(self, batch: _Batch, fut: Future[list[int]]) -> None:
