@@ -208,15 +208,30 @@ def test_the_chunk_rows_a_stage_samples() -> None:
 
 
 def test_follow_up_steps_leave_room_for_drafts(made: list) -> None:
-    """Over a pool that chains follow-up steps, a sequence whose first steps find nothing to
-    draft still drafts later: follow-ups are not chained on follow-ups while drafting."""
+    """Over a pool that chains follow-up steps (each sent before the token it follows is back),
+    a sequence whose first steps find nothing to draft drafts later: while drafting, no
+    follow-up is chained on a follow-up, so the step after one goes back to the drafter. The
+    batches are released one at a time, as a slow link would: a chain then never ends."""
+    import threading
+    import time
 
     class Late(Oracle):
         def draft(self, seq_id: int, history: Sequence[int], k: int) -> list[int]:
-            return [] if len(history) < len(PROMPT) + 6 else super().draft(seq_id, history, k)
+            return [] if len(history) < len(PROMPT) + 2 else super().draft(seq_id, history, k)
 
-    pipe = FakePipeline(["a:1", "b:2"], depth=2, chains=True)
+    pipe = FakePipeline(["a:1", "b:2"], depth=2, chains=True, hold=True)
     s = sched(made, pipe, Late(wrong_every=1000))
-    (evs,) = run(s, [request(PROMPT, 40)])
-    assert event_tokens(evs) == alone(PROMPT, 40)
+    out: list = []
+    t = threading.Thread(target=lambda: out.extend(run(s, [request(PROMPT, 30)])))
+    t.start()
+    deadline = time.monotonic() + WAIT_S
+    while t.is_alive() and time.monotonic() < deadline:
+        try:
+            pipe.wait_held(1, timeout=0.05)
+        except TimeoutError:
+            continue
+        time.sleep(0.01)  # (the scheduler settles: it may chain a follow-up meanwhile)
+        pipe.release(1)
+    t.join(WAIT_S)
+    assert out and event_tokens(out[0]) == alone(PROMPT, 30)
     assert s.stats.follow_ups > 0 and s.stats.draft_kept > 10
