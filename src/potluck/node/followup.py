@@ -93,6 +93,12 @@ class FollowUps:
                 if not c.sample:
                     continue
                 token = tokens[i] if tokens is not None and not error else -1
+                if c.draft:
+                    # a checked draft: the pool stands where its kept drafts end, not at pos + n
+                    # (the head's next step rewinds there, and a follow-up waits for that one;
+                    # the head chains none on a drafted step)
+                    self.sampled.pop((request.plan_id, c.seq_id), None)
+                    continue
                 if token >= 0:
                     self.sampled[(request.plan_id, c.seq_id)] = (c.pos + c.n, token)
                 parked = self.parked.pop((request.plan_id, c.seq_id, c.pos + c.n), None)
