@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from potluck.engine.contract import Assignment
@@ -22,6 +23,7 @@ from potluck.engine.spec import (
     check_draft_vocab,
 )
 from potluck.errors import PotluckError
+from potluck.model.stage import SeqChunk
 from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, SamplingParams
 from workers import Spawn
@@ -74,13 +76,29 @@ def test_prompt_lookup_gives_the_same_tokens_in_fewer_steps(smol: Model, plain: 
     assert st.draft_kept > N / 2 and st.draft_steps < N / 2
 
 
+def _until_a_near_tie(m: Model, want: list[int], got: list[int], gap: float = 0.1) -> None:
+    """`got` is `want`, or parts from it where the two tokens' logits after the common part are
+    within `gap` (a near-tie that other kernels' rounding may flip: DESIGN.md)."""
+    i = next((k for k, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
+    if i is None:
+        assert len(got) == len(want)
+        return
+    ids = [*_ids(m), *want[:i]]
+    seq = m.new_seq_id()
+    logits = m.pipeline.forward(np.array(ids, np.int64), [SeqChunk(seq, len(ids))])[0]
+    m.pipeline.drop(seq)
+    assert abs(float(logits[want[i]]) - float(logits[got[i]])) < gap, (i, want[i], got[i])
+
+
 def test_prompt_lookup_on_gemma3(gemma3_path: Path) -> None:
-    """A K-quant model whose matrices ggml repacks: a checked step of several rows gives each
-    row's token as a step of one row does."""
+    """A K-quant model whose matrices ggml repacks: a checked step of 4 rows or more computes
+    through ggml's gemm kernels, which round otherwise than a one-row step; the tokens are
+    those of decoding without drafts until a near-tie, if any."""
     m = load_model(gemma3_path, n_ctx=512)
     want, _ = _decode(m, SpecConfig(), None)
     got, sched = _decode(m, SpecConfig("ngram-simple"), NgramDrafter())
-    assert got == want and sched.stats.draft_kept > 0
+    _until_a_near_tie(m, want, got)
+    assert sched.stats.draft_kept > 0
 
 
 def test_a_draft_model_drafting_for_itself(

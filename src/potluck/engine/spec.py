@@ -3,7 +3,10 @@
 A decode step normally feeds one id and gives one token. With a draft of k ids, the step feeds the
 last token and the k drafts (SeqChunk.draft); the last stage samples after each of them and keeps
 the drafts its own samples agree with (sampling.Sampler.verify), so one pass through the pool —
-one crossing of every link — gives 1 to k + 1 tokens, exactly those decoding without drafts gives.
+one crossing of every link — gives 1 to k + 1 tokens, those decoding without drafts gives (each
+sampled from the same logits with the same draw; where ggml computes a step of several rows with
+other kernels than a one-row step — repacked K-quants from 4 rows — the logits differ in the last
+bits, and a near-tie may go the other way, as with a prompt's micro-batches).
 
 Two drafters, as llama.cpp's `--spec-type`: `ngram-simple` (prompt lookup: the ids that followed
 the last occurrence of the sequence's last few ids, free to compute; it pays where the answer
