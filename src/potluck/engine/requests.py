@@ -156,6 +156,7 @@ class Stats:
     draft_steps: int = 0
     drafted: int = 0
     draft_kept: int = 0
+    draft_rests: int = 0  # times a sequence stopped drafting a while (it did not pay)
     recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
 
     def tokens_per_s(self, window_s: float = 5.0) -> float:

@@ -84,6 +84,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+PAYOFF_STEPS = 4  # drafted steps measured before drafting is judged against plain steps
+
 
 class _Model(Protocol):
     pipeline: Pipeline
@@ -111,7 +113,10 @@ class _Seq:
     fed: int = 0  # leading ids of `history` whose K/V the stages hold (batches that came back)
     drafted: int = 0  # ids drafted for it so far (speculative decoding), and how many were kept
     kept: int = 0
-    resting: int = 0  # decode steps it takes without drafts (its drafts were seldom kept)
+    resting: int = 0  # decode steps it takes without drafts (its drafts did not pay)
+    # tokens per ms of its drafted steps (drafting included), and how many were measured
+    draft_rate: float = 0.0
+    draft_steps: int = 0
     generated: int = 0
     in_flight: int = 0  # batches of this sequence not finished yet
     last_turn: int = 0  # scheduler loop count of its last decode batch (fairness)
@@ -182,6 +187,7 @@ class Scheduler:
         if self.spec.on and drafter is None:
             raise ValueError(f"--spec-type {self.spec.kind} needs a drafter")
         self.drafter = drafter if self.spec.on else None
+        self._plain_rate = 0.0  # tokens per ms of plain one-sequence decode steps (recent)
         self.n_ctx = model.n_ctx
         self.depth = max(1, self.pipeline.depth)
         self.logprobs_ok = self.pipeline.supports_logprobs
@@ -467,13 +473,9 @@ class Scheduler:
         for s in seqs:
             s.last_turn = turn
         n_decoding = sum(1 for s in self._active.values() if s.decoding and not s.done)
-        return _Batch(
-            "decode",
-            tuple(seqs),
-            tuple(self._decode_chunk(s, n_decoding) for s in seqs),
-            True,
-            time.perf_counter(),
-        )
+        t0 = time.perf_counter()  # (before drafting: a draft model's time is the step's too)
+        chunks = tuple(self._decode_chunk(s, n_decoding) for s in seqs)
+        return _Batch("decode", tuple(seqs), chunks, True, t0)
 
     def _decode_chunk(self, s: _Seq, n_decoding: int) -> SeqChunk:
         """A decode step's chunk: the last token, and drafted ids after it when drafting pays
@@ -491,10 +493,18 @@ class Scheduler:
         if s.resting:
             s.resting -= 1
             room = 0
-        if s.drafted >= spec.probe and s.kept < spec.min_rate * s.drafted:
-            s.drafted = s.kept = 0  # seldom kept: rest a while, then try again
+        seldom = s.drafted >= spec.probe and s.kept < spec.min_rate * s.drafted
+        # a drafted step gives several tokens but costs more than a plain one (on a CPU its rows
+        # cost nearly as much as separate steps for some models): it must give more per ms
+        slower = s.draft_steps >= PAYOFF_STEPS and s.draft_rate < self._plain_rate
+        if seldom or slower:
+            s.drafted = s.kept = s.draft_steps = 0  # rest a while, then try again
+            s.draft_rate = 0.0
             s.resting = spec.probe
             room = 0
+            self.stats.draft_rests += 1
+        elif s.draft_steps >= PAYOFF_STEPS and not self._plain_rate:
+            room = 0  # one plain step, to have something to judge the drafted ones against
         draft: list[int] = []
         if room > 0 and n_decoding <= spec.max_streams and s.req.params.logprobs is None:
             draft = self.drafter.draft(s.seq_id, s.history, room)[:room]
@@ -579,6 +589,8 @@ class Scheduler:
         ms = (now_pc - t_start) * 1e3
         if batch.kind == "decode":
             self._record_decode(len(batch.seqs), ms)
+            if self.drafter is not None and len(batch.seqs) == 1 and ms > 0:
+                self._record_rate(batch.seqs[0], batch.chunks[0], len(tokens_of(tokens[0])), ms)
         if not batch.samples:
             return
         now = time.monotonic()
@@ -606,6 +618,17 @@ class Scheduler:
                     break
         self.stats.generated_tokens += n_new
         self.stats.recent.append((now, n_new))
+
+    def _record_rate(self, s: _Seq, chunk: SeqChunk, n_tokens: int, ms: float) -> None:
+        """Tokens per ms of one sequence's steps: plain ones (the scheduler's), drafted ones (the
+        sequence's), for the drafter's pay-off (_decode_chunk)."""
+        rate = n_tokens / ms
+        if not chunk.draft:
+            old = self._plain_rate
+            self._plain_rate = rate if not old else old + 0.2 * (rate - old)
+            return
+        s.draft_rate = rate if not s.draft_steps else s.draft_rate + 0.3 * (rate - s.draft_rate)
+        s.draft_steps += 1
 
     def _record_decode(self, rows: int, ms: float) -> None:
         st = self.stats
