@@ -39,8 +39,10 @@ NGRAM_SIZES = (3, 2)  # the n-grams prompt lookup matches, longest first
 @dataclass(frozen=True)
 class SpecConfig:
     """How a scheduler drafts. max_streams: drafting steps aside while more sequences decode at
-    once (their rows already fill each step); min_rate: and for a sequence whose drafts were
-    accepted less often than this after `probe` drafted ids (it tries again later)."""
+    once (their rows already fill each step); min_rate: and for `probe` steps (then it tries
+    again) when a sequence's drafts were kept less often than this after `probe` drafted ids, or
+    its drafted steps gave fewer tokens per ms than plain steps (measured: on a CPU a step's
+    rows can cost nearly as much as separate steps)."""
 
     kind: str = "none"
     n_max: int = DEFAULT_DRAFT_MAX
