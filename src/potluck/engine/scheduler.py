@@ -85,6 +85,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PAYOFF_STEPS = 4  # drafted steps measured before drafting is judged against plain steps
+MAX_REST = 512  # the longest a sequence goes without drafts before it tries them again
 
 
 class _Model(Protocol):
@@ -117,6 +118,7 @@ class _Seq:
     # tokens per ms of its drafted steps (drafting included), and how many were measured
     draft_rate: float = 0.0
     draft_steps: int = 0
+    rest: int = 0  # the length of its next rest: doubles each time drafting did not pay again
     generated: int = 0
     in_flight: int = 0  # batches of this sequence not finished yet
     last_turn: int = 0  # scheduler loop count of its last decode batch (fairness)
@@ -500,11 +502,14 @@ class Scheduler:
         if seldom or slower:
             s.drafted = s.kept = s.draft_steps = 0  # rest a while, then try again
             s.draft_rate = 0.0
-            s.resting = spec.probe
+            s.rest = min(MAX_REST, 2 * s.rest) if s.rest else spec.probe
+            s.resting = s.rest
             room = 0
             self.stats.draft_rests += 1
         elif s.draft_steps >= PAYOFF_STEPS and not self._plain_rate:
             room = 0  # one plain step, to have something to judge the drafted ones against
+        elif s.draft_steps >= PAYOFF_STEPS:
+            s.rest = 0  # it pays: a later rest starts short again
         draft: list[int] = []
         if room > 0 and n_decoding <= spec.max_streams and s.req.params.logprobs is None:
             draft = self.drafter.draft(s.seq_id, s.history, room)[:room]
