@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from potluck.engine.contract import Assignment
 from potluck.engine.generate import Model
 from potluck.engine.scheduler import (
     Finished,
@@ -24,7 +23,7 @@ from potluck.engine.scheduler import (
 from potluck.model.stage import SeqChunk
 from potluck.pool.build import load_model
 from potluck.sampling import GREEDY
-from workers import Spawn
+from workers import Spawn, smollm2_pool
 from workers import spawn_module_worker as spawn_module_worker
 
 TURNS = [
@@ -110,11 +109,8 @@ def test_a_chat_reuses_its_history_and_answers_the_same(smol: Model) -> None:
 
 @pytest.fixture(scope="module")
 def pool(spawn_module_worker: Spawn, smollm2_path: Path) -> Iterator[Model]:
-    workers = [spawn_module_worker().address for _ in range(2)]
-    plan = [Assignment(workers[0], 0, 14), Assignment(workers[1], 14, 30)]
-    m = load_model(smollm2_path, n_ctx=512, assignments=plan)
-    yield m
-    m.close()
+    with smollm2_pool(spawn_module_worker, smollm2_path) as m:
+        yield m
 
 
 def test_a_chat_over_two_workers_reuses_its_history(pool: Model, smol: Model) -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from potluck.engine.contract import Assignment
 from potluck.engine.generate import Model
 from potluck.engine.scheduler import Finished, Request, Scheduler, SchedulerConfig, TokenEvent
 from potluck.engine.spec import (
@@ -26,7 +25,7 @@ from potluck.errors import PotluckError
 from potluck.model.stage import SeqChunk
 from potluck.pool.build import load_model
 from potluck.sampling import GREEDY, SamplingParams
-from workers import Spawn
+from workers import Spawn, smollm2_pool
 from workers import spawn_module_worker as spawn_module_worker
 
 TEXT = (
@@ -130,11 +129,8 @@ def test_seeded_sampling_keeps_its_tokens_with_drafts(smol: Model) -> None:
 
 @pytest.fixture(scope="module")
 def pool(spawn_module_worker: Spawn, smollm2_path: Path) -> Iterator[Model]:
-    workers = [spawn_module_worker().address for _ in range(2)]
-    plan = [Assignment(workers[0], 0, 14), Assignment(workers[1], 14, 30)]
-    m = load_model(smollm2_path, n_ctx=512, assignments=plan)
-    yield m
-    m.close()
+    with smollm2_pool(spawn_module_worker, smollm2_path) as m:
+        yield m
 
 
 def test_prompt_lookup_over_two_workers(pool: Model, plain: list[int]) -> None:

@@ -18,6 +18,7 @@ when the namespaces go): tests/test_discovery.py, tests/test_pool_netns.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -26,9 +27,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from potluck.engine.generate import Model
 
 START_S = 60.0  # a worker that does not listen by then is reported with what it said
 STOP_S = 10.0  # SIGTERM, then SIGKILL after this long
@@ -207,3 +212,19 @@ def spawn_worker() -> Iterator[Spawn]:
 def spawn_module_worker() -> Iterator[Spawn]:
     """`start_worker` for module-scoped fixtures; its workers are stopped when the module ends."""
     yield from _spawned()
+
+
+@contextlib.contextmanager
+def smollm2_pool(spawn: Spawn, path: Path, n_ctx: int = 512) -> Iterator[Model]:
+    """SmolLM2 over two worker processes (layers 0–13 and 14–29), the head holding none."""
+    from potluck.engine.contract import Assignment
+    from potluck.pool.build import load_model
+
+    workers = [spawn().address for _ in range(2)]
+    m = load_model(
+        path, n_ctx, assignments=[Assignment(workers[0], 0, 14), Assignment(workers[1], 14, 30)]
+    )
+    try:
+        yield m
+    finally:
+        m.close()
