@@ -278,13 +278,19 @@ def test_plan_command(workers: list[str], smollm2_path: Path) -> None:
         "plan", "-m", str(smollm2_path), "--peer", workers[0], "-c", "256", "--tensor-split",
         "1,2", "-np", "3",
     )  # fmt: skip
-    # (both with serve's default prefix cache: one more sequence's KV, "+ 1 cached")
-    kv = [manual, three]
-    assert "context 256 × 3 sequences at once + 1 cached" in kv[1].stdout, kv[1].stdout
+    # serve's prefix cache, planned as that many more full-context sequences: 5 MiB here is one
+    cached = _cli(
+        "plan", "-m", str(smollm2_path), "--peer", workers[0], "-c", "256", "--tensor-split",
+        "1,2", "-np", "3", "--cache-ram", "5",
+    )  # fmt: skip
+    kv = [manual, three, cached]
+    assert "context 256 × 3 sequences at once" in kv[1].stdout, kv[1].stdout
+    assert "context 256 × 3 sequences at once + 1 cached" in kv[2].stdout, kv[2].stdout
     per_node = [re.findall(r"\+ ([\d.]+) MiB \+", k.stdout) for k in kv]
     assert per_node[0] and len(per_node[0]) == len(per_node[1]), kv[0].stdout
-    for one, three in zip(per_node[0], per_node[1], strict=True):
-        assert float(three) == pytest.approx(2 * float(one), abs=0.2)  # (3 + 1) / (1 + 1)
+    for one, three, four in zip(*per_node, strict=True):
+        assert float(three) == pytest.approx(3 * float(one), abs=0.2)
+        assert float(four) == pytest.approx(4 * float(one), abs=0.2)
 
 
 def test_run_over_pool_cli(workers: list[str], smollm2_path: Path) -> None:

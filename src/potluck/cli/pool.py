@@ -13,7 +13,6 @@ from rich.table import Table
 from potluck.cli.config import PeersFlags, takes
 from potluck.cli.console import err
 from potluck.cli.options import (
-    CacheRamOpt,
     CtxOpt,
     HeadMemOpt,
     JsonOpt,
@@ -36,7 +35,15 @@ def plan(
     tensor_split: SplitOpt = None,
     mem: HeadMemOpt = None,
     parallel: ParallelOpt = 1,
-    cache_ram: CacheRamOpt = None,
+    cache_ram: Annotated[
+        int,
+        typer.Option(
+            "--cache-ram",
+            min=0,
+            help="MiB of KV for serve's or chat's prefix cache, planned beside -np's (they keep "
+            "one full context's worth by default); 0: run's plan, none.",
+        ),
+    ] = 0,
     batch_plan: Annotated[
         bool,
         typer.Option(
@@ -82,7 +89,8 @@ def plan(
     from potluck.modelfile.gguf_file import GGUFFile
 
     # serve's and chat's plan: -np sequences and the prefix cache's KV (as whole sequences)
-    cached = cache_sequences(hparams_from_metadata(GGUFFile(path).metadata), ctx, cache_ram)
+    meta = GGUFFile(path).metadata
+    cached = cache_sequences(hparams_from_metadata(meta), ctx, cache_ram) if cache_ram else 0
     n_seq = parallel + cached
     inputs = PlanInputs(
         path, ctx, auth, mem=_head_mem(mem), n_seq=n_seq, compute=compute, cache=here.cache
