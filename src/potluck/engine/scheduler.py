@@ -461,7 +461,9 @@ class Scheduler:
         # after a cached prefix the first batch says where it starts: the stages forget the rest,
         # or copy the shared part of another sequence (a fork)
         pos = a if a == seq.cached and a else -1
-        fork, seq.fork_from = (seq.fork_from, None) if pos >= 0 else (None, seq.fork_from)
+        fork = None
+        if pos >= 0:
+            fork, seq.fork_from = seq.fork_from, None
         return _Batch(
             "prompt",
             (seq,),
@@ -474,9 +476,12 @@ class Scheduler:
         turn = next(self._turn)
         for s in seqs:
             s.last_turn = turn
-        n_decoding = sum(1 for s in self._active.values() if s.decoding and not s.done)
         t0 = time.perf_counter()  # (before drafting: a draft model's time is the step's too)
-        chunks = tuple(self._decode_chunk(s, n_decoding) for s in seqs)
+        if self.drafter is None:
+            chunks = tuple(SeqChunk(s.seq_id, 1, s.req.lora) for s in seqs)
+        else:
+            n_decoding = sum(1 for s in self._active.values() if s.decoding and not s.done)
+            chunks = tuple(self._decode_chunk(s, n_decoding) for s in seqs)
         return _Batch("decode", tuple(seqs), chunks, True, t0)
 
     def _decode_chunk(self, s: _Seq, n_decoding: int) -> SeqChunk:
@@ -484,8 +489,7 @@ class Scheduler:
         (few streams, drafts kept often enough; never where logprobs are asked). A drafting
         sequence's chunk names its position: a step after drafts that were not all kept rewinds
         the stages past them."""
-        if self.drafter is None:
-            return SeqChunk(s.seq_id, 1, s.req.lora)
+        assert self.drafter is not None
         spec = self.spec
         room = min(
             spec.n_max,
