@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -57,7 +57,7 @@ from potluck.engine.requests import (
     TokenEvent,
     prompt_ubatch,
 )
-from potluck.engine.spec import Drafter, SpecConfig
+from potluck.engine.spec import DRAFT, REST, Drafter, Pace, SpecConfig
 from potluck.errors import ContextError, UnsupportedError
 from potluck.model.stage import SeqChunk
 from potluck.sampling import Sampler, Token, tokens_of
@@ -84,9 +84,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PAYOFF_STEPS = 4  # drafted steps measured before drafting is judged against plain steps
-MAX_REST = 512  # the longest a sequence goes without drafts before it tries them again
-
 
 class _Model(Protocol):
     pipeline: Pipeline
@@ -112,13 +109,7 @@ class _Seq:
     # the cached sequence its first batch copies the `cached` positions from (a fork), until sent
     fork_from: int | None = None
     fed: int = 0  # leading ids of `history` whose K/V the stages hold (batches that came back)
-    drafted: int = 0  # ids drafted for it so far (speculative decoding), and how many were kept
-    kept: int = 0
-    resting: int = 0  # decode steps it takes without drafts (its drafts did not pay)
-    # tokens per ms of its drafted steps (drafting included), and how many were measured
-    draft_rate: float = 0.0
-    draft_steps: int = 0
-    rest: int = 0  # the length of its next rest: doubles each time drafting did not pay again
+    pace: Pace = field(default_factory=Pace)  # whether it drafts (speculative decoding)
     generated: int = 0
     in_flight: int = 0  # batches of this sequence not finished yet
     last_turn: int = 0  # scheduler loop count of its last decode batch (fairness)
@@ -496,24 +487,11 @@ class Scheduler:
             s.req.max_tokens - s.generated - 1,  # the step gives up to k + 1 tokens
             self.n_ctx - len(s.history) - 1,
         )
-        if s.resting:
-            s.resting -= 1
+        verdict = s.pace.next(spec, self._plain_rate)
+        if verdict != DRAFT:
             room = 0
-        seldom = s.drafted >= spec.probe and s.kept < spec.min_rate * s.drafted
-        # a drafted step gives several tokens but costs more than a plain one (on a CPU its rows
-        # cost nearly as much as separate steps for some models): it must give more per ms
-        slower = s.draft_steps >= PAYOFF_STEPS and s.draft_rate < self._plain_rate
-        if seldom or slower:
-            s.drafted = s.kept = s.draft_steps = 0  # rest a while, then try again
-            s.draft_rate = 0.0
-            s.rest = min(MAX_REST, 2 * s.rest) if s.rest else spec.probe
-            s.resting = s.rest
-            room = 0
+        if verdict == REST:
             self.stats.draft_rests += 1
-        elif s.draft_steps >= PAYOFF_STEPS and not self._plain_rate:
-            room = 0  # one plain step, to have something to judge the drafted ones against
-        elif s.draft_steps >= PAYOFF_STEPS:
-            s.rest = 0  # it pays: a later rest starts short again
         draft: list[int] = []
         if room > 0 and n_decoding <= spec.max_streams and s.req.params.logprobs is None:
             draft = self.drafter.draft(s.seq_id, s.history, room)[:room]
@@ -579,8 +557,9 @@ class Scheduler:
                 # (a skipped follow-up step computed nothing; of drafted ids, only those kept)
                 s.fed += len(tokens_of(tok)) if c.draft else c.n
                 if c.draft:
-                    s.drafted += len(c.draft)
-                    s.kept += len(tokens_of(tok)) - 1
+                    alone = len(batch.seqs) == 1  # (its time is its own)
+                    ms = (now_pc - batch.t0) * 1e3 if alone else None
+                    s.pace.took(len(c.draft), len(tokens_of(tok)) - 1, ms)
                     self.stats.drafted += len(c.draft)
                     self.stats.draft_kept += len(tokens_of(tok)) - 1
                     self.stats.draft_steps += 1
@@ -598,8 +577,10 @@ class Scheduler:
         ms = (now_pc - t_start) * 1e3
         if batch.kind == "decode":
             self._record_decode(len(batch.seqs), ms)
-            if self.drafter is not None and len(batch.seqs) == 1 and ms > 0:
-                self._record_rate(batch.seqs[0], batch.chunks[0], len(tokens_of(tokens[0])), ms)
+            plain = len(batch.seqs) == 1 and not batch.chunks[0].draft
+            if self.drafter is not None and plain and ms > 0:  # what drafted steps must beat
+                old, rate = self._plain_rate, 1 / ms
+                self._plain_rate = rate if not old else old + 0.2 * (rate - old)
         if not batch.samples:
             return
         now = time.monotonic()
@@ -627,17 +608,6 @@ class Scheduler:
                     break
         self.stats.generated_tokens += n_new
         self.stats.recent.append((now, n_new))
-
-    def _record_rate(self, s: _Seq, chunk: SeqChunk, n_tokens: int, ms: float) -> None:
-        """Tokens per ms of one sequence's steps: plain ones (the scheduler's), drafted ones (the
-        sequence's), for the drafter's pay-off (_decode_chunk)."""
-        rate = n_tokens / ms
-        if not chunk.draft:
-            old = self._plain_rate
-            self._plain_rate = rate if not old else old + 0.2 * (rate - old)
-            return
-        s.draft_rate = rate if not s.draft_steps else s.draft_rate + 0.3 * (rate - s.draft_rate)
-        s.draft_steps += 1
 
     def _record_decode(self, rows: int, ms: float) -> None:
         st = self.stats

@@ -63,6 +63,54 @@ class SpecConfig:
 
 NO_SPEC = SpecConfig()
 
+PAYOFF_STEPS = 4  # drafted steps measured before drafting is judged against plain steps
+MAX_REST = 512  # the longest a sequence goes without drafts before it tries them again
+DRAFT, PLAIN, REST = "draft", "plain", "rest"  # Pace.next's answers
+
+
+@dataclass
+class Pace:
+    """Whether one sequence drafts its next step, from what its drafts gave: it rests (`probe`
+    plain steps, doubling up to MAX_REST while drafting keeps not paying) after its drafts were
+    kept less than `min_rate` of the time, or after its drafted steps gave fewer tokens per ms
+    than plain steps do (on a CPU a step's rows can cost nearly as much as separate steps)."""
+
+    drafted: int = 0  # ids drafted since it last rested, and how many were kept
+    kept: int = 0
+    rate: float = 0.0  # tokens per ms of its drafted steps (drafting included)
+    steps: int = 0  # drafted steps measured for `rate`
+    resting: int = 0  # plain steps left in its rest
+    rest: int = 0  # the length of its next rest
+
+    def next(self, spec: SpecConfig, plain_rate: float) -> str:
+        """DRAFT, PLAIN, or REST (a rest begins); plain_rate: tokens per ms of plain steps."""
+        if self.resting:
+            self.resting -= 1
+            return PLAIN
+        seldom = self.drafted >= spec.probe and self.kept < spec.min_rate * self.drafted
+        slower = self.steps >= PAYOFF_STEPS and self.rate < plain_rate
+        if seldom or slower:
+            self.drafted = self.kept = self.steps = 0
+            self.rate = 0.0
+            self.rest = min(MAX_REST, 2 * self.rest) if self.rest else spec.probe
+            self.resting = self.rest
+            return REST
+        if self.steps >= PAYOFF_STEPS and not plain_rate:
+            return PLAIN  # one plain step, to have something to judge the drafted ones against
+        if self.steps >= PAYOFF_STEPS:
+            self.rest = 0  # it pays: a later rest starts short again
+        return DRAFT
+
+    def took(self, drafted: int, kept: int, ms: float | None) -> None:
+        """A drafted step came back: `kept` of its `drafted` ids kept, in `ms` (None: not
+        timed alone)."""
+        self.drafted += drafted
+        self.kept += kept
+        if ms:
+            rate = (kept + 1) / ms
+            self.rate = rate if not self.steps else self.rate + 0.3 * (rate - self.rate)
+            self.steps += 1
+
 
 class Drafter(Protocol):
     def draft(self, seq_id: int, history: Sequence[int], k: int) -> list[int]:
