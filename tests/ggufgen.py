@@ -75,6 +75,20 @@ ARCH_KEYS: dict[str, dict[str, Any]] = {
         "rope.freq_base_swa": 10_000.0,
         "final_logit_softcapping": 30.0,
     },
+    # the hybrids' Gated DeltaNet, at the tiny models' scale (n_embd 64): 2 key heads and 4
+    # value heads of 16, a convolution of 4 taps; every 4th layer full attention
+    **{
+        arch: {
+            "ssm.conv_kernel": 4,
+            "ssm.state_size": 16,
+            "ssm.group_count": 2,
+            "ssm.time_step_rank": 4,
+            "ssm.inner_size": 64,
+            "full_attention_interval": 4,
+        }
+        | ({"rope.dimension_sections": [2, 1, 1, 0]} if arch != "qwen3next" else {})
+        for arch in ("qwen35", "qwen35moe", "qwen3next")
+    },
 }
 
 
@@ -247,6 +261,9 @@ def write_tiny_model(
         for suffix, override in (qtypes or {}).items():
             if suffix in name:
                 q = override
+        if name.endswith(".ssm_a"):  # -exp(A_log): a decay, negative (as every file's)
+            w.add_tensor(name, -np.exp(rng.standard_normal(shape) * 0.5).astype(np.float32))
+            return
         if len(shape) == 1 or name.endswith(".bias"):  # F32, as llama.cpp's converter writes
             # norm weights around 1 (gemma's GGUF stores 1 + w already), biases small (also
             # the experts' stacked [E, rows]), attention sinks logits of O(1) either sign
@@ -281,7 +298,8 @@ def write_tiny_model(
             w.add_tensor(t.name, fixed[t.name])
         elif t.required or (optional and not any(s in t.name for s in skip)):
             # the router and the shared expert's gate stay F32, as in the files people run
-            q = T.F32 if "gate_inp" in t.name else qtype
+            # (and a convolution's few taps: F32 in every file)
+            q = T.F32 if "gate_inp" in t.name or "ssm_conv1d" in t.name else qtype
             tensor(t.name, t.shape, q)
     tensor("output_norm.weight", (n_embd,), T.F32)
     if not tied:

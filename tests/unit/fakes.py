@@ -340,3 +340,4 @@ class FakeModel:
         return next(self._ids)
 
     kv_bytes_per_token = 1  # the prefix cache's budget counts positions here
+    state_bytes = 0  # (a hybrid's recurrent state: none)

@@ -18,7 +18,7 @@ from potluck.cli.config import ModelFlags, PoolFlags
 from potluck.cli.console import err
 from potluck.cli.options import WIRE_DTYPES, no_workers_for
 from potluck.cli.runtime import _backends, places
-from potluck.errors import PotluckError
+from potluck.errors import PotluckError, UnsupportedError
 
 if TYPE_CHECKING:
     from potluck.cli.config import SpecFlags
@@ -37,23 +37,33 @@ def cache_sequences(hp: HParams, ctx: int | None, cache_ram: int | None) -> int:
     from potluck.engine.prefix import budget_bytes, planned_sequences
 
     n_ctx, per_token = ctx or min(hp.n_ctx_train, DEFAULT_CTX), hp.kv_bytes_per_token()
-    return planned_sequences(budget_bytes(cache_ram, n_ctx, per_token), n_ctx, per_token)
+    state = hp.state_bytes()
+    budget = budget_bytes(cache_ram, n_ctx, per_token, state)
+    return planned_sequences(budget, n_ctx, per_token, state)
 
 
 def _drafter(spec: SpecFlags, m: Model, compute: Compute) -> Drafter | None:
     """The drafter `spec` asks for (engine/spec.py): prompt lookup, or a draft model loaded on
     this machine (checked to share the model's vocabulary); None without speculative decoding."""
-    from potluck.engine.spec import ModelDrafter, NgramDrafter, check_draft_vocab
+    from potluck.engine.spec import ModelDrafter, NgramDrafter, check_draft_vocab, spec_refusal
     from potluck.modelfile.sources import resolve_model
     from potluck.pool.build import load_model
 
     kind = spec.config().kind
+    if kind != "none" and m.hp.is_hybrid:
+        raise UnsupportedError(spec_refusal(kind, m.hp.arch))
     if kind == "ngram-simple":
         return NgramDrafter()
     if kind != "draft-simple":
         return None
     path = resolve_model(spec.model_draft, places())
     draft = load_model(path, m.n_ctx, compute=compute)
+    if draft.hp.is_hybrid:  # (its own sequences are rewound past the drafts not kept)
+        draft.close()
+        raise UnsupportedError(
+            f"-md {path.name}: a hybrid ({draft.hp.arch}) cannot draft: "
+            + spec_refusal(kind, draft.hp.arch).split(": ", 1)[1]
+        )
     check_draft_vocab(m, draft)
     err.print(f"[dim]draft model: {draft.summary()}[/]")
     return ModelDrafter(draft)

@@ -190,7 +190,7 @@ def chat(
     m = _load(flags, net, cache_ram=cache_ram)
     sampler = Sampler(params)
     # one request at a time; the turn before stays cached, so a turn computes only what is new
-    budget = budget_bytes(cache_ram, m.n_ctx, m.kv_bytes_per_token)
+    budget = budget_bytes(cache_ram, m.n_ctx, m.kv_bytes_per_token, m.state_bytes)
     config = SchedulerConfig(
         n_batch=prompt_batch(m, flags.batch),
         max_active=1,

@@ -88,7 +88,7 @@ def serve(
         flags, net, balance="decode", n_seq=parallel, found=workers, finder=finder,
         cache_ram=cache_ram,
     )  # fmt: skip
-    cache_bytes = budget_bytes(cache_ram, m.n_ctx, m.kv_bytes_per_token)
+    cache_bytes = budget_bytes(cache_ram, m.n_ctx, m.kv_bytes_per_token, m.state_bytes)
     sched_config = dataclasses.replace(
         sched_config,
         n_batch=prompt_batch(m, flags.batch),

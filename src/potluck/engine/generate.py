@@ -64,8 +64,14 @@ class Model:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one position over every layer (f16: the planner's measure)."""
+        """K and V of one position over every attention layer (f16: the planner's measure)."""
         return self.hp.kv_bytes_per_token()
+
+    @property
+    def state_bytes(self) -> int:
+        """A hybrid's recurrent state per sequence over every layer (0: none; then the stages
+        can rewind a sequence and copy any prefix of it, else neither)."""
+        return self.hp.state_bytes()
 
     def summary(self) -> str:
         name = self.file.metadata.get("general.name") or self.path.stem

@@ -11,6 +11,10 @@ starts as a copy of that part (a fork); the entry is pinned until the copy is ma
 the byte budget go, least recently used first (never a pinned one), and the scheduler drops
 their KV everywhere.
 
+A hybrid model's recurrent layers hold a sequence's state at its last position only (it cannot
+be rewound nor copied in part): there an entry serves only a request that keeps all of it (the
+next turn of a chat whose template renders the history as it was), taken over or copied whole.
+
 Plain bookkeeping: no model, no pipeline; the scheduler does the dropping (engine/scheduler.py).
 """
 
@@ -26,18 +30,21 @@ from dataclasses import dataclass
 MIN_REUSE = 4
 
 
-def budget_bytes(cache_ram_mib: int | None, n_ctx: int, kv_per_token: int) -> int:
+def budget_bytes(
+    cache_ram_mib: int | None, n_ctx: int, kv_per_token: int, state_bytes: int = 0
+) -> int:
     """The cache's KV budget: `cache_ram_mib` MiB (--cache-ram; 0: off), by default one full
-    context's K and V (`kv_per_token`: one position over every layer)."""
+    context's K and V (`kv_per_token`: one position over every layer) and a hybrid's recurrent
+    state (`state_bytes` per sequence)."""
     if cache_ram_mib is None:
-        return n_ctx * kv_per_token
+        return n_ctx * kv_per_token + state_bytes
     return cache_ram_mib << 20
 
 
-def planned_sequences(budget: int, n_ctx: int, kv_per_token: int) -> int:
+def planned_sequences(budget: int, n_ctx: int, kv_per_token: int, state_bytes: int = 0) -> int:
     """How many full-context sequences' KV the budget is planned as (beside -np's): the planner
     and every node count that much more KV room."""
-    return math.ceil(budget / max(1, n_ctx * kv_per_token))
+    return math.ceil(budget / max(1, n_ctx * kv_per_token + state_bytes))
 
 
 def adopts(held: int, reuse: int) -> bool:
@@ -77,11 +84,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class PrefixCache:
     """Finished sequences by seq id, least recently used first, within `budget_bytes` of KV
-    (`bytes_per_token`: K and V of one position over every stage of the model)."""
+    (`bytes_per_token`: K and V of one position over every stage of the model; `state_bytes`: a
+    hybrid's recurrent state per sequence, which also means that an entry is reused whole or not
+    at all)."""
 
-    def __init__(self, budget_bytes: int, bytes_per_token: int) -> None:
+    def __init__(self, budget_bytes: int, bytes_per_token: int, state_bytes: int = 0) -> None:
         self.budget_bytes = max(0, budget_bytes)
         self.bytes_per_token = max(1, bytes_per_token)
+        self.state_bytes = state_bytes
+        self.whole_only = state_bytes > 0
         self._entries: OrderedDict[int, Entry] = OrderedDict()
         self._pins: dict[int, int] = {}  # entries a fork copies from now: kept until it is done
 
@@ -95,18 +106,24 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.n for e in self._entries.values()) * self.bytes_per_token
+        return sum(self._bytes(e.n) for e in self._entries.values())
+
+    def _bytes(self, n: int) -> int:
+        return n * self.bytes_per_token + self.state_bytes
 
     def take(self, prompt: Sequence[int], lora: int | None) -> Hit | None:
         """The entry sharing the longest prefix with `prompt` (at least MIN_REUSE ids, and never
         the whole prompt: its last token is computed, for the logits); None when no entry shares
         enough. A hit to adopt leaves the cache (the request's sequence becomes it); one to fork
-        from stays, pinned (`unpin` once the copy is made), and becomes the most recently used."""
+        from stays, pinned (`unpin` once the copy is made), and becomes the most recently used.
+        whole_only: only an entry the prompt extends counts, all of it kept."""
         best: Hit | None = None
         for e in self._entries.values():
             if e.lora != lora:
                 continue
             n = min(common_prefix(e.ids, prompt), len(prompt) - 1)
+            if self.whole_only and n < e.n:
+                continue
             if n >= MIN_REUSE and (best is None or n > best.reuse):
                 best = Hit(e, n)
         if best is None:
@@ -134,7 +151,7 @@ class PrefixCache:
         """Keep a finished sequence; the seq ids to drop (evicted ones, or this one when it alone
         is over the budget)."""
         entry = Entry(seq_id, tuple(ids), lora)
-        if not self.on or entry.n * self.bytes_per_token > self.budget_bytes or not entry.n:
+        if not self.on or self._bytes(entry.n) > self.budget_bytes or not entry.n:
             return [seq_id]
         self._entries[seq_id] = entry
         self._entries.move_to_end(seq_id)

@@ -57,7 +57,7 @@ from potluck.engine.requests import (
     TokenEvent,
     prompt_ubatch,
 )
-from potluck.engine.spec import DRAFT, REST, Drafter, Pace, SpecConfig
+from potluck.engine.spec import DRAFT, REST, Drafter, Pace, SpecConfig, spec_refusal
 from potluck.errors import ContextError, UnsupportedError
 from potluck.model.stage import SeqChunk
 from potluck.sampling import Sampler, Token, tokens_of
@@ -91,6 +91,9 @@ class _Model(Protocol):
 
     @property
     def kv_bytes_per_token(self) -> int: ...
+
+    @property
+    def state_bytes(self) -> int: ...
 
     def new_seq_id(self) -> int: ...
 
@@ -179,6 +182,8 @@ class Scheduler:
         self.spec: SpecConfig = self.config.spec
         if self.spec.on and drafter is None:
             raise ValueError(f"--spec-type {self.spec.kind} needs a drafter")
+        if self.spec.on and model.state_bytes:
+            raise UnsupportedError(spec_refusal(self.spec.kind))
         self.drafter = drafter if self.spec.on else None
         self._plain_rate = 0.0  # tokens per ms of plain one-sequence decode steps (recent)
         self.n_ctx = model.n_ctx
@@ -193,7 +198,9 @@ class Scheduler:
         self._turn = itertools.count(1)
         self._prefer_prompt = True
         self._late_drops: set[int] = set()  # finished sequences with a batch still in flight
-        self.prefixes = PrefixCache(self.config.cache_bytes, model.kv_bytes_per_token)
+        self.prefixes = PrefixCache(
+            self.config.cache_bytes, model.kv_bytes_per_token, model.state_bytes
+        )
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="potluck-scheduler", daemon=True)
         if not inline:

@@ -63,6 +63,16 @@ class SpecConfig:
 
 NO_SPEC = SpecConfig()
 
+
+def spec_refusal(kind: str, arch: str = "this model") -> str:
+    """Why --spec-type `kind` is refused for a hybrid model (recurrent layers)."""
+    return (
+        f"--spec-type {kind}: speculative decoding is not supported for {arch}: its recurrent "
+        "(Gated DeltaNet) layers keep one state per sequence that cannot be rewound past "
+        "rejected drafts; run without --spec-type"
+    )
+
+
 PAYOFF_STEPS = 4  # drafted steps measured before drafting is judged against plain steps
 MAX_REST = 512  # the longest a sequence goes without drafts before it tries them again
 DRAFT, PLAIN, REST = "draft", "plain", "rest"  # Pace.next's answers

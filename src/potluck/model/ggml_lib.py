@@ -91,6 +91,35 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
         [P, P, P, P, c_int, c_int, c_int, c_float, c_float, c_float, c_float, c_float, c_float],
         P,
     ),
+    "ggml_rope_multi": (
+        [
+            P,
+            P,
+            P,
+            P,
+            c_int,
+            POINTER(c_int),
+            c_int,
+            c_int,
+            c_float,
+            c_float,
+            c_float,
+            c_float,
+            c_float,
+            c_float,
+        ],
+        P,
+    ),  # fmt: skip
+    "ggml_ssm_conv": ([P, P, P], P),
+    "ggml_gated_delta_net": ([P, P, P, P, P, P, P, c_int64], P),
+    "ggml_softplus": ([P, P], P),
+    "ggml_silu": ([P, P], P),
+    "ggml_transpose": ([P, P], P),
+    "ggml_repeat_4d": ([P, P, c_int64, c_int64, c_int64, c_int64], P),
+    "ggml_view_4d": (
+        [P, P, c_int64, c_int64, c_int64, c_int64, c_size_t, c_size_t, c_size_t, c_size_t],
+        P,
+    ),
     "ggml_flash_attn_ext": ([P, P, P, P, P, c_float, c_float, c_float], P),
     "ggml_flash_attn_ext_set_prec": ([P, c_int], None),
     "ggml_flash_attn_ext_add_sinks": ([P, P], None),
@@ -130,6 +159,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ggml_backend_buft_name": ([P], c_char_p),
     "ggml_backend_tensor_set": ([P, P, c_size_t, c_size_t], None),
     "ggml_backend_tensor_get": ([P, P, c_size_t, c_size_t], None),
+    "ggml_backend_tensor_memset": ([P, c_uint8, c_size_t, c_size_t], None),
     "ggml_backend_tensor_copy": ([P, P], None),
     "ggml_backend_graph_compute": ([P, P], c_int),
     "ggml_backend_synchronize": ([P], None),
@@ -348,7 +378,7 @@ BUFFER_USAGE_WEIGHTS = 1
 
 # ggml enums (ggml.h) that the gguf package has no table for
 PREC_F32 = 10  # GGML_PREC_F32
-ROPE_NORMAL, ROPE_NEOX = 0, 2  # GGML_ROPE_TYPE_*
+ROPE_NORMAL, ROPE_NEOX, ROPE_IMROPE = 0, 2, 40  # GGML_ROPE_TYPE_* (IMROPE: interleaved M-RoPE)
 DEV_CPU, DEV_GPU, DEV_IGPU, DEV_ACCEL = 0, 1, 2, 3  # enum ggml_backend_dev_type
 TYPE_F32, TYPE_F16, TYPE_I32, TYPE_I64 = 0, 1, 26, 27  # enum ggml_type (= gguf's numbering)
 STATUS_SUCCESS = 0

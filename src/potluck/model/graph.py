@@ -15,6 +15,7 @@ to, the attention masks and the rows whose logits are wanted.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from potluck.errors import ModelFileError
 from potluck.model.archs import architecture
 from potluck.model.ggml_lib import (
     PREC_F32,
+    ROPE_IMROPE,
     ROPE_NEOX,
     ROPE_NORMAL,
     TYPE_F16,
@@ -94,7 +96,8 @@ class StepGraph:
         self.sizes = [n for _, _, n, _ in shape.chunks]
         self.n_kv = [k for _, _, _, k in shape.chunks]
         self.total = sum(self.sizes)
-        self.windows = sorted({hp.sliding_window if hp.is_sliding(i) else 0 for i in layers})
+        attends = [i for i in layers if not hp.is_recurrent(i)]
+        self.windows = sorted({hp.sliding_window if hp.is_sliding(i) else 0 for i in attends})
         self.block = architecture(hp.arch).block
         per_layer = 40 + 16 * len(self.sizes) + 28 * len(loras)
         if hp.is_moe:  # router, top-k, weights, three mul_mat_id and biases, the sum, a shared
@@ -105,6 +108,8 @@ class StepGraph:
             per_layer += 24
         if hp.rules.post_norms:  # norms after attention and the FFN (gemma4's also after each
             per_layer += 24  # of its two FFNs, of v and of the router's input), their muls
+        if hp.is_hybrid:  # a Gated DeltaNet's projections, then per sequence its convolution,
+            per_layer += 32 + 40 * len(self.sizes)  # delta rule, state copies and gated norm
         n_nodes = len(layers) * per_layer + 64
         self.ctx = new_context(2 * n_nodes + 16, n_nodes)
         self.gf: int = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
@@ -141,13 +146,16 @@ class StepGraph:
         else:
             self.inp_x = self._input(TYPE_F32, D, T)
             x = self.inp_x
-        self.inp_pos = self._input(TYPE_I32, T)
+        # positions (M-RoPE: four per token, section by section); stages of only recurrent
+        # layers read none (windows is empty there: no masks, no K/V rows either)
+        n_pos = 4 if hp.rules.rope_style == "imrope" else 1
+        self.inp_pos = self._input(TYPE_I32, T * n_pos) if self.windows else 0
         # Llama 4's attention temperature: per token, the factor its q is multiplied by [1, T]
         self.inp_temp = self._input(TYPE_F32, 1, T) if hp.attn_temp_scale else 0
         # MLA: per token, the heads 0 .. H-1, which pick each head's matrix out of a stack
         # (mul_mat_id): i32 [H, T]
         self.inp_heads = self._input(TYPE_I32, hp.n_head, T) if hp.kv_lora_rank else 0
-        self.inp_kv_rows = [self._input(TYPE_I64, n) for n in self.sizes]
+        self.inp_kv_rows = [self._input(TYPE_I64, n) for n in self.sizes] if self.windows else []
         self.inp_masks = {
             w: [self._input(TYPE_F16, k, n) for n, k in zip(self.sizes, self.n_kv, strict=True)]
             for w in self.windows
@@ -246,6 +254,109 @@ class StepGraph:
         out: int = lib.ggml_mul(self.ctx, y, g)
         return out
 
+    def delta_net(self, i: int, h: int) -> int:
+        """Layer i's Gated DeltaNet (qwen35, qwen3next; as llama.cpp's delta-net-base over its
+        fused ggml_gated_delta_net): the projections over all T tokens; then per sequence its
+        C channels (q, k of the key heads, v of the value heads) through a causal convolution
+        whose first d_conv - 1 inputs are the sequence's state (the last d_conv - 1 columns
+        written back), SiLU, q and k L2-normed, the delta rule from the sequence's state matrices
+        (the new ones written back) with its decay g = softplus(alpha + dt) · a and rate
+        beta = sigmoid(b); its output RMS-normed per value head times SiLU(z); ssm_out."""
+        hp, ctx, p = self.hp, self.ctx, f"blk.{i}."
+        S, Hk, Hv = hp.ssm_d_state, hp.ssm_n_group, hp.ssm_dt_rank
+        C, K, r = hp.conv_channels, hp.ssm_d_conv, Hv // Hk
+        qkv, z = self._delta_inputs(i, h)  # [C, T], [S Hv, T]
+        beta, alpha = self._delta_rates(i, h)  # [Hv, T] each
+        beta = lib.ggml_sigmoid(ctx, beta)
+        g = lib.ggml_softplus(ctx, lib.ggml_add(ctx, alpha, self.w.tensor(p + "ssm_dt.bias")))
+        g = lib.ggml_mul(ctx, g, self.w.tensor(p + "ssm_a"))  # [Hv, T]: the log decay
+        weight = self.w.tensor(p + "ssm_conv1d.weight")  # [K, C]
+        outs: list[int] = []
+        t0 = 0
+        for cache, n in zip(self.caches, self.sizes, strict=True):
+            assert cache.state is not None, "a recurrent layer's cache has a state"
+            conv_state = cache.state.conv[i]  # f32 [(K - 1) C]
+            state = lib.ggml_view_2d(ctx, conv_state, K - 1, C, (K - 1) * _F32, 0)
+            x = lib.ggml_view_2d(ctx, qkv, C, n, C * _F32, t0 * C * _F32)  # [C, n]
+            x = lib.ggml_concat(ctx, state, lib.ggml_transpose(ctx, x), 0)  # [K - 1 + n, C]
+            last = lib.ggml_view_2d(ctx, x, K - 1, C, (K - 1 + n) * _F32, n * _F32)
+            saved = lib.ggml_cpy(ctx, last, state)
+            lib.ggml_build_forward_expand(self.gf, saved)
+            x = lib.ggml_ssm_conv(ctx, lib.ggml_reshape_3d(ctx, x, K - 1 + n, C, 1), weight)
+            x = lib.ggml_silu(ctx, x)  # [C, n, 1]
+            row = C * _F32
+            q = lib.ggml_view_4d(ctx, x, S, Hk, n, 1, S * _F32, row, row * n, 0)
+            k = lib.ggml_view_4d(ctx, x, S, Hk, n, 1, S * _F32, row, row * n, S * Hk * _F32)
+            v = lib.ggml_view_4d(ctx, x, S, Hv, n, 1, S * _F32, row, row * n, 2 * S * Hk * _F32)
+            # x / sqrt(sum x² + eps), per head (as RMS-norm with eps / S, times S^-1/2)
+            q = lib.ggml_scale(ctx, lib.ggml_rms_norm(ctx, q, hp.rms_eps / S), S**-0.5)
+            k = lib.ggml_scale(ctx, lib.ggml_rms_norm(ctx, k, hp.rms_eps / S), S**-0.5)
+            if r > 1 and hp.rules.delta_grouped:  # value head j reads key head j // r (the op
+                q = self._repeat_heads(q, S, Hk, r, n)  # itself would read j % Hk)
+                k = self._repeat_heads(k, S, Hk, r, n)
+            rates = lib.ggml_row_size(TYPE_F32, Hv)  # [1, Hv, n, 1] views of this chunk's
+            b_c = lib.ggml_view_4d(ctx, beta, 1, Hv, n, 1, _F32, rates, rates * n, t0 * rates)
+            g_c = lib.ggml_view_4d(ctx, g, 1, Hv, n, 1, _F32, rates, rates * n, t0 * rates)
+            s0 = lib.ggml_reshape_4d(ctx, cache.state.delta[i], S, S, Hv, 1)
+            y = lib.ggml_gated_delta_net(ctx, q, k, v, g_c, b_c, s0, 1)  # [out | new state]
+            new = lib.ggml_view_1d(ctx, y, S * S * Hv, S * Hv * n * _F32)
+            lib.ggml_build_forward_expand(self.gf, lib.ggml_cpy(ctx, new, cache.state.delta[i]))
+            o = lib.ggml_view_3d(ctx, y, S, Hv, n, S * _F32, S * Hv * _F32, 0)  # [S, Hv, n]
+            z_c = lib.ggml_view_3d(ctx, z, S, Hv, n, S * _F32, S * Hv * _F32, t0 * S * Hv * _F32)
+            o = lib.ggml_mul(ctx, self.norm(o, p + "ssm_norm.weight"), lib.ggml_silu(ctx, z_c))
+            outs.append(lib.ggml_reshape_2d(ctx, o, S * Hv, n))
+            t0 += n
+        y = outs[0]
+        for more in outs[1:]:
+            y = lib.ggml_concat(ctx, y, more, 1)
+        return self._linear(p + "ssm_out", y)  # [D, T]
+
+    def _repeat_heads(self, x: int, S: int, Hk: int, r: int, n: int) -> int:
+        """[S, Hk, n, 1] -> [S, Hk r, n, 1], each head r times in a row (repeat-interleave)."""
+        ctx = self.ctx
+        x = lib.ggml_repeat_4d(ctx, lib.ggml_reshape_4d(ctx, x, S, 1, Hk, n), S, r, Hk, n)
+        y: int = lib.ggml_reshape_4d(ctx, x, S, Hk * r, n, 1)
+        return y
+
+    def _delta_inputs(self, i: int, h: int) -> tuple[int, int]:
+        """A Gated DeltaNet's convolved channels [C, T] (q's, k's, v's) and its output gate z
+        [S Hv, T]: from attn_qkv and attn_gate, or from ssm_in, which holds per key head its q,
+        k, r value heads' v and their z (older qwen3next files)."""
+        hp, ctx, p, T = self.hp, self.ctx, f"blk.{i}.", self.total
+        if p + "attn_qkv.weight" in self.w:
+            return self._linear(p + "attn_qkv", h), self._linear(p + "attn_gate", h)
+        if p + "ssm_in.weight" not in self.w:
+            raise ModelFileError(
+                f"layer {i} has neither {p}attn_qkv.weight (with attn_gate) nor {p}ssm_in.weight: "
+                "its Gated DeltaNet's input projection is missing from the model file"
+            )
+        S, Hk, Hv = hp.ssm_d_state, hp.ssm_n_group, hp.ssm_dt_rank
+        w = S * Hv // Hk  # one key head's values (and z)
+        mixed = self._linear(p + "ssm_in", h)  # [Hk (2S + 2w), T]
+        row, at = (2 * S + 2 * w) * _F32, 0
+        parts = []
+        for width in (S, S, w, w):  # q, k, v, z of every key head: [width, Hk, T] -> [width Hk, T]
+            view = lib.ggml_view_3d(ctx, mixed, width, Hk, T, row, row * Hk, at * _F32)
+            parts.append(lib.ggml_reshape_2d(ctx, lib.ggml_cont(ctx, view), width * Hk, T))
+            at += width
+        q, k, v, z = parts
+        return lib.ggml_concat(ctx, lib.ggml_concat(ctx, q, k, 0), v, 0), z
+
+    def _delta_rates(self, i: int, h: int) -> tuple[int, int]:
+        """A Gated DeltaNet's b and alpha per value head, [Hv, T] each: from ssm_beta and
+        ssm_alpha, or from ssm_ba, which holds per key head its r values' b then their alpha."""
+        hp, ctx, p, T = self.hp, self.ctx, f"blk.{i}.", self.total
+        if p + "ssm_beta.weight" in self.w:
+            return self._linear(p + "ssm_beta", h), self._linear(p + "ssm_alpha", h)
+        Hk, Hv = hp.ssm_n_group, hp.ssm_dt_rank
+        r = Hv // Hk
+        ba = self._linear(p + "ssm_ba", h)  # [Hk 2r, T]
+        row = 2 * r * _F32
+        b = lib.ggml_view_3d(ctx, ba, r, Hk, T, row, row * Hk, 0)
+        a = lib.ggml_view_3d(ctx, ba, r, Hk, T, row, row * Hk, r * _F32)
+        b = lib.ggml_reshape_2d(ctx, lib.ggml_cont(ctx, b), Hv, T)
+        return b, lib.ggml_reshape_2d(ctx, lib.ggml_cont(ctx, a), Hv, T)
+
     def moe(self, i: int, h: int, route: int | None = None) -> int:
         """The router (reading `route`, default h) picks k = n_expert_used of E experts per
         token; each runs as a gated FFN of h (three mul_mat_id over the stacked experts, or two
@@ -340,10 +451,11 @@ class StepGraph:
     def attention(self, i: int, h: int) -> int:
         hp, ctx, p, caches = self.hp, self.ctx, f"blk.{i}.", self.caches
         (Hkv, hd, hdv, _), H, T = hp.heads(i), hp.n_head, self.total
+        gate = 0  # (an output gate per head: [H hdv, T])
         if hp.kv_lora_rank:  # MLA: RoPE'd within; one kv head, the latent
             q, k, v = self._mla_qkv(i, h)
         else:
-            q, k, v = self._qkv(i, h)  # [hd, H, T], [hd, Hkv, T], [Hkv hdv, T]
+            q, k, v, gate = self._qkv(i, h)  # [hd, H, T], [hd, Hkv, T], [Hkv hdv, T]
             optional = hp.rules.qk_norm_if_present and p + "attn_q_norm.weight" in self.w
             if hp.rules.qk_norm or optional:
                 q = self.norm(q, p + "attn_q_norm.weight")
@@ -393,6 +505,8 @@ class StepGraph:
             o = lib.ggml_reshape_3d(ctx, o, hdv, H, self.total)
             o = lib.ggml_mul_mat_id(ctx, self.w.tensor(p + "attn_v_b.weight"), o, self.inp_heads)
             o = lib.ggml_reshape_2d(ctx, o, hp.head_dim_v_mla * H, self.total)  # [H v, T]
+        if gate:
+            o = lib.ggml_mul(ctx, o, lib.ggml_sigmoid(ctx, gate))
         return self._linear(p + "attn_output", o)
 
     def _rows(self, t: int, width: int, full: int, capacity: int, nb: int) -> int:
@@ -430,13 +544,23 @@ class StepGraph:
         k = lib.ggml_concat(ctx, lib.ggml_reshape_3d(ctx, latent, r, 1, T), k_pe, 0)
         return q, k, latent
 
-    def _qkv(self, i: int, h: int) -> tuple[int, int, int]:
+    def _qkv(self, i: int, h: int) -> tuple[int, int, int, int]:
         """Layer i's q [hd, H, T], k [hd, Hkv, T] and v [Hkv hdv, T] of h [D, T]: from attn_q,
         attn_k and attn_v, or from one matrix attn_qkv where the file has it (its rows: q's, k's,
         v's); v is k's projection where the layer has no attn_v (gemma4's global layers); normed
-        over all heads together where the rules say so (olmo2)."""
+        over all heads together where the rules say so (olmo2). With the rules' output gate,
+        attn_q holds per head its q then its gate: q a strided view, and the gate [H hd, T]
+        (else 0)."""
         hp, ctx, p, T = self.hp, self.ctx, f"blk.{i}.", self.total
         (Hkv, hd, hdv, _), H = hp.heads(i), hp.n_head
+        if hp.rules.attn_output_gate:  # (qwen35's: q-norm follows, which makes q contiguous)
+            both = self._linear(p + "attn_q", h)  # [2 hd H, T]
+            row = 2 * hd * _F32
+            q = lib.ggml_view_3d(ctx, both, hd, H, T, row, row * H, 0)
+            gate = lib.ggml_view_3d(ctx, both, hd, H, T, row, row * H, hd * _F32)
+            gate = lib.ggml_reshape_2d(ctx, lib.ggml_cont(ctx, gate), hd * H, T)
+            k = lib.ggml_reshape_3d(ctx, self._linear(p + "attn_k", h), hd, Hkv, T)
+            return q, k, self._linear(p + "attn_v", h), gate
         if p + "attn_qkv.weight" in self.w:
             qkv = self._linear(p + "attn_qkv", h)  # [H hd + Hkv hd + Hkv hdv, T]
             row = lib.ggml_row_size(TYPE_F32, H * hd + Hkv * (hd + hdv))
@@ -453,13 +577,21 @@ class StepGraph:
             k = self.norm(k, p + "attn_k_norm.weight")
         q = lib.ggml_reshape_3d(ctx, q, hd, H, T)
         k = lib.ggml_reshape_3d(ctx, k, hd, Hkv, T)
-        return q, k, v
+        return q, k, v, 0
 
     def _rope(self, i: int, x: int) -> int:
         hp = self.hp
         mode = ROPE_NEOX if hp.rules.rope_style == "neox" else ROPE_NORMAL
         freqs = self._rope_freqs()
         n_orig, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = hp.rope_ext()
+        if hp.rules.rope_style == "imrope":  # interleaved M-RoPE (half-split pairs)
+            sections = (ctypes.c_int * 4)(*hp.rope_sections)
+            y: int = lib.ggml_rope_multi(
+                self.ctx, x, self.inp_pos, freqs, hp.heads(i).rope_dim, sections, ROPE_IMROPE,
+                n_orig, hp.rope_base_for(i),
+                freq_scale, ext_factor, attn_factor, beta_fast, beta_slow,
+            )  # fmt: skip
+            return y
         if hp.rules.local_rope_unscaled and hp.is_sliding(i):
             freq_scale, ext_factor, attn_factor, freqs = 1.0, 0.0, 1.0, None
         x = lib.ggml_rope_ext(
@@ -505,7 +637,11 @@ class StepGraph:
                     for s, n in zip(starts, self.sizes, strict=True)
                 ]
             )
-        _set(self.inp_pos, pos)
+        if self.inp_pos:
+            if self.hp.rules.rope_style == "imrope":  # text: t, h, w all the position; e 0
+                _set(self.inp_pos, np.concatenate([pos, pos, pos, np.zeros_like(pos)]))
+            else:
+                _set(self.inp_pos, pos)
         if self.inp_temp:  # 1 + beta ln(1 + floor(p / n_orig)), as llama.cpp and transformers
             n_orig = self.hp.rope_ctx_orig or self.hp.n_ctx_train
             temp = 1.0 + self.hp.attn_temp_scale * np.log1p(np.floor(pos / n_orig))
@@ -514,7 +650,8 @@ class StepGraph:
             _set(self.inp_heads, np.tile(np.arange(self.hp.n_head, dtype=np.int32), self.total))
         t0 = 0
         for c, (s, n, n_kv) in enumerate(zip(starts, self.sizes, self.n_kv, strict=True)):
-            _set(self.inp_kv_rows[c], pos[t0 : t0 + n].astype(np.int64))
+            if self.inp_kv_rows:
+                _set(self.inp_kv_rows[c], pos[t0 : t0 + n].astype(np.int64))
             for w, masks in self.inp_masks.items():
                 _set(masks[c], causal_mask(s, n, n_kv, w))
             t0 += n

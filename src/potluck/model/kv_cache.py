@@ -6,11 +6,16 @@ Layout per layer (ggml order, innermost first): K is [head_dim * n_kv_heads, cap
 rows (graph.py). f16 by default as llama.cpp; f32 for exactness checks (`--cache-type f32`).
 The buffers are zeroed when allocated: attention reads padded rows beyond `length` (masked out),
 and a masked row must hold finite numbers (0 * NaN is NaN).
+
+A hybrid model's recurrent layers (Gated DeltaNet) keep no K and V: per layer a fixed-size state
+(`RecurrentState`: the convolution's last inputs and the delta rule's matrices, f32) that the
+step's graph reads and overwrites. It holds the sequence at `length` and nowhere else: it cannot
+be truncated to an earlier position (only to 0, a fresh state) nor copied in part.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -29,9 +34,82 @@ def cache_bytes(n_layers: int, row: int, positions: int, cache_type: int) -> int
     return n_layers * positions * row * np.dtype(_ELEMENT[cache_type]).itemsize
 
 
+class RecurrentState:
+    """The recurrent layers' states of one sequence on one stage, allocated once (their size does
+    not depend on the sequence's length) and zeroed: per layer `conv` f32 [(d_conv - 1) ·
+    channels] and `delta` f32 [S · S · value heads]."""
+
+    def __init__(
+        self, layers: Sequence[int], sizes: tuple[int, int], buffer_type: Callable[[int], int]
+    ) -> None:
+        self.layers = list(layers)
+        self._ctx: int | None = new_context(2 * len(self.layers))
+        self.conv: dict[int, int] = {}
+        self.delta: dict[int, int] = {}
+        by_buft: dict[int, list[int]] = {}
+        for i in self.layers:
+            self.conv[i] = lib.ggml_new_tensor_1d(self._ctx, TYPE_F32, sizes[0])
+            self.delta[i] = lib.ggml_new_tensor_1d(self._ctx, TYPE_F32, sizes[1])
+            by_buft.setdefault(buffer_type(i), []).append(i)
+        self._buffers = _alloc_by_buft(
+            {
+                b: [t for i in ls for t in (self.conv[i], self.delta[i])]
+                for b, ls in by_buft.items()
+            },
+            "a recurrent state",
+        )
+        self.clear()
+
+    def tensors(self) -> list[int]:
+        return [t for i in self.layers for t in (self.conv[i], self.delta[i])]
+
+    def clear(self) -> None:
+        """Back to the state before any token (zeros)."""
+        for buf in self._buffers:
+            lib.ggml_backend_buffer_clear(buf, 0)
+
+    def copy_from(self, src: RecurrentState) -> None:
+        for a, b in zip(src.tensors(), self.tensors(), strict=True):
+            n = lib.ggml_nbytes(a)
+            tmp = np.empty(n, np.uint8)
+            lib.ggml_backend_tensor_get(a, tmp.ctypes.data, 0, n)
+            lib.ggml_backend_tensor_set(b, tmp.ctypes.data, 0, n)
+
+    def nbytes(self) -> int:
+        return sum(lib.ggml_nbytes(t) for t in self.tensors())
+
+    def free(self) -> None:
+        for buf in self._buffers:
+            lib.ggml_backend_buffer_free(buf)
+        if self._ctx is not None:
+            lib.ggml_free(self._ctx)
+        self._buffers, self._ctx, self.conv, self.delta = [], None, {}, {}
+
+
+def _alloc_by_buft(by_buft: dict[int, list[int]], what: str) -> list[int]:
+    """Allocate the tensors of one context, one buffer per buffer type (device) they go to."""
+    buffers: list[int] = []
+    for buft, tensors in by_buft.items():
+        size = sum(lib.ggml_nbytes(t) + 256 for t in tensors)  # 256: alignment slack per tensor
+        buf: int | None = lib.ggml_backend_buft_alloc_buffer(buft, size)
+        if not buf:
+            for b in buffers:
+                lib.ggml_backend_buffer_free(b)
+            raise ContextError(f"no memory for {what} ({size / 2**20:.0f} MiB); lower -np")
+        base = lib.ggml_backend_buffer_get_base(buf)
+        at = 0
+        for t in tensors:
+            at = -(-at // 256) * 256
+            lib.ggml_backend_tensor_alloc(buf, t, base + at)
+            at += lib.ggml_nbytes(t)
+        buffers.append(buf)
+    return buffers
+
+
 class SeqCache:
-    """K and V of one sequence for the layers of one stage. `length` counts committed tokens;
-    `generation` changes whenever the buffers move (a graph that points into them is stale)."""
+    """K and V of one sequence for the attention layers of one stage, and the recurrent state of
+    its recurrent layers (`state`; None where it has none). `length` counts committed tokens;
+    `generation` changes whenever the KV buffers move (a graph that points into them is stale)."""
 
     def __init__(
         self,
@@ -42,9 +120,14 @@ class SeqCache:
         n_ctx: int,
         cache_type: int,
         buffer_type: Callable[[int], int],
+        recurrent: Sequence[int] = (),
+        state_sizes: tuple[int, int] = (0, 0),
     ) -> None:
-        """buffer_type(layer): the ggml buffer type that layer's cache lives in (its device)."""
+        """buffer_type(layer): the ggml buffer type that layer's cache lives in (its device);
+        recurrent: the layers of `layers` that keep a state of state_sizes (f32 elements of its
+        convolution's and of its delta rule's) instead of K and V."""
         self.layers, self.n_ctx, self.cache_type = layers, n_ctx, cache_type
+        self.attn_layers = [i for i in layers if i not in set(recurrent)]
         self.row_k, self.row_v = n_kv_heads * head_dim, n_kv_heads * head_dim_v
         self._buffer_type = buffer_type
         self.length = 0
@@ -54,15 +137,19 @@ class SeqCache:
         self.v: dict[int, int] = {}
         self._ctx: int | None = None
         self._buffers: list[int] = []
-        self._allocate(min(MIN_CAPACITY, n_ctx))
+        self.state = RecurrentState(recurrent, state_sizes, buffer_type) if recurrent else None
+        if self.attn_layers:
+            self._allocate(min(MIN_CAPACITY, n_ctx))
+        else:  # nothing grows with the sequence
+            self.capacity = n_ctx
 
     def _allocate(self, capacity: int) -> None:
         old = (self.k, self.v, self._ctx, self._buffers)
-        ctx = new_context(2 * len(self.layers))
+        ctx = new_context(2 * len(self.attn_layers))
         k: dict[int, int] = {}
         v: dict[int, int] = {}
         by_buft: dict[int, list[int]] = {}
-        for i in self.layers:
+        for i in self.attn_layers:
             k[i] = lib.ggml_new_tensor_2d(ctx, self.cache_type, self.row_k, capacity)
             v[i] = lib.ggml_new_tensor_2d(ctx, self.cache_type, self.row_v, capacity)
             by_buft.setdefault(self._buffer_type(i), []).append(i)
@@ -82,7 +169,7 @@ class SeqCache:
         for buf in buffers:
             lib.ggml_backend_buffer_clear(buf, 0)
         if old[2] is not None and self.length:
-            for i in self.layers:  # copy the positions held so far
+            for i in self.attn_layers:  # copy the positions held so far
                 for src, dst, row in ((old[0][i], k[i], self.row_k), (old[1][i], v[i], self.row_v)):
                     n = self.length * row * np.dtype(_ELEMENT[self.cache_type]).itemsize
                     tmp = np.empty(n, np.uint8)
@@ -128,7 +215,8 @@ class SeqCache:
         return buffers
 
     def _bytes(self, capacity: int) -> int:
-        return cache_bytes(len(self.layers), self.row_k + self.row_v, capacity, self.cache_type)
+        kv = cache_bytes(len(self.attn_layers), self.row_k + self.row_v, capacity, self.cache_type)
+        return kv + (self.state.nbytes() if self.state is not None else 0)
 
     def reserve(self, n_new: int) -> None:
         need = self.length + n_new
@@ -144,9 +232,17 @@ class SeqCache:
         self.length += n_new
 
     def truncate(self, n: int) -> None:
-        """Forget the positions from `n` on (their rows stay, masked out, until overwritten)."""
+        """Forget the positions from `n` on (their rows stay, masked out, until overwritten). A
+        recurrent state can only go back to 0 (cleared): it holds no earlier position."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot keep {n} positions of a cache holding {self.length}")
+        if self.state is not None and 0 < n < self.length:
+            raise ValueError(
+                f"cannot rewind a recurrent state from position {self.length} to {n}: it holds "
+                "only its last position"
+            )
+        if self.state is not None and n == 0:
+            self.state.clear()
         self.length = n
 
     def copy_from(self, src: SeqCache, n: int) -> None:
@@ -156,10 +252,20 @@ class SeqCache:
             raise ValueError("a cache can only copy a cache of the same layers and shape")
         if not 0 <= n <= src.length:
             raise ValueError(f"cannot copy {n} positions of a cache holding {src.length}")
+        if self.state is not None and n not in (0, src.length):
+            raise ValueError(
+                f"cannot copy the first {n} positions of a recurrent state holding {src.length}: "
+                "it holds only its last position"
+            )
         self.length = 0
         self.reserve(n)
+        if self.state is not None and src.state is not None:
+            if n:
+                self.state.copy_from(src.state)
+            else:
+                self.state.clear()
         size = np.dtype(_ELEMENT[self.cache_type]).itemsize
-        for i in self.layers:
+        for i in self.attn_layers:
             for a, b, row in ((src.k[i], self.k[i], self.row_k), (src.v[i], self.v[i], self.row_v)):
                 nbytes = n * row * size
                 tmp = np.empty(nbytes, np.uint8)
@@ -176,6 +282,8 @@ class SeqCache:
         if self._ctx is not None:
             lib.ggml_free(self._ctx)
         self._buffers, self._ctx, self.k, self.v = [], None, {}, {}
+        if self.state is not None:
+            self.state.free()
 
     def __del__(self) -> None:
         self.free()

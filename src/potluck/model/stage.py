@@ -391,6 +391,7 @@ class Stage:
             self.caches[seq_id] = SeqCache(
                 self.layers, hp.n_head_kv, hp.head_dim, hp.head_dim_v, self.n_ctx,
                 self.cache_type, self._kv_buffer_type,
+                [i for i in self.layers if hp.is_recurrent(i)], hp.state_elements(),
             )  # fmt: skip
         return self.caches[seq_id]
 
@@ -447,9 +448,14 @@ class Stage:
         return sum(c.nbytes() for c in self.caches.values())
 
     def full_kv_bytes(self) -> int:
-        """Bytes one sequence's KV cache takes here at the full context (it grows up to that)."""
-        row = self.hp.n_head_kv * (self.hp.head_dim + self.hp.head_dim_v)
-        return cache_bytes(len(self.layers), row, self.n_ctx, self.cache_type)
+        """Bytes one sequence's KV cache takes here at the full context (it grows up to that),
+        with a hybrid's recurrent state (fixed)."""
+        hp = self.hp
+        row = hp.n_head_kv * (hp.head_dim + hp.head_dim_v)
+        kv = cache_bytes(
+            hp.attention_layers(self.start, self.stop), row, self.n_ctx, self.cache_type
+        )
+        return kv + hp.state_bytes(self.start, self.stop)
 
     # -- compute ---------------------------------------------------------------------------------
     def forward(

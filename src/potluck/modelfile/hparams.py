@@ -27,7 +27,10 @@ class ArchRules:
     """What differs between architectures that the shared graph helpers read, as data (each
     architecture's module in model/archs/ declares its own)."""
 
-    rope_style: Literal["norm", "neox"]  # adjacent pairs (llama's GGUF permutation) or half-split
+    # adjacent pairs (llama's GGUF permutation), half-split, or half-split with interleaved
+    # M-RoPE sections (qwen35: {arch}.rope.dimension_sections; text gives every section the
+    # token's position)
+    rope_style: Literal["norm", "neox", "imrope"]
     # the gated FFN's activation: SwiGLU, GeGLU (tanh), or gpt-oss's clamped SwiGLU
     # (model/graph.py SWIGLU_OAI)
     activation: Literal["silu", "gelu_tanh", "swiglu_oai"]
@@ -73,6 +76,13 @@ class ArchRules:
     # q·k's scale where the file has no {arch}.attention.scale (0: head_dim^-1/2, or gemma's
     # above; gemma4: 1, its q and k being normed per head)
     attn_scale: float = 0.0
+    # q's projection carries a per-head output gate beside each head's q ([q, gate] per head):
+    # attention's output times sigmoid(gate) before attn_output (qwen35, qwen3next)
+    attn_output_gate: bool = False
+    # Gated DeltaNet layers whose value heads outnumber their key heads take key head j // r
+    # for value head j (HF's grouped order, qwen3next's files) rather than j % n_k (the tiled
+    # order llama.cpp's converter gives qwen35's files)
+    delta_grouped: bool = False
     # (metadata key under {arch}., why): files that set one of these (not 0) are refused with
     # the reason (gemma4's per-layer token embeddings)
     unsupported: tuple[tuple[str, str], ...] = ()
@@ -159,6 +169,19 @@ class HParams:
     # original context (rope_ctx_orig or n_ctx_train); 0: none
     attn_temp_scale: float = 0.0
     yarn_mscale_all: float = 0.0  # YaRN's mscale_all_dim where the rules read it (mistral3)
+    # M-RoPE's sections (rope_style "imrope"): rotated dim pairs per position kind
+    rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # hybrid recurrent models (qwen35, qwen3next): the layers that are Gated DeltaNet layers
+    # (a fixed-size state per sequence instead of a KV cache) and their shape: a short causal
+    # convolution of ssm_d_conv taps over q, k and v, then the delta rule over ssm_n_group key
+    # heads and ssm_dt_rank value heads of ssm_d_state each (ssm_d_inner = value heads × their
+    # size); () for a model without any
+    recurrent: tuple[bool, ...] = ()
+    ssm_d_conv: int = 0
+    ssm_d_inner: int = 0
+    ssm_d_state: int = 0
+    ssm_n_group: int = 0
+    ssm_dt_rank: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -166,6 +189,42 @@ class HParams:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_expert > 0 and layer >= self.n_dense_lead
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a recurrent state instead of a KV cache: such a state cannot be
+        rewound to an earlier position."""
+        return any(self.recurrent)
+
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent) and self.recurrent[layer]
+
+    def attention_layers(self, start: int = 0, stop: int | None = None) -> int:
+        """How many of the layers [start, stop) attend over a KV cache."""
+        stop = self.n_layer if stop is None else stop
+        return sum(not self.is_recurrent(i) for i in range(start, stop))
+
+    @property
+    def conv_channels(self) -> int:
+        """A Gated DeltaNet layer's convolved channels: q and k (key heads), v (value heads)."""
+        return 2 * self.ssm_n_group * self.ssm_d_state + self.ssm_d_inner
+
+    @property
+    def delta_head_v(self) -> int:
+        return self.ssm_d_inner // self.ssm_dt_rank if self.ssm_dt_rank else 0
+
+    def state_elements(self) -> tuple[int, int]:
+        """f32 elements of one recurrent layer's state per sequence: the convolution's last
+        ssm_d_conv - 1 inputs, and the delta rule's matrix per value head."""
+        conv = (self.ssm_d_conv - 1) * self.conv_channels
+        return conv, self.delta_head_v**2 * self.ssm_dt_rank
+
+    def state_bytes(self, start: int = 0, stop: int | None = None) -> int:
+        """Bytes of recurrent state one sequence holds over the layers [start, stop): fixed,
+        whatever its length (f32, as llama.cpp keeps it)."""
+        stop = self.n_layer if stop is None else stop
+        n = sum(self.is_recurrent(i) for i in range(start, stop))
+        return n * sum(self.state_elements()) * 4
 
     def is_sliding(self, layer: int) -> bool:
         """Whether global layer `layer` attends only to the last `sliding_window` positions."""
@@ -201,8 +260,9 @@ class HParams:
         return n_orig, 1.0 / factor, 1.0, attn, self.yarn_beta_fast, self.yarn_beta_slow
 
     def kv_bytes_per_token(self, n_layers: int | None = None, dtype_bytes: int = 2) -> int:
-        """KV-cache bytes one token costs over `n_layers` layers (default all), f16 by default."""
-        n = self.n_layer if n_layers is None else n_layers
+        """KV-cache bytes one token costs over `n_layers` attention layers (default all the
+        model's: a hybrid's recurrent layers keep none), f16 by default."""
+        n = self.attention_layers() if n_layers is None else n_layers
         return n * self.n_head_kv * (self.head_dim + self.head_dim_v) * dtype_bytes
 
 
@@ -341,7 +401,51 @@ def parse_hparams(meta: dict[str, Any], rules: ArchRules, source: str = "model")
         if rules.yarn_mscale_all_dim and scaling == "yarn"
         else 0.0,
     )
-    return _layer_heads(hp, n_head_kv, get, fixed_scale, source)
+    return _layer_heads(_recurrent(hp, get, int(get("block_count")), source), n_head_kv, get,
+                        fixed_scale, source)  # fmt: skip
+
+
+def _recurrent(hp: HParams, get: Any, n_blocks: int, source: str) -> HParams:
+    """hp with its Gated DeltaNet layers and their shape where the file has them
+    ({arch}.ssm.*: qwen35, qwen3next), and its M-RoPE sections (rope_style "imrope")."""
+    where = f"{source}: {hp.arch}"
+    if hp.rules.rope_style == "imrope":
+        sections = [int(s) for s in get("rope.dimension_sections")]
+        if len(sections) != 4 or sum(sections) * 2 > hp.rope_dim:
+            raise ModelFileError(
+                f"{where}.rope.dimension_sections {sections}: 4 sections of at most "
+                f"{hp.rope_dim // 2} rotated pairs in all are needed"
+            )
+        hp = replace(hp, rope_sections=(sections[0], sections[1], sections[2], sections[3]))
+    if not get("ssm.conv_kernel", 0):
+        return hp
+    marked = get("attention.recurrent_layers", [])
+    if marked:  # one flag per block (MTP blocks after the model's own are not recurrent)
+        recurrent = tuple(bool(r) for r in marked[: hp.n_layer])
+    else:
+        every = int(get("full_attention_interval", 4))
+        recurrent = tuple((i + 1) % every != 0 for i in range(hp.n_layer))
+    hp = replace(
+        hp,
+        recurrent=recurrent,
+        ssm_d_conv=int(get("ssm.conv_kernel")),
+        ssm_d_inner=int(get("ssm.inner_size")),
+        ssm_d_state=int(get("ssm.state_size")),
+        ssm_n_group=int(get("ssm.group_count")),
+        ssm_dt_rank=int(get("ssm.time_step_rank")),
+    )
+    if len(recurrent) < hp.n_layer or hp.ssm_dt_rank % max(hp.ssm_n_group, 1):
+        raise ModelFileError(
+            f"{where}: {len(recurrent)} recurrent-layer flags for {n_blocks} blocks, "
+            f"{hp.ssm_dt_rank} value heads over {hp.ssm_n_group} key heads: the flags must "
+            "cover every layer and the key heads divide the value heads"
+        )
+    if hp.ssm_d_inner != hp.ssm_dt_rank * hp.ssm_d_state:
+        raise UnsupportedError(
+            f"{where}: value heads of {hp.ssm_d_inner // hp.ssm_dt_rank} and key heads of "
+            f"{hp.ssm_d_state}: the delta rule here needs them equal"
+        )
+    return hp
 
 
 def _layer_heads(

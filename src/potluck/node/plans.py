@@ -91,7 +91,9 @@ class PlanStore:
         names = stage_tensor_names(tensors.values(), hp.n_layer, request.start, request.stop)
         weights = sum(tensors[n].nbytes for n in names)
         n_seq = max(1, request.n_seq)
-        kv = hp.kv_bytes_per_token(request.stop - request.start) * request.n_ctx * n_seq
+        attends = hp.attention_layers(request.start, request.stop)
+        kv = hp.kv_bytes_per_token(attends) * request.n_ctx * n_seq
+        kv += hp.state_bytes(request.start, request.stop) * n_seq  # a hybrid's recurrent state
         need = weights + kv
         if self.mem_limit is None:
             return need

@@ -79,7 +79,9 @@ class ModelFootprint:
     n_ctx: int
     n_batch: int
     layer_weight_bytes: tuple[int, ...]  # in memory, per layer
-    layer_kv_bytes: tuple[int, ...]  # fp32 K + V for n_ctx positions, per layer
+    # K + V for n_ctx positions (a hybrid's recurrent layers: their state), per layer, of every
+    # sequence at once
+    layer_kv_bytes: tuple[int, ...]
     layer_read_bytes: tuple[int, ...]  # read per decoded token, per layer: weights and KV
     embd_bytes: int  # raw token_embd rows, held by the first stage
     embd_read_bytes: int  # one row per decoded token
@@ -203,11 +205,17 @@ def footprint_from_gguf(
         head += held_by(norm)
     kv_row = hp.kv_bytes_per_token(1, KV_BYTES)  # one position of one layer
     kv = kv_row * n_ctx * n_seq
+    state = sum(hp.state_elements()) * 4  # a recurrent layer's state of one sequence (f32)
     seen = min(n_ctx, DEFAULT_ATTENDED if attended is None else max(attended, 1))
+    # a recurrent layer holds a fixed state per sequence instead of K and V, and a decoded
+    # token reads it and writes it back
     reads = [
-        w + kv_row * (min(seen, hp.sliding_window) if hp.is_sliding(i) else seen)
+        w + 2 * state
+        if hp.is_recurrent(i)
+        else w + kv_row * (min(seen, hp.sliding_window) if hp.is_sliding(i) else seen)
         for i, w in enumerate(read)
     ]
+    layer_kv = [state * n_seq if hp.is_recurrent(i) else kv for i in range(hp.n_layer)]
     return ModelFootprint(
         n_layer=hp.n_layer,
         n_embd=hp.n_embd,
@@ -215,7 +223,7 @@ def footprint_from_gguf(
         n_ctx=n_ctx,
         n_batch=n_batch,
         layer_weight_bytes=tuple(layers),
-        layer_kv_bytes=(kv,) * hp.n_layer,
+        layer_kv_bytes=tuple(layer_kv),
         layer_read_bytes=tuple(reads),
         embd_bytes=embd.nbytes,
         embd_read_bytes=embd.nbytes // embd.shape[0],

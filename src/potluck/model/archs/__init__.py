@@ -32,6 +32,8 @@ from potluck.model.archs import (
     qwen2moe,
     qwen3,
     qwen3moe,
+    qwen3next,
+    qwen35,
 )
 from potluck.model.archs.common import Block, Tensor, is_routed
 from potluck.modelfile.gguf_file import TensorInfo
@@ -49,7 +51,7 @@ class Architecture:
 
 _MODULES = (
     llama, qwen2, qwen3, gemma3, qwen3moe, qwen2moe, gpt_oss, phi3, gemma2, olmo2, granite,
-    glm4moe, deepseek2, gemma4, mistral3, olmoe,
+    glm4moe, deepseek2, gemma4, mistral3, olmoe, qwen35, qwen3next,
 )  # fmt: skip
 ARCHITECTURES: dict[str, Architecture] = {
     name: Architecture(name, m.RULES, m.tensors, m.block, getattr(m, "TRAINS", None))

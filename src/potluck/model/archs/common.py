@@ -76,6 +76,12 @@ class Block(Protocol):
         """y [D, T] times sigmoid(`name` · h), a scalar per token (qwen2moe's shared expert)."""
         ...
 
+    def delta_net(self, i: int, h: int) -> int:
+        """Layer i's Gated DeltaNet of h [D, T] (a hybrid's recurrent layer: q, k, v through a
+        short causal convolution over the sequence's state, the gated delta rule over its
+        state matrices, a gated norm, `ssm_out`): [D, T]."""
+        ...
+
 
 # -- blocks the families share ------------------------------------------------------------------
 def feed_forward(g: Block, i: int, h: int) -> int:
@@ -117,14 +123,16 @@ def attention_tensors(
     out_bias: bool = False,
     sinks: bool = False,
     v: bool = True,
+    q_gate: bool = False,
 ) -> list[Tensor]:
     """Layer i's attention (of its own shape, hp.heads(i)): q, k, v, output; bias: q/k/v biases
     required (True), used where the file has them (None; the output's bias too) or absent
     (False); qk_norm: per-head norms of q and k; out_bias: the output's bias required; sinks:
     one sink logit per head (gpt-oss); v: v's matrix required (else used where the file has it,
-    k's projection serving as v where not: gemma4's global layers)."""
+    k's projection serving as v where not: gemma4's global layers); q_gate: each head's q
+    followed by its output gate in attn_q (qwen35's)."""
     p, d, (n_kv, hd, hdv, _) = f"blk.{i}.", hp.n_embd, hp.heads(i)
-    q, kv, o = hp.n_head * hd, n_kv * hd, hp.n_head * hdv
+    q, kv, o = hp.n_head * hd * (2 if q_gate else 1), n_kv * hd, hp.n_head * hdv
     out = [norm(p + "attn_norm", d)]
     rows = {"attn_q": q, "attn_k": kv, "attn_v": n_kv * hdv}
     out += [Tensor(f"{p}{name}.weight", (n, d), v or name != "attn_v") for name, n in rows.items()]
@@ -179,6 +187,41 @@ def moe_tensors(
             Tensor(p + "ffn_down_exps.bias", (e, d)),
         ]
     return out
+
+
+def delta_net_tensors(
+    hp: HParams, i: int, fused: bool | None = False, ba: bool = False
+) -> list[Tensor]:
+    """A Gated DeltaNet layer's tensors (qwen35, qwen3next), as llama.cpp's converter writes
+    them: q, k and v in one matrix `attn_qkv` and z (the output gate) in `attn_gate`, or all four
+    in `ssm_in` per key-head group (older qwen3next files); fused: which (False: the first, None:
+    either, as the file has them; model/graph.py refuses a layer with neither); beta and alpha
+    per value head in `ssm_beta` / `ssm_alpha`, or per key-head group in `ssm_ba` (ba);
+    `ssm_conv1d` [channels, taps]; `ssm_dt.bias` and `ssm_a` (= -exp(A_log)) per value head;
+    `ssm_norm` over a value head; `ssm_out`."""
+    p, d = f"blk.{i}.", hp.n_embd
+    key, value, heads = hp.ssm_n_group * hp.ssm_d_state, hp.ssm_d_inner, hp.ssm_dt_rank
+    out = [
+        Tensor(p + "attn_qkv.weight", (2 * key + value, d), fused is False),
+        Tensor(p + "attn_gate.weight", (value, d), fused is False),
+    ]
+    if fused is not False:
+        out.append(Tensor(p + "ssm_in.weight", (2 * key + 2 * value, d), fused is True))
+    if ba:
+        out.append(Tensor(p + "ssm_ba.weight", (2 * heads, d)))
+    else:
+        out += [
+            Tensor(p + "ssm_beta.weight", (heads, d)),
+            Tensor(p + "ssm_alpha.weight", (heads, d)),
+        ]
+    return [
+        *out,
+        Tensor(p + "ssm_conv1d.weight", (hp.conv_channels, hp.ssm_d_conv)),
+        Tensor(p + "ssm_dt.bias", (heads,)),
+        Tensor(p + "ssm_a", (heads,)),
+        norm(p + "ssm_norm", hp.delta_head_v),
+        Tensor(p + "ssm_out.weight", (d, value)),
+    ]
 
 
 def rope_factor_tensors(hp: HParams) -> list[Tensor]:
