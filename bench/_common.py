@@ -19,7 +19,7 @@ MODELS_DIR = Path.home() / ".cache" / "potluck" / "models"
 GEMMA_FILE = "gemma-3-270m-Q4_K_M.gguf"
 MODEL_NAMES = ("smollm2", "gemma3", "qwen7b", "qwen14b")  # (bench_pool.py & co.'s default --models)
 # make_model.py's MODELS, built on first use
-SYNTHETIC = ("qwen7b", "qwen14b", "qwen30b-a3b", "gpt-oss-20b")
+SYNTHETIC = ("qwen7b", "qwen14b", "qwen30b-a3b", "gpt-oss-20b", "qwen36-35b-a3b")
 # llama.cpp's own C++ tools (BENCHMARKS.md's reference build); bench_single.py uses the same rule
 DEFAULT_LLAMA_BIN = Path("/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
 LLAMA_BUILD_HINT = """\

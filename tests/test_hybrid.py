@@ -93,11 +93,15 @@ def test_a_stage_holds_state_for_deltanet_layers_and_kv_for_attention(hybrid: Pa
     assert cache.attn_layers == [3] and list(cache.k) == [3]
     assert cache.state is not None and sorted(cache.state.conv) == [0, 1, 2]
     state = cache.state.nbytes()
-    assert state == hp.state_bytes(0, 4) == 3 * 4 * sum(hp.state_elements())
-    stage(np.arange(300, 600) % hp.n_vocab, [SeqChunk(1, 300)])  # grows the KV past 256 rows
+    assert state == 3 * 4 * sum(hp.state_elements()) and cache.checkpoint is None
+    # a checkpoint of it (SeqChunk.mark) doubles it, as the plan counts it
+    stage(np.arange(300, 600) % hp.n_vocab, [SeqChunk(1, 300, mark=True)])  # KV past 256 rows
     assert cache.state.nbytes() == state and cache.capacity > 256
+    assert cache.checkpoint is not None and hp.state_bytes(0, 4) == 2 * state
     row = hp.n_head_kv * (hp.head_dim + hp.head_dim_v)
-    assert stage.full_kv_bytes() == cache_bytes(1, row, 512, stage.cache_type) + state
+    kv = cache_bytes(1, row, 512, stage.cache_type)
+    assert stage.full_kv_bytes() == kv + 2 * state
+    assert cache.nbytes() == cache_bytes(1, row, cache.capacity, stage.cache_type) + 2 * state
     stage.drop(1)
     assert stage.caches == {}
 
@@ -109,14 +113,39 @@ def test_a_recurrent_state_is_never_rewound_into_a_wrong_one(hybrid: Path) -> No
     stage = _stage(hybrid)
     a, b = np.array(PROMPT), np.array([40, 41, 42])
     stage(a, [SeqChunk(1, len(a))])
-    with pytest.raises(ValueError, match="cannot rewind a recurrent state from position 10 to 4"):
+    with pytest.raises(
+        ValueError, match="cannot rewind a recurrent state from 10 to 4: it holds only its last"
+    ):
         stage(b, [SeqChunk(1, 3, pos=4)])
-    with pytest.raises(ValueError, match="cannot copy the first 4 positions of a recurrent"):
+    with pytest.raises(
+        ValueError, match="cannot copy the first 4 positions of a recurrent state: it holds only"
+    ):
         stage(b, [SeqChunk(2, 3, pos=4, fork=1)])
     whole = stage(b, [SeqChunk(3, 3, pos=len(a), fork=1)])  # a copy of all 10 positions
     assert np.array_equal(whole, stage(b, [SeqChunk(1, 3)]))
     again = stage(a, [SeqChunk(1, len(a), pos=0)])  # position 0: a fresh state
     assert np.array_equal(again, stage(a, [SeqChunk(4, len(a))]))
+
+
+def test_a_marked_position_is_a_checkpoint_to_go_back_to(hybrid: Path) -> None:
+    """A chunk marked (the end of a prompt) leaves a copy of the state there: a rewind to it, or
+    a fork of it, gives the logits of a sequence that read only that far; other positions are
+    still refused, and the error names the checkpoint."""
+    stage = _stage(hybrid)
+    a, b, c = np.array(PROMPT), np.array([40, 41, 42]), np.array([50, 51])
+    stage(a, [SeqChunk(1, len(a), mark=True)])
+    went_on = stage(b, [SeqChunk(1, 3)])
+    back = stage(c, [SeqChunk(1, 2, pos=len(a))])  # to the checkpoint
+    fresh = _stage(hybrid)
+    fresh(a, [SeqChunk(9, len(a))])
+    assert np.array_equal(back, fresh(c, [SeqChunk(9, 2)]))
+    forked = stage(b, [SeqChunk(2, 3, pos=len(a), fork=1)])
+    assert np.array_equal(forked, went_on)
+    with pytest.raises(ValueError, match="its checkpoint is at 10"):
+        stage(b, [SeqChunk(1, 3, pos=5)])
+    stage(a[:3], [SeqChunk(1, 3, pos=0)])  # before the checkpoint: it is gone
+    with pytest.raises(ValueError, match="holds only its last position 3$"):
+        stage(b, [SeqChunk(3, 3, pos=1, fork=1)])
 
 
 def test_sequences_of_different_lengths_batched_compute_what_each_does_alone(
@@ -202,31 +231,45 @@ def _answer(sched: Scheduler, prompt: list[int]) -> tuple[list[int], Finished]:
 
 def _turns(m: Model, budget: int) -> tuple[list[list[int]], list[Finished], Scheduler]:
     """Turn 2 extends all of turn 1 (its prompt and answer): a whole cached sequence to go on
-    from. Turn 3 shares only part of turn 2: a recurrent state cannot go back to that part."""
+    from. Turn 3 re-sends turn 2's prompt with another answer after it (as Qwen's templates
+    re-render an answer without its reasoning): back to the checkpoint at turn 2's prompt end.
+    Turn 4 shares less than that: a recurrent state cannot go back there."""
     sched = Scheduler(m, SchedulerConfig(cache_bytes=budget))
     out, fins = [], []
     try:
         first, fin = _answer(sched, PROMPT)
-        second, fin2 = _answer(sched, [*PROMPT, *first, 80, 81, 82])
-        third, fin3 = _answer(sched, [*PROMPT, *first[:4], 90, 91])
-        out, fins = [first, second, third], [fin, fin2, fin3]
+        again = [*PROMPT, *first, 80, 81, 82]
+        second, fin2 = _answer(sched, again)
+        assert second[0] != 99
+        third, fin3 = _answer(sched, [*again, 99, 98])
+        fourth, fin4 = _answer(sched, [*PROMPT, *first[:4], 90, 91])
+        out, fins = [first, second, third, fourth], [fin, fin2, fin3, fin4]
     finally:
         sched.close()
     return out, fins, sched
 
 
-def test_a_cached_sequence_is_reused_whole_or_not_at_all(hybrid: Path) -> None:
-    """With the prefix cache on, the turn that extends the whole previous sequence reuses it
-    (everything but the answer's last id, never fed), the turn that shares only part of one is
-    a miss; the answers are those of a run without the cache."""
-    m = load_model(hybrid, n_ctx=128)
+@pytest.mark.parametrize("where", ["one process", "two workers"])
+def test_a_cached_sequence_goes_on_from_its_end_or_its_checkpoint(
+    hybrid: Path, where: str, spawn_worker: Spawn
+) -> None:
+    """With the prefix cache on, a turn that extends the whole previous sequence reuses it (but
+    the answer's last id, never fed), one that re-sends the previous prompt with another answer
+    goes back to the checkpoint at that prompt's end, one that shares less is a miss; the
+    answers are those of a run without the cache (over two workers too: SeqChunk.mark)."""
+    pool = {}
+    if where == "two workers":
+        a, b = spawn_worker().address, spawn_worker().address
+        pool = {"assignments": [Assignment(a, 0, 3), Assignment(b, 3, 4)]}
+    m = load_model(hybrid, n_ctx=128, **pool)  # type: ignore[arg-type]
     try:
         cached, fins, sched = _turns(m, BIG)
         plain, plain_fins, _ = _turns(m, 0)
         assert cached == plain
         assert fins[1].n_cached == len(PROMPT) + len(cached[0]) - 1
-        assert fins[2].n_cached == 0
-        assert sched.stats.prefix_hits == 1 and sched.stats.prefix_misses == 2
+        assert fins[2].n_cached == len(PROMPT) + len(cached[0]) + 3
+        assert fins[3].n_cached == 0
+        assert sched.stats.prefix_hits == 2 and sched.stats.prefix_misses == 2
         assert all(f.n_cached == 0 for f in plain_fins)
     finally:
         m.close()
@@ -256,7 +299,7 @@ def test_the_planner_counts_state_per_sequence_and_kv_for_attention_only(hybrid:
     attention layer K and V for the context."""
     f = GGUFFile(hybrid)
     hp = hparams_from_metadata(f.metadata)
-    state = 4 * sum(hp.state_elements())
+    state = 2 * 4 * sum(hp.state_elements())  # (a state and its checkpoint, f32)
     for n_ctx, n_seq in ((128, 1), (4096, 4)):
         fp = footprint_from_gguf(f.tensors, hp, n_ctx, n_seq=n_seq)
         kv = hp.kv_bytes_per_token(1) * n_ctx * n_seq

@@ -10,6 +10,8 @@ quantized dot products, an f16 KV cache; agrees within a tolerance set by that r
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from hybrid_reference import hf_hybrid
 from potluck.model.archs import hparams_from_metadata
 from potluck.model.stage import SeqChunk, Stage
 from potluck.modelfile.gguf_file import GGUFFile
@@ -206,7 +209,22 @@ CASES = [
     # (n_embd 128: at 64 the tiny logits' range is 2.8 and near-ties flip 3 of 20 argmaxes)
     ("mistral3", T.Q8_0, {"ffn_up": T.Q4_1}, {"tied": False, "n_embd": 128,
                                               "extra": _MINISTRAL3}),
+    # hybrids (Qwen3.5/3.6, Qwen3-Next): Gated DeltaNet layers 0-2 (2 key heads, 4 value
+    # heads: the converter's head order matters), gated attention on layer 3, an MoE with a
+    # shared expert; qwen3next's q/k/v/z in attn_qkv + attn_gate, and in the older ssm_in
+    ("qwen35", T.Q8_0, {"ssm_out": T.Q4_0, "attn_qkv": T.Q5_0},
+     {"n_layer": 4, "head_dim": 32, "rope_dim": 8, "n_ff": 128, "tied": False}),
+    ("qwen35moe", T.Q8_0, {"_exps": T.Q4_1},
+     {"n_layer": 4, "head_dim": 32, "rope_dim": 8, "n_expert": 8, "n_ff_exp": 64,
+      "n_ff_shexp": 64, "optional": True, "skip": ("gate_up_exps",)}),
+    ("qwen3next", T.Q8_0, {},
+     {"n_layer": 4, "head_dim": 32, "rope_dim": 8, "n_expert": 8, "n_ff_exp": 64,
+      "n_ff_shexp": 64, "optional": True, "skip": ("gate_up_exps", "ssm_in")}),
+    ("qwen3next", T.Q4_0, {"ssm_in": T.Q8_0},
+     {"n_layer": 4, "head_dim": 32, "rope_dim": 8, "n_expert": 8, "n_ff_exp": 64,
+      "n_ff_shexp": 64, "optional": True, "skip": ("gate_up_exps", "attn_qkv", "attn_gate")}),
 ]  # fmt: skip
+HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # what transformers' GGUF loader does not read from the file (it keeps its config's defaults)
 HF_CONFIG = {"n_ff_exp": "moe_intermediate_size", "n_ff_shexp": "shared_expert_intermediate_size"}
 HF_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")  # {arch}.key, named the same
@@ -235,6 +253,8 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         ref = _gemma4(path)
     elif arch == "mistral3":
         ref = _mistral3(path)
+    elif arch in HYBRIDS:
+        ref = hf_hybrid(path)
     else:
         config = _hf_config(path, arch, shape)
         ref = transformers.AutoModelForCausalLM.from_pretrained(
@@ -728,16 +748,82 @@ def test_fast_path_close_to_transformers(tiny) -> None:
     # through 2 random layers the logits move by ~1e-3..1e-2 of their range on average (random
     # K-quant attention is peaked: the max reaches 0.17 where a near-tie flips). A wrong graph (a
     # rope, a mask, a norm) moves them by O(1) everywhere; the exact path above proves the graph.
+    # The hybrids' 4 layers move them by 1.4e-2..3.3e-2 (their Gated DeltaNet's q/k/v matrix
+    # alone by 1e-2); llama.cpp's logits on the same files equal ours to 2e-8 (the test below).
+    hybrid = GGUFFile(path).metadata["general.architecture"] in HYBRIDS
     mean = float((ours - ref).abs().mean() / ref.abs().max())
-    assert mean < 1.5e-2, f"mean rel err {mean:.2e} (max {_rel(ours, ref):.2e})"
+    limit = 4e-2 if hybrid else 1.5e-2
+    assert mean < limit, f"mean rel err {mean:.2e} (max {_rel(ours, ref):.2e})"
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean()
-    assert agree >= 0.9, f"argmax agrees on only {agree:.0%} of positions"
+    # (the hybrids: 17 of 20, as llama.cpp's own)
+    assert agree >= (0.8 if hybrid else 0.9), f"argmax agrees on only {agree:.0%} of positions"
+
+
+LLAMA_BIN = Path(
+    os.environ.get(
+        "LLAMA_CPP_BIN", "/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+    )
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama_logits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/tools/llama_logits.c built against the reference llama.cpp (its source tree and
+    build, bench/README.md), or the tests that need it skipped."""
+    root = LLAMA_BIN.parent.parent
+    if not (LLAMA_BIN / "libllama.so").exists() or not (root / "include" / "llama.h").exists():
+        pytest.skip(f"no llama.cpp build in {LLAMA_BIN} (LLAMA_CPP_BIN; bench/README.md)")
+    tool = tmp_path_factory.mktemp("tool") / "llama_logits"
+    source = Path(__file__).parent / "tools" / "llama_logits.c"
+    subprocess.run(
+        ["cc", "-O2", "-o", str(tool), str(source), f"-I{root / 'include'}",
+         f"-I{root / 'ggml' / 'include'}", f"-L{LLAMA_BIN}", "-lllama",
+         f"-Wl,-rpath,{LLAMA_BIN}"],
+        check=True,
+    )  # fmt: skip
+    return tool
+
+
+# tiny files llama.cpp's loader refuses or reads otherwise, and why (none is a hybrid)
+LLAMA_CPP_DIFFERS = {
+    "qwen2moe": "its loader requires output.weight (the tiny file ties the head)",
+    "gpt-oss": "its loader requires output.weight (the tiny file ties the head)",
+    "olmoe": "it sizes q/k norms by n_embd (OLMoE has as many kv heads as heads; this file not)",
+    "gemma4": "it requires gemma4.embedding_length_per_layer_input, which Potluck refuses",
+}
+
+
+def test_fast_path_equals_llama_cpp(tiny, llama_logits: Path) -> None:
+    """llama.cpp's own graph of the architecture over the same file, on the same ggml kernels
+    (8-bit activations, f16 cache): the same logits as our fast path, to float rounding. (Not
+    in CI, which has no llama.cpp build: run locally after bench/README.md's build.)"""
+    path, _ = tiny
+    meta = GGUFFile(path).metadata
+    arch = meta["general.architecture"]
+    if arch in LLAMA_CPP_DIFFERS:
+        pytest.skip(f"llama.cpp and this tiny {arch} file: {LLAMA_CPP_DIFFERS[arch]}")
+    if meta.get("phi3.rope.scaling.original_context_length", 0) >= 64:
+        pytest.skip(
+            "phi3 with LongRoPE's short factors (context 64, original 64): llama.cpp's logits "
+            "differ by 0.53 of their range; not investigated yet (its long factors agree)"
+        )
+    if arch == "deepseek2" and "deepseek2.attention.q_lora_rank" not in meta:
+        pytest.skip("llama.cpp requires deepseek2.attention.q_lora_rank (this file has none)")
+    out = subprocess.run(
+        [str(llama_logits), str(path), "64", *map(str, TOKENS)],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    theirs = torch.tensor(np.loadtxt(out.stdout.splitlines()), dtype=torch.float64)
+    ours = _ours(path, exact=False)
+    assert _rel(ours, theirs) < 1e-5, f"max rel err {_rel(ours, theirs):.2e}"
 
 
 def test_split_equals_whole(tiny) -> None:
+    """(A hybrid's cuts: between two DeltaNet layers, and between a DeltaNet and attention.)"""
     path, _ = tiny
     whole = _ours(path, exact=True)
-    assert torch.equal(_ours(path, exact=True, splits=(1,)), whole)
+    hybrid = GGUFFile(path).metadata["general.architecture"] in HYBRIDS
+    assert torch.equal(_ours(path, exact=True, splits=(1, 3) if hybrid else (1,)), whole)
 
 
 def test_decode_steps_match_transformers(tiny) -> None:

@@ -11,9 +11,11 @@ starts as a copy of that part (a fork); the entry is pinned until the copy is ma
 the byte budget go, least recently used first (never a pinned one), and the scheduler drops
 their KV everywhere.
 
-A hybrid model's recurrent layers hold a sequence's state at its last position only (it cannot
-be rewound nor copied in part): there an entry serves only a request that keeps all of it (the
-next turn of a chat whose template renders the history as it was), taken over or copied whole.
+A hybrid model's recurrent layers hold a sequence's state at its last position only, and at one
+checkpoint the stages keep (the end of its last prompt: SeqChunk.mark): there an entry serves a
+request that keeps all of it, or all of it up to its checkpoint (the next turn of a chat whose
+template re-renders the last answer otherwise, as Qwen's drop its reasoning), taken over or
+copied at that point.
 
 Plain bookkeeping: no model, no pipeline; the scheduler does the dropping (engine/scheduler.py).
 """
@@ -59,6 +61,7 @@ class Entry:
     seq_id: int
     ids: tuple[int, ...]  # the ids whose K/V the stages hold, position 0 on
     lora: int | None  # the adapters its K/V were computed with (a request must match them)
+    mark: int = -1  # a hybrid's checkpoint of its recurrent state on the stages (-1: none)
 
     @property
     def n(self) -> int:
@@ -116,14 +119,14 @@ class PrefixCache:
         the whole prompt: its last token is computed, for the logits); None when no entry shares
         enough. A hit to adopt leaves the cache (the request's sequence becomes it); one to fork
         from stays, pinned (`unpin` once the copy is made), and becomes the most recently used.
-        whole_only: only an entry the prompt extends counts, all of it kept."""
+        whole_only: an entry counts up to its end or its checkpoint, no other position."""
         best: Hit | None = None
         for e in self._entries.values():
             if e.lora != lora:
                 continue
             n = min(common_prefix(e.ids, prompt), len(prompt) - 1)
-            if self.whole_only and n < e.n:
-                continue
+            if self.whole_only:  # its end or its checkpoint, the furthest the prompt keeps
+                n = max((p for p in (e.n, e.mark) if 0 < p <= n), default=0)
             if n >= MIN_REUSE and (best is None or n > best.reuse):
                 best = Hit(e, n)
         if best is None:
@@ -147,10 +150,10 @@ class PrefixCache:
             self._pins.pop(seq_id, None)
         return self._evict()
 
-    def put(self, seq_id: int, ids: Sequence[int], lora: int | None) -> list[int]:
-        """Keep a finished sequence; the seq ids to drop (evicted ones, or this one when it alone
-        is over the budget)."""
-        entry = Entry(seq_id, tuple(ids), lora)
+    def put(self, seq_id: int, ids: Sequence[int], lora: int | None, mark: int = -1) -> list[int]:
+        """Keep a finished sequence (mark: its recurrent state's checkpoint); the seq ids to drop
+        (evicted ones, or this one when it alone is over the budget)."""
+        entry = Entry(seq_id, tuple(ids), lora, mark)
         if not self.on or self._bytes(entry.n) > self.budget_bytes or not entry.n:
             return [seq_id]
         self._entries[seq_id] = entry

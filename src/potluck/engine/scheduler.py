@@ -112,6 +112,9 @@ class _Seq:
     # the cached sequence its first batch copies the `cached` positions from (a fork), until sent
     fork_from: int | None = None
     fed: int = 0  # leading ids of `history` whose K/V the stages hold (batches that came back)
+    # a hybrid's stages keep a checkpoint of its recurrent state at this position (the end of
+    # its prompt: SeqChunk.mark), which a later request may go back to; -1: none
+    mark: int = -1
     pace: Pace = field(default_factory=Pace)  # whether it drafts (speculative decoding)
     generated: int = 0
     in_flight: int = 0  # batches of this sequence not finished yet
@@ -201,6 +204,7 @@ class Scheduler:
         self.prefixes = PrefixCache(
             self.config.cache_bytes, model.kv_bytes_per_token, model.state_bytes
         )
+        self._marks = self.prefixes.on and self.prefixes.whole_only  # (checkpoints: a hybrid)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="potluck-scheduler", daemon=True)
         if not inline:
@@ -372,6 +376,7 @@ class Scheduler:
                 seq.fork_from = hit.entry.seq_id
             else:
                 seq.seq_id = hit.entry.seq_id
+                seq.mark = hit.entry.mark if hit.entry.mark <= hit.reuse else -1
             seq.cached = seq.prefilled = seq.fed = hit.reuse
             st.prefix_hits += 1
             st.cached_tokens += hit.reuse
@@ -462,10 +467,14 @@ class Scheduler:
         fork = None
         if pos >= 0:
             fork, seq.fork_from = seq.fork_from, None
+        # a hybrid's stages keep their recurrent state at the prompt's end, for the next turn
+        mark = self._marks and b == n
+        if mark:
+            seq.mark = b
         return _Batch(
             "prompt",
             (seq,),
-            (SeqChunk(seq.seq_id, b - a, seq.req.lora, pos=pos, fork=fork),),
+            (SeqChunk(seq.seq_id, b - a, seq.req.lora, pos=pos, fork=fork, mark=mark),),
             b == len(seq.req.prompt),
             time.perf_counter(),
         )
@@ -660,7 +669,8 @@ class Scheduler:
         self._active.pop(seq.seq_id, None)
         if seq.in_flight == 0:
             if keep and seq.fed and not self._closed:
-                gone = self.prefixes.put(seq.seq_id, seq.history[: seq.fed], seq.req.lora)
+                mark = seq.mark if seq.mark <= seq.fed else -1
+                gone = self.prefixes.put(seq.seq_id, seq.history[: seq.fed], seq.req.lora, mark)
             else:
                 gone = [seq.seq_id]
             for seq_id in gone:

@@ -9,8 +9,10 @@ and a masked row must hold finite numbers (0 * NaN is NaN).
 
 A hybrid model's recurrent layers (Gated DeltaNet) keep no K and V: per layer a fixed-size state
 (`RecurrentState`: the convolution's last inputs and the delta rule's matrices, f32) that the
-step's graph reads and overwrites. It holds the sequence at `length` and nowhere else: it cannot
-be truncated to an earlier position (only to 0, a fresh state) nor copied in part.
+step's graph reads and overwrites. It holds the sequence at `length` and nowhere else, but for
+one checkpoint: a copy of it at the last position the head marked (`mark`; the end of a prompt,
+where the next turn of a chat starts again). A cache can be truncated or copied to its end, its
+checkpoint or 0 (a fresh state), and to no other position.
 """
 
 from __future__ import annotations
@@ -70,10 +72,7 @@ class RecurrentState:
 
     def copy_from(self, src: RecurrentState) -> None:
         for a, b in zip(src.tensors(), self.tensors(), strict=True):
-            n = lib.ggml_nbytes(a)
-            tmp = np.empty(n, np.uint8)
-            lib.ggml_backend_tensor_get(a, tmp.ctypes.data, 0, n)
-            lib.ggml_backend_tensor_set(b, tmp.ctypes.data, 0, n)
+            lib.ggml_backend_tensor_copy(a, b)
 
     def nbytes(self) -> int:
         return sum(lib.ggml_nbytes(t) for t in self.tensors())
@@ -138,6 +137,10 @@ class SeqCache:
         self._ctx: int | None = None
         self._buffers: list[int] = []
         self.state = RecurrentState(recurrent, state_sizes, buffer_type) if recurrent else None
+        # the state at position `marked` (-1: none), made by the first mark
+        self.checkpoint: RecurrentState | None = None
+        self.marked = -1
+        self._state_args = (recurrent, state_sizes, buffer_type)
         if self.attn_layers:
             self._allocate(min(MIN_CAPACITY, n_ctx))
         else:  # nothing grows with the sequence
@@ -216,7 +219,7 @@ class SeqCache:
 
     def _bytes(self, capacity: int) -> int:
         kv = cache_bytes(len(self.attn_layers), self.row_k + self.row_v, capacity, self.cache_type)
-        return kv + (self.state.nbytes() if self.state is not None else 0)
+        return kv + sum(s.nbytes() for s in (self.state, self.checkpoint) if s is not None)
 
     def reserve(self, n_new: int) -> None:
         need = self.length + n_new
@@ -231,18 +234,39 @@ class SeqCache:
     def commit(self, n_new: int) -> None:
         self.length += n_new
 
+    def mark(self) -> None:
+        """Keep the recurrent state as it is now (at `length`): the checkpoint, replacing the
+        one before. (Nothing to keep without recurrent layers: K and V can be truncated.)"""
+        if self.state is None:
+            return
+        if self.checkpoint is None:
+            self.checkpoint = RecurrentState(*self._state_args)
+        self.checkpoint.copy_from(self.state)
+        self.marked = self.length
+
+    def _state_at(self, n: int, length: int) -> str | None:
+        """Why the recurrent state cannot stand at position n of `length` (None: it can: its
+        end, its checkpoint, or 0)."""
+        if self.state is None or n in (0, length, self.marked):
+            return None
+        kept = f"; its checkpoint is at {self.marked}" if self.marked >= 0 else ""
+        return f"it holds only its last position {length}{kept}"
+
     def truncate(self, n: int) -> None:
         """Forget the positions from `n` on (their rows stay, masked out, until overwritten). A
-        recurrent state can only go back to 0 (cleared): it holds no earlier position."""
+        recurrent state goes back to its checkpoint or to 0 (cleared), nowhere else."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot keep {n} positions of a cache holding {self.length}")
-        if self.state is not None and 0 < n < self.length:
-            raise ValueError(
-                f"cannot rewind a recurrent state from position {self.length} to {n}: it holds "
-                "only its last position"
-            )
-        if self.state is not None and n == 0:
-            self.state.clear()
+        if why := self._state_at(n, self.length):
+            raise ValueError(f"cannot rewind a recurrent state from {self.length} to {n}: {why}")
+        if self.state is not None and n < self.length:
+            if n == 0:
+                self.state.clear()
+            else:
+                assert self.checkpoint is not None
+                self.state.copy_from(self.checkpoint)
+        if n < self.marked:
+            self.marked = -1
         self.length = n
 
     def copy_from(self, src: SeqCache, n: int) -> None:
@@ -252,18 +276,15 @@ class SeqCache:
             raise ValueError("a cache can only copy a cache of the same layers and shape")
         if not 0 <= n <= src.length:
             raise ValueError(f"cannot copy {n} positions of a cache holding {src.length}")
-        if self.state is not None and n not in (0, src.length):
-            raise ValueError(
-                f"cannot copy the first {n} positions of a recurrent state holding {src.length}: "
-                "it holds only its last position"
-            )
-        self.length = 0
+        if why := src._state_at(n, src.length):
+            raise ValueError(f"cannot copy the first {n} positions of a recurrent state: {why}")
+        self.length, self.marked = 0, -1
         self.reserve(n)
         if self.state is not None and src.state is not None:
-            if n:
-                self.state.copy_from(src.state)
-            else:
+            if n == 0:
                 self.state.clear()
+            else:
+                self.state.copy_from(src.state if n == src.length else src.checkpoint)  # type: ignore[arg-type]
         size = np.dtype(_ELEMENT[self.cache_type]).itemsize
         for i in self.attn_layers:
             for a, b, row in ((src.k[i], self.k[i], self.row_k), (src.v[i], self.v[i], self.row_v)):
@@ -282,8 +303,9 @@ class SeqCache:
         if self._ctx is not None:
             lib.ggml_free(self._ctx)
         self._buffers, self._ctx, self.k, self.v = [], None, {}, {}
-        if self.state is not None:
-            self.state.free()
+        for state in (self.state, self.checkpoint):
+            if state is not None:
+                state.free()
 
     def __del__(self) -> None:
         self.free()

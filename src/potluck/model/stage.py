@@ -126,7 +126,10 @@ class SeqChunk:
     rejected drafts, a cached prefix reused in part). fork: a sequence whose first `pos`
     positions this one starts from (copied; a cached prefix shared by another request).
     draft: the chunk's last len(draft) ids are drafted (speculative decoding): the last stage
-    samples after each of them too and keeps those its samples agree with (sampling.verify)."""
+    samples after each of them too and keeps those its samples agree with (sampling.verify).
+    mark: a stage with recurrent layers keeps their state as it is after this chunk (one
+    checkpoint per sequence, the last marked): a later rewind or fork to that position starts
+    from it (a recurrent state holds no other earlier position)."""
 
     seq_id: int
     n: int
@@ -134,6 +137,7 @@ class SeqChunk:
     pos: int = -1
     fork: int | None = None
     draft: tuple[int, ...] = ()
+    mark: bool = False
 
 
 def sample_rows(chunks: Sequence[SeqChunk]) -> np.ndarray:
@@ -513,6 +517,8 @@ class Stage:
         out = self._graph.run(x, [cache.length for cache in caches], rows, lora_on)
         for c, cache in zip(chunks, caches, strict=True):
             cache.commit(c.n)
+            if c.mark:
+                cache.mark()
         return out
 
     __call__ = forward

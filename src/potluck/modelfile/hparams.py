@@ -20,6 +20,8 @@ GATING: dict[int, Gating] = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  #
 # numbers {arch}.expert_gating_func
 RopeScaling = Literal["none", "linear", "yarn"]  # {arch}.rope.scaling.type
 _SCALINGS: dict[str, RopeScaling] = {s: s for s in get_args(RopeScaling)}
+# a hybrid's recurrent state per layer and sequence, with the one checkpoint a stage may keep
+STATE_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -220,11 +222,12 @@ class HParams:
         return conv, self.delta_head_v**2 * self.ssm_dt_rank
 
     def state_bytes(self, start: int = 0, stop: int | None = None) -> int:
-        """Bytes of recurrent state one sequence holds over the layers [start, stop): fixed,
-        whatever its length (f32, as llama.cpp keeps it)."""
+        """Bytes of recurrent state one sequence may hold over the layers [start, stop): its
+        state and one checkpoint of it (model/kv_cache.py), fixed whatever its length (f32, as
+        llama.cpp keeps it)."""
         stop = self.n_layer if stop is None else stop
         n = sum(self.is_recurrent(i) for i in range(start, stop))
-        return n * sum(self.state_elements()) * 4
+        return n * STATE_COPIES * sum(self.state_elements()) * 4
 
     def is_sliding(self, layer: int) -> bool:
         """Whether global layer `layer` attends only to the last `sliding_window` positions."""

@@ -76,6 +76,7 @@ class Forwarder:
                     c.pos,
                     c.fork_from if c.fork else None,
                     tuple(c.draft),
+                    c.mark,
                 )
                 for c in request.chunks
             ]

@@ -36,7 +36,7 @@ from potluck.errors import UnsupportedError
 from potluck.model.archs.common import is_routed
 from potluck.model.weights import SUPPORTED_TYPES
 from potluck.modelfile.gguf_file import TensorInfo
-from potluck.modelfile.hparams import HParams
+from potluck.modelfile.hparams import STATE_COPIES, HParams
 from potluck.planner.errors import PlanError
 
 F32_BYTES, FP16_BYTES = 4, 2
@@ -205,7 +205,8 @@ def footprint_from_gguf(
         head += held_by(norm)
     kv_row = hp.kv_bytes_per_token(1, KV_BYTES)  # one position of one layer
     kv = kv_row * n_ctx * n_seq
-    state = sum(hp.state_elements()) * 4  # a recurrent layer's state of one sequence (f32)
+    # a recurrent layer's state of one sequence (f32), with its checkpoint
+    state = STATE_COPIES * sum(hp.state_elements()) * 4
     seen = min(n_ctx, DEFAULT_ATTENDED if attended is None else max(attended, 1))
     # a recurrent layer holds a fixed state per sequence instead of K and V, and a decoded
     # token reads it and writes it back

@@ -30,7 +30,7 @@ from potluck.transport import potluck_pb2 as pb
 if TYPE_CHECKING:
     from potluck.model.stage import SeqChunk
 
-PROTOCOL_VERSION = 5  # 5: SeqChunk.rewind / fork (cached prefixes)
+PROTOCOL_VERSION = 6  # 5: SeqChunk.rewind / fork (cached prefixes); 6: SeqChunk.mark
 MAX_MESSAGE_BYTES = (
     512 * 2**20
 )  # a prompt micro-batch of hidden states or a tensor chunk stays far below
@@ -354,6 +354,7 @@ def seq_chunks(
                 follow=follow,
                 lora=lora_to_wire(c.lora),
                 draft=c.draft,
+                mark=c.mark,
             )
         )
     return wire

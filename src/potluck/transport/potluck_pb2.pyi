@@ -221,7 +221,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "n", "sampling", "recent", "sample", "pos", "lora", "follow", "rewind", "fork", "fork_from", "draft")
+    __slots__ = ("seq_id", "n", "sampling", "recent", "sample", "pos", "lora", "follow", "rewind", "fork", "fork_from", "draft", "mark")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,7 @@ class SeqChunk(_message.Message):
     FORK_FIELD_NUMBER: _ClassVar[int]
     FORK_FROM_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    MARK_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     n: int
     sampling: SamplingConfig
@@ -246,7 +247,8 @@ class SeqChunk(_message.Message):
     fork: bool
     fork_from: int
     draft: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., pos: _Optional[int] = ..., lora: _Optional[int] = ..., follow: _Optional[bool] = ..., rewind: _Optional[bool] = ..., fork: _Optional[bool] = ..., fork_from: _Optional[int] = ..., draft: _Optional[_Iterable[int]] = ...) -> None: ...
+    mark: bool
+    def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., pos: _Optional[int] = ..., lora: _Optional[int] = ..., follow: _Optional[bool] = ..., rewind: _Optional[bool] = ..., fork: _Optional[bool] = ..., fork_from: _Optional[int] = ..., draft: _Optional[_Iterable[int]] = ..., mark: _Optional[bool] = ...) -> None: ...
 
 class Run(_message.Message):
     __slots__ = ("tokens",)

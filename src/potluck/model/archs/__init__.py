@@ -136,7 +136,7 @@ def parameters(hp: HParams, tensors: Mapping[str, TensorInfo]) -> tuple[int, int
 def describe(hp: HParams, tensors: Mapping[str, TensorInfo]) -> str:
     """One line for listings and plans: 'llama, 30 layers, 135M parameters', or for a mixture
     of experts 'qwen3moe, 48 layers, 30.5B parameters, 3.3B active (mixture of 128 experts, 8
-    per token)'."""
+    per token)'; a hybrid adds its recurrent layers and their state per sequence."""
     total, active = parameters(hp, tensors)
     line = f"{hp.arch}, {hp.n_layer} layers, {_count(total)} parameters"
     if hp.is_moe:
@@ -144,7 +144,18 @@ def describe(hp: HParams, tensors: Mapping[str, TensorInfo]) -> str:
             f", {_count(active)} active (mixture of {hp.n_expert} experts, "
             f"{hp.n_expert_used} per token)"
         )
+    if hp.is_hybrid:
+        n = hp.n_layer - hp.attention_layers()
+        line += (
+            f"; hybrid: {n} of {hp.n_layer} layers recurrent (Gated DeltaNet: "
+            f"{_size(hp.state_bytes())} of state per sequence, no KV)"
+        )
     return line
+
+
+def _size(n: int) -> str:
+    """Bytes as 'x KiB' / 'x MiB'."""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 __all__ = [
