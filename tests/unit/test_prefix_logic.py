@@ -231,3 +231,42 @@ def test_a_pinned_entry_is_never_evicted() -> None:
     assert c.take([*range(600, 620), 1], None).fork  # type: ignore[union-attr]
     again = c.take(list(range(600, 660)), None)
     assert again is not None and again.fork and c.entries == 1
+
+
+def test_a_hybrids_entry_is_reused_from_its_end_or_its_checkpoint_only() -> None:
+    """With a recurrent state (state_bytes > 0) an entry serves a prompt up to its end or its
+    checkpoint (the end of its last prompt), never from a position between: a prompt that
+    parts ways elsewhere takes the furthest of those two it keeps, or misses."""
+    cache = PrefixCache(1 << 20, bytes_per_token=1, state_bytes=100)
+    ids = list(range(100, 130))  # prompt 100..119 (checkpoint at 20), answer 120..129
+    assert cache.put(1, ids, None, mark=20) == []
+    assert cache.nbytes == 30 + 100
+    hit = cache.take([*ids, 7, 8], None)  # the next turn: all of it
+    assert hit is not None and (hit.entry.seq_id, hit.reuse, hit.fork) == (1, 30, False)
+    cache.put(1, ids, None, mark=20)
+    hit = cache.take([*ids[:25], 7, 8], None)  # parts ways in the answer: its checkpoint
+    assert hit is not None and hit.reuse == 20 and not hit.fork
+    cache.put(1, ids, None, mark=20)
+    assert cache.take([*ids[:15], 7, 8], None) is None  # before the checkpoint: nothing
+    assert cache.take([*ids[:12], 7], None) is None
+    plain = PrefixCache(1 << 20, bytes_per_token=1)  # (without a recurrent state: 15 of them)
+    plain.put(1, ids, None)
+    hit = plain.take([*ids[:15], 7, 8], None)
+    assert hit is not None and hit.reuse == 15
+
+
+def test_a_hybrid_marks_each_prompts_end(made: list) -> None:
+    """The scheduler marks the last batch of every prompt (a checkpoint on the stages) when the
+    model has a recurrent state and the cache is on; never otherwise."""
+    for state, budget, marked in ((100, BIG, True), (0, BIG, False), (100, 0, False)):
+        pipe = FakePipeline()
+        model = FakeModel(pipe, 256)
+        model.state_bytes = state  # type: ignore[misc]
+        s = Scheduler(model, SchedulerConfig(cache_bytes=budget, n_batch=4))
+        made.append((s, pipe))
+        run(s, [request(tuple(range(10, 20)), 3)])
+        marks = [c.mark for b in pipe.sent for c in b.chunks]
+        assert sum(marks) == (1 if marked else 0)
+        if marked:  # the prompt's last micro-batch (ids 18, 19: 10 ids in batches of 4)
+            (last,) = [b for b in pipe.sent if any(c.mark for c in b.chunks)]
+            assert last.ids == (18, 19)
