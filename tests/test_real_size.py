@@ -158,23 +158,26 @@ HELD = re.compile(
 )
 
 
-def test_30b_a3b_on_two_capped_workers_equals_one_uncapped_process(spawn_worker: Spawn) -> None:
-    """The mixture of experts people pool: Qwen3-30B-A3B's shape (48 layers, 128 experts, 8 per
-    token; 17.3 GiB at Q4_K_M) on two workers of 12 GiB each, which neither can hold alone.
-    Its workers and groups end with the test, before the 14B's are made (not both at once)."""
+@pytest.mark.parametrize(("name", "gib"), [("qwen30b-a3b", 18), ("qwen36-35b-a3b", 21)])
+def test_moe_on_two_capped_workers_equals_one_uncapped_process(
+    spawn_worker: Spawn, name: str, gib: int
+) -> None:
+    """The mixtures of experts people pool: Qwen3-30B-A3B's shape (48 layers, 128 experts, 8 per
+    token; 17.3 GiB at Q4_K_M) and the hybrid Qwen3.6-35B-A3B's (40 layers, 30 of them Gated
+    DeltaNet, 256 experts, 8 per token; 19.7 GiB) on two workers of 12 GiB each, which neither
+    can hold alone. Its workers and groups end with the test, before the 14B's are made (not
+    both at once)."""
     mm = _make_model()
-    path = mm.default_path("qwen30b-a3b")
+    path = mm.default_path(name)
     if not mm.is_complete(path):
         cache = Places.of(os.environ, Path.home()).cache
         free = shutil.disk_usage(cache if cache.exists() else Path.home()).free
-        if free < 22 << 30:
-            pytest.skip(
-                f"the 30B-A3B-shape model needs 18 GiB of disk, {free / 2**30:.1f} GiB free"
-            )
+        if free < (gib + 4) << 30:
+            pytest.skip(f"the {name}-shape model needs {gib} GiB of disk, {free / 2**30:.1f} free")
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if total < 2 * CAP_MOE - (1 << 30):
         pytest.skip(f"two 12 GiB workers need 23 GiB of RAM, this machine has {total / 2**30:.1f}")
-    model = mm.ensure_model("qwen30b-a3b")
+    model = mm.ensure_model(name)
     groups: list[MemoryCgroup] = []
     workers: list[CappedWorker] = []
     try:
