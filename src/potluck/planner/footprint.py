@@ -205,18 +205,18 @@ def footprint_from_gguf(
         head += held_by(norm)
     kv_row = hp.kv_bytes_per_token(1, KV_BYTES)  # one position of one layer
     kv = kv_row * n_ctx * n_seq
-    # a recurrent layer's state of one sequence (f32), with its checkpoint
-    state = STATE_COPIES * sum(hp.state_elements()) * 4
+    state = sum(hp.state_elements()) * 4  # a recurrent layer's state of one sequence (f32)
     seen = min(n_ctx, DEFAULT_ATTENDED if attended is None else max(attended, 1))
-    # a recurrent layer holds a fixed state per sequence instead of K and V, and a decoded
-    # token reads it and writes it back
+    # a recurrent layer holds a fixed state per sequence (and a checkpoint of it) instead of K
+    # and V, and a decoded token reads the state and writes it back
     reads = [
         w + 2 * state
         if hp.is_recurrent(i)
         else w + kv_row * (min(seen, hp.sliding_window) if hp.is_sliding(i) else seen)
         for i, w in enumerate(read)
     ]
-    layer_kv = [state * n_seq if hp.is_recurrent(i) else kv for i in range(hp.n_layer)]
+    held = STATE_COPIES * state * n_seq
+    layer_kv = [held if hp.is_recurrent(i) else kv for i in range(hp.n_layer)]
     return ModelFootprint(
         n_layer=hp.n_layer,
         n_embd=hp.n_embd,
