@@ -2,8 +2,9 @@
 DeltaNet layer's state per sequence beside its attention layers' KV, sequences of different
 lengths batched together compute what each computes alone, a pool of real worker processes
 gives one process's tokens whatever the split (a cut between a DeltaNet and an attention layer
-included), a killed worker's layers are rebuilt by replay, and what needs a rewind (a cached
-prefix reused in part, speculative drafts) is refused or missed, never computed from a wrong
+included), a killed worker's layers are rebuilt by replay, and a rewind goes only where a
+state was kept (its end, the checkpoint at a prompt's end, the states after each drafted token:
+cached prefixes and speculative decoding) and is refused elsewhere, never computed from a wrong
 state.
 
 (The workers are separate OS processes on 127.0.0.1 standing in for separate machines.)
@@ -30,8 +31,7 @@ from potluck.engine.scheduler import (
     SchedulerConfig,
     TokenEvent,
 )
-from potluck.engine.spec import NgramDrafter, SpecConfig
-from potluck.errors import UnsupportedError
+from potluck.engine.spec import SpecConfig
 from potluck.model.archs import hparams_from_metadata
 from potluck.model.kv_cache import cache_bytes
 from potluck.model.stage import SeqChunk, Stage
@@ -275,22 +275,82 @@ def test_a_cached_sequence_goes_on_from_its_end_or_its_checkpoint(
         m.close()
 
 
-def test_speculative_decoding_is_refused_with_the_reason(hybrid: Path, tmp_path: Path) -> None:
-    m = load_model(hybrid, n_ctx=128)
+class _Knowing:
+    """Drafts the answer a plain run gave, with every third drafted id wrong (after the first
+    draft): drafted steps keep part of their drafts and rewind the rest, through the snapshots
+    of the states after each drafted token."""
+
+    def __init__(self, prompt: int, answer: list[int]) -> None:
+        self.prompt, self.answer, self.calls = prompt, answer, 0
+
+    def draft(self, seq_id: int, history: list[int], k: int) -> list[int]:
+        at = len(history) - self.prompt
+        out = self.answer[at : at + k]
+        self.calls += 1
+        if len(out) >= 3 and self.calls % 2:
+            out[2] = (out[2] + 1) % 200
+        return out
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+
+def test_drafted_steps_rewind_through_the_states_after_each_token(hybrid: Path) -> None:
+    """A drafted chunk keeps the recurrent states after each of its tokens: rewound to any of
+    them, the sequence goes on exactly as one that only ever read that far."""
+    a, d, more = np.array(PROMPT), np.array([40, 41, 42, 43, 44]), np.array([77, 78])
+    stage = _stage(hybrid)
+    stage(a, [SeqChunk(1, len(a), mark=True)])  # (a checkpoint to start each draft again from)
+    for keep in range(len(a) + 1, len(a) + len(d) + 1):
+        stage(d, [SeqChunk(1, len(d), pos=len(a), draft=tuple(d[1:]))], np.arange(len(d)))
+        got = stage(more, [SeqChunk(1, 2, pos=keep)])
+        fresh = _stage(hybrid)
+        fresh(np.concatenate([a, d[: keep - len(a)]]), [SeqChunk(9, keep)])
+        assert np.array_equal(got, fresh(more, [SeqChunk(9, 2)])), keep
+    stage(d, [SeqChunk(1, len(d), pos=len(a), draft=tuple(d[1:]))], np.arange(len(d)))
+    stage(more, [SeqChunk(1, 2, pos=len(a) + 2)])  # positions 12, 13: other ids than d's
+    with pytest.raises(ValueError, match="holds only its last position 14"):
+        stage(more, [SeqChunk(1, 2, pos=len(a) + 3)])  # (the state after d[2] is not 13's)
+    stage(more, [SeqChunk(1, 2, pos=len(a) + 2)])  # (after d[1]: still this history's)
+
+
+@pytest.mark.parametrize("where", ["one process", "two workers"])
+def test_speculative_decoding_gives_the_same_tokens(
+    hybrid: Path, where: str, spawn_worker: Spawn
+) -> None:
+    """Drafts partly kept, the rest rewound (on the last worker too: the snapshots are every
+    stage's): the greedy tokens of decoding without drafts."""
+    pool = {}
+    if where == "two workers":
+        a, b = spawn_worker().address, spawn_worker().address
+        pool = {"assignments": [Assignment(a, 0, 2), Assignment(b, 2, 4)]}
+    m = load_model(hybrid, n_ctx=128, **pool)  # type: ignore[arg-type]
+    prompt = tuple(PROMPT)
     try:
-        config = SchedulerConfig(spec=SpecConfig("ngram-simple"))
-        with pytest.raises(UnsupportedError, match="cannot be rewound past rejected drafts"):
-            Scheduler(m, config, NgramDrafter())
+        plain = Scheduler(m, SchedulerConfig())
+        evs = list(plain.run_one(Request(prompt, GREEDY, 40, frozenset())))
+        plain.close()
+        want = [e.token for e in evs if isinstance(e, TokenEvent)]
+        spec = SpecConfig("ngram-simple", n_max=4, min_rate=0.0)
+        sched = Scheduler(m, SchedulerConfig(spec=spec), _Knowing(len(prompt), want))
+        evs = list(sched.run_one(Request(prompt, GREEDY, 40, frozenset())))
+        sched.close()
+        assert [e.token for e in evs if isinstance(e, TokenEvent)] == want
+        st = sched.stats
+        assert st.draft_steps >= 2 and 0 < st.draft_kept < st.drafted, (st.drafted, st.draft_kept)
     finally:
         m.close()
+
+
+def test_a_hybrid_draft_model_is_refused_with_the_reason(hybrid: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "potluck.cli", "run", "-m", str(hybrid), "-n", "4", "--raw",
-         "--spec-type", "ngram-simple", "hello"],
-        capture_output=True, text=True, timeout=120, env=None,
+        [sys.executable, "-m", "potluck.cli", "run", "-m", str(hybrid), "-md", str(hybrid),
+         "-n", "4", "--raw", "hello"],
+        capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode != 0
     line = " ".join(run.stderr.split())
-    assert "speculative decoding is not supported for qwen35moe" in line, run.stderr
+    assert "a hybrid model (qwen35moe) cannot draft" in line, run.stderr
 
 
 # -- memory ----------------------------------------------------------------------------------------

@@ -45,25 +45,20 @@ def cache_sequences(hp: HParams, ctx: int | None, cache_ram: int | None) -> int:
 def _drafter(spec: SpecFlags, m: Model, compute: Compute) -> Drafter | None:
     """The drafter `spec` asks for (engine/spec.py): prompt lookup, or a draft model loaded on
     this machine (checked to share the model's vocabulary); None without speculative decoding."""
-    from potluck.engine.spec import ModelDrafter, NgramDrafter, check_draft_vocab, spec_refusal
+    from potluck.engine.spec import ModelDrafter, NgramDrafter, check_draft_vocab, draft_refusal
     from potluck.modelfile.sources import resolve_model
     from potluck.pool.build import load_model
 
     kind = spec.config().kind
-    if kind != "none" and m.hp.is_hybrid:
-        raise UnsupportedError(spec_refusal(kind, m.hp.arch))
     if kind == "ngram-simple":
         return NgramDrafter()
     if kind != "draft-simple":
         return None
     path = resolve_model(spec.model_draft, places())
     draft = load_model(path, m.n_ctx, compute=compute)
-    if draft.hp.is_hybrid:  # (its own sequences are rewound past the drafts not kept)
+    if draft.hp.is_hybrid:  # (its own sequence is rewound to any earlier position)
         draft.close()
-        raise UnsupportedError(
-            f"-md {path.name}: a hybrid ({draft.hp.arch}) cannot draft: "
-            + spec_refusal(kind, draft.hp.arch).split(": ", 1)[1]
-        )
+        raise UnsupportedError(draft_refusal(path.name, draft.hp.arch))
     check_draft_vocab(m, draft)
     err.print(f"[dim]draft model: {draft.summary()}[/]")
     return ModelDrafter(draft)

@@ -57,7 +57,7 @@ from potluck.engine.requests import (
     TokenEvent,
     prompt_ubatch,
 )
-from potluck.engine.spec import DRAFT, REST, Drafter, Pace, SpecConfig, spec_refusal
+from potluck.engine.spec import DRAFT, REST, Drafter, Pace, SpecConfig
 from potluck.errors import ContextError, UnsupportedError
 from potluck.model.stage import SeqChunk
 from potluck.sampling import Sampler, Token, tokens_of
@@ -185,8 +185,6 @@ class Scheduler:
         self.spec: SpecConfig = self.config.spec
         if self.spec.on and drafter is None:
             raise ValueError(f"--spec-type {self.spec.kind} needs a drafter")
-        if self.spec.on and model.state_bytes:
-            raise UnsupportedError(spec_refusal(self.spec.kind))
         self.drafter = drafter if self.spec.on else None
         self._plain_rate = 0.0  # tokens per ms of plain one-sequence decode steps (recent)
         self.n_ctx = model.n_ctx

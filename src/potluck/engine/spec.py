@@ -64,12 +64,14 @@ class SpecConfig:
 NO_SPEC = SpecConfig()
 
 
-def spec_refusal(kind: str, arch: str = "this model") -> str:
-    """Why --spec-type `kind` is refused for a hybrid model (recurrent layers)."""
+def draft_refusal(name: str, arch: str) -> str:
+    """Why a hybrid model (recurrent layers) cannot be a draft model: ModelDrafter rewinds its
+    own sequence to wherever the target's text parted from its drafts, and a recurrent state
+    keeps no such positions (a target's stages keep the states of its drafted steps)."""
     return (
-        f"--spec-type {kind}: speculative decoding is not supported for {arch}: its recurrent "
-        "(Gated DeltaNet) layers keep one state per sequence that cannot be rewound past "
-        "rejected drafts; run without --spec-type"
+        f"-md {name}: a hybrid model ({arch}) cannot draft: its recurrent (Gated DeltaNet) "
+        "layers cannot be rewound to the positions a draft model goes back to; use a "
+        "transformer draft model of the same vocabulary, or --spec-type ngram-simple"
     )
 
 

@@ -61,18 +61,23 @@ def attended(cache: SeqCache, n_new: int) -> int:
 @dataclass(frozen=True)
 class StepShape:
     """What a graph depends on: per chunk (cache id, cache generation, tokens, n_kv), and the
-    number of logits rows (-1: not the last stage; 0: the last stage, no head this step)."""
+    number of logits rows (-1: not the last stage; 0: the last stage, no head this step); the
+    chunks whose recurrent states are kept after each token (`snaps`: drafted ones)."""
 
     chunks: tuple[tuple[int, int, int, int], ...]
     n_rows: int
+    snaps: tuple[bool, ...] = ()
 
     @staticmethod
-    def of(caches: Sequence[SeqCache], sizes: Sequence[int], n_rows: int) -> StepShape:
+    def of(
+        caches: Sequence[SeqCache], sizes: Sequence[int], n_rows: int, snaps: Sequence[bool] = ()
+    ) -> StepShape:
         return StepShape(
             tuple(
                 (id(c), c.generation, n, attended(c, n)) for c, n in zip(caches, sizes, strict=True)
             ),
             n_rows,
+            tuple(snaps) if any(snaps) else (),
         )
 
 
@@ -110,6 +115,9 @@ class StepGraph:
             per_layer += 24  # of its two FFNs, of v and of the router's input), their muls
         if hp.is_hybrid:  # a Gated DeltaNet's projections, then per sequence its convolution,
             per_layer += 32 + 40 * len(self.sizes)  # delta rule, state copies and gated norm
+            # (and a drafted chunk's snapshots: three nodes per token)
+            snaps = shape.snaps or (False,) * len(self.sizes)
+            per_layer += 3 * sum(n for n, snap in zip(self.sizes, snaps, strict=True) if snap)
         n_nodes = len(layers) * per_layer + 64
         self.ctx = new_context(2 * n_nodes + 16, n_nodes)
         self.gf: int = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
@@ -273,7 +281,8 @@ class StepGraph:
         weight = self.w.tensor(p + "ssm_conv1d.weight")  # [K, C]
         outs: list[int] = []
         t0 = 0
-        for cache, n in zip(self.caches, self.sizes, strict=True):
+        snaps = self.shape.snaps or (False,) * len(self.sizes)
+        for cache, n, snap in zip(self.caches, self.sizes, snaps, strict=True):
             assert cache.state is not None, "a recurrent layer's cache has a state"
             conv_state = cache.state.conv[i]  # f32 [(K - 1) C]
             state = lib.ggml_view_2d(ctx, conv_state, K - 1, C, (K - 1) * _F32, 0)
@@ -282,6 +291,15 @@ class StepGraph:
             last = lib.ggml_view_2d(ctx, x, K - 1, C, (K - 1 + n) * _F32, n * _F32)
             saved = lib.ggml_cpy(ctx, last, state)
             lib.ggml_build_forward_expand(self.gf, saved)
+            if snap:  # the window after each token j: columns j + 1 .. j + K - 1 (ggml's views
+                assert cache.snaps is not None  # cannot overlap: one copy per token)
+                rows, slot = (K - 1 + n) * _F32, (K - 1) * C * _F32
+                for j in range(n):
+                    after = lib.ggml_view_2d(ctx, x, K - 1, C, rows, (j + 1) * _F32)
+                    kept = lib.ggml_view_2d(
+                        ctx, cache.snaps.conv[i], K - 1, C, (K - 1) * _F32, j * slot
+                    )
+                    lib.ggml_build_forward_expand(self.gf, lib.ggml_cpy(ctx, after, kept))
             x = lib.ggml_ssm_conv(ctx, lib.ggml_reshape_3d(ctx, x, K - 1 + n, C, 1), weight)
             x = lib.ggml_silu(ctx, x)  # [C, n, 1]
             row = C * _F32
@@ -298,9 +316,15 @@ class StepGraph:
             b_c = lib.ggml_view_4d(ctx, beta, 1, Hv, n, 1, _F32, rates, rates * n, t0 * rates)
             g_c = lib.ggml_view_4d(ctx, g, 1, Hv, n, 1, _F32, rates, rates * n, t0 * rates)
             s0 = lib.ggml_reshape_4d(ctx, cache.state.delta[i], S, S, Hv, 1)
-            y = lib.ggml_gated_delta_net(ctx, q, k, v, g_c, b_c, s0, 1)  # [out | new state]
+            # [out | new state], or [out | the states after each token, the last first]
+            y = lib.ggml_gated_delta_net(ctx, q, k, v, g_c, b_c, s0, n if snap else 1)
             new = lib.ggml_view_1d(ctx, y, S * S * Hv, S * Hv * n * _F32)
             lib.ggml_build_forward_expand(self.gf, lib.ggml_cpy(ctx, new, cache.state.delta[i]))
+            if snap:
+                assert cache.snaps is not None
+                every = lib.ggml_view_1d(ctx, y, S * S * Hv * n, S * Hv * n * _F32)
+                kept = lib.ggml_view_1d(ctx, cache.snaps.delta[i], S * S * Hv * n, 0)
+                lib.ggml_build_forward_expand(self.gf, lib.ggml_cpy(ctx, every, kept))
             o = lib.ggml_view_3d(ctx, y, S, Hv, n, S * _F32, S * Hv * _F32, 0)  # [S, Hv, n]
             z_c = lib.ggml_view_3d(ctx, z, S, Hv, n, S * _F32, S * Hv * _F32, t0 * S * Hv * _F32)
             o = lib.ggml_mul(ctx, self.norm(o, p + "ssm_norm.weight"), lib.ggml_silu(ctx, z_c))

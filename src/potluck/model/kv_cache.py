@@ -11,8 +11,10 @@ A hybrid model's recurrent layers (Gated DeltaNet) keep no K and V: per layer a 
 (`RecurrentState`: the convolution's last inputs and the delta rule's matrices, f32) that the
 step's graph reads and overwrites. It holds the sequence at `length` and nowhere else, but for
 one checkpoint: a copy of it at the last position the head marked (`mark`; the end of a prompt,
-where the next turn of a chat starts again). A cache can be truncated or copied to its end, its
-checkpoint or 0 (a fresh state), and to no other position.
+where the next turn of a chat starts again), and the states after each token of its last drafted
+chunk (`Snapshots`: speculative decoding rewinds past the drafts not kept). A cache can be
+truncated or copied to its end, its checkpoint, a snapshot or 0 (a fresh state), and to no other
+position.
 """
 
 from __future__ import annotations
@@ -85,6 +87,62 @@ class RecurrentState:
         self._buffers, self._ctx, self.conv, self.delta = [], None, {}, {}
 
 
+class Snapshots:
+    """The recurrent layers' states after each token of one chunk (a drafted one), `slots` of
+    them: per layer `conv` [(d_conv - 1) · C, slots] by token (slot j: after the chunk's token
+    j) and `delta` [S · S · value heads, slots] most recent first (slot s: s tokens before the
+    chunk's end), as ggml_gated_delta_net writes them."""
+
+    def __init__(
+        self,
+        layers: Sequence[int],
+        sizes: tuple[int, int],
+        slots: int,
+        buffer_type: Callable[[int], int],
+    ) -> None:
+        self.layers, self.slots = list(layers), slots
+        self._ctx: int | None = new_context(2 * len(self.layers))
+        self.conv: dict[int, int] = {}
+        self.delta: dict[int, int] = {}
+        by_buft: dict[int, list[int]] = {}
+        for i in self.layers:
+            self.conv[i] = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, sizes[0], slots)
+            self.delta[i] = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, sizes[1], slots)
+            by_buft.setdefault(buffer_type(i), []).append(i)
+        self._buffers = _alloc_by_buft(
+            {
+                b: [t for i in ls for t in (self.conv[i], self.delta[i])]
+                for b, ls in by_buft.items()
+            },
+            "the drafts' state snapshots",
+        )
+        self._sizes = sizes
+
+    def restore(self, into: RecurrentState, token: int, back: int) -> None:
+        """into := the states after the chunk's token `token`, `back` tokens before its end."""
+        conv, delta = (4 * n for n in self._sizes)
+        for i in self.layers:
+            _copy_bytes(self.conv[i], token * conv, into.conv[i], conv)
+            _copy_bytes(self.delta[i], back * delta, into.delta[i], delta)
+
+    def nbytes(self) -> int:
+        return sum(lib.ggml_nbytes(t) for i in self.layers for t in (self.conv[i], self.delta[i]))
+
+    def free(self) -> None:
+        for buf in self._buffers:
+            lib.ggml_backend_buffer_free(buf)
+        if self._ctx is not None:
+            lib.ggml_free(self._ctx)
+        self._buffers, self._ctx, self.conv, self.delta = [], None, {}, {}
+
+
+def _copy_bytes(src: int, offset: int, dst: int, n: int) -> None:
+    """dst's first n bytes := src's bytes [offset, offset + n)."""
+    tmp = np.empty(n, np.uint8)
+    lib.ggml_backend_tensor_get(src, tmp.ctypes.data, offset, n)
+    lib.ggml_backend_tensor_set(dst, tmp.ctypes.data, 0, n)
+
+
 def _alloc_by_buft(by_buft: dict[int, list[int]], what: str) -> list[int]:
     """Allocate the tensors of one context, one buffer per buffer type (device) they go to."""
     buffers: list[int] = []
@@ -140,6 +198,11 @@ class SeqCache:
         # the state at position `marked` (-1: none), made by the first mark
         self.checkpoint: RecurrentState | None = None
         self.marked = -1
+        # the states after each token of the last drafted chunk, which ended at `snap_end`:
+        # those at positions [snap_lo, snap_hi] still hold this sequence's history
+        self.snaps: Snapshots | None = None
+        self.snap_end = self.snap_lo = 0
+        self.snap_hi = -1
         self._state_args = (recurrent, state_sizes, buffer_type)
         if self.attn_layers:
             self._allocate(min(MIN_CAPACITY, n_ctx))
@@ -219,7 +282,8 @@ class SeqCache:
 
     def _bytes(self, capacity: int) -> int:
         kv = cache_bytes(len(self.attn_layers), self.row_k + self.row_v, capacity, self.cache_type)
-        return kv + sum(s.nbytes() for s in (self.state, self.checkpoint) if s is not None)
+        states = (self.state, self.checkpoint, self.snaps)
+        return kv + sum(s.nbytes() for s in states if s is not None)
 
     def reserve(self, n_new: int) -> None:
         need = self.length + n_new
@@ -244,10 +308,28 @@ class SeqCache:
         self.checkpoint.copy_from(self.state)
         self.marked = self.length
 
+    def will_snap(self, n: int) -> None:
+        """The next chunk (n tokens, drafted) keeps the states after each of its tokens: room
+        for n snapshots (new buffers, a new generation, when there were fewer)."""
+        if self.state is None:
+            return
+        if self.snaps is None or self.snaps.slots < n:
+            if self.snaps is not None:
+                self.snaps.free()
+            recurrent, sizes, buffer_type = self._state_args
+            self.snaps = Snapshots(recurrent, sizes, n, buffer_type)
+            self.generation += 1
+
+    def snapped(self, n: int) -> None:
+        """The chunk of n tokens that just ended at `length` wrote its snapshots."""
+        self.snap_end, self.snap_lo, self.snap_hi = self.length, self.length - n + 1, self.length
+
     def _state_at(self, n: int, length: int) -> str | None:
         """Why the recurrent state cannot stand at position n of `length` (None: it can: its
-        end, its checkpoint, or 0)."""
+        end, its checkpoint, a snapshot, or 0)."""
         if self.state is None or n in (0, length, self.marked):
+            return None
+        if self.snap_lo <= n <= self.snap_hi:
             return None
         kept = f"; its checkpoint is at {self.marked}" if self.marked >= 0 else ""
         return f"it holds only its last position {length}{kept}"
@@ -262,11 +344,16 @@ class SeqCache:
         if self.state is not None and n < self.length:
             if n == 0:
                 self.state.clear()
-            else:
+            elif n == self.marked:
                 assert self.checkpoint is not None
                 self.state.copy_from(self.checkpoint)
+            else:  # a snapshot: `back` tokens before the drafted chunk's end
+                assert self.snaps is not None
+                back = self.snap_end - n
+                self.snaps.restore(self.state, self.snap_end - self.snap_lo - back, back)
         if n < self.marked:
             self.marked = -1
+        self.snap_hi = min(self.snap_hi, n)  # (positions past n will be other tokens')
         self.length = n
 
     def copy_from(self, src: SeqCache, n: int) -> None:
@@ -278,13 +365,19 @@ class SeqCache:
             raise ValueError(f"cannot copy {n} positions of a cache holding {src.length}")
         if why := src._state_at(n, src.length):
             raise ValueError(f"cannot copy the first {n} positions of a recurrent state: {why}")
-        self.length, self.marked = 0, -1
+        self.length, self.marked, self.snap_hi = 0, -1, -1
         self.reserve(n)
         if self.state is not None and src.state is not None:
             if n == 0:
                 self.state.clear()
+            elif n == src.length:
+                self.state.copy_from(src.state)
+            elif n == src.marked:
+                assert src.checkpoint is not None
+                self.state.copy_from(src.checkpoint)
             else:
-                self.state.copy_from(src.state if n == src.length else src.checkpoint)  # type: ignore[arg-type]
+                assert src.snaps is not None
+                src.snaps.restore(self.state, n - src.snap_lo, src.snap_end - n)
         size = np.dtype(_ELEMENT[self.cache_type]).itemsize
         for i in self.attn_layers:
             for a, b, row in ((src.k[i], self.k[i], self.row_k), (src.v[i], self.v[i], self.row_v)):
@@ -303,7 +396,7 @@ class SeqCache:
         if self._ctx is not None:
             lib.ggml_free(self._ctx)
         self._buffers, self._ctx, self.k, self.v = [], None, {}, {}
-        for state in (self.state, self.checkpoint):
+        for state in (self.state, self.checkpoint, self.snaps):
             if state is not None:
                 state.free()
 

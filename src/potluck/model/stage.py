@@ -482,9 +482,17 @@ class Stage:
         if not self.is_first and x.shape[1:] != (self.hp.n_embd,):
             raise ValueError(f"hidden states have shape {x.shape}, expected [T, {self.hp.n_embd}]")
         caches = [self.place(c) for c in chunks]
-        for c, cache in zip(chunks, caches, strict=True):
+        # a drafted chunk's recurrent states are kept after each token (its drafts not kept
+        # are rewound by the next step)
+        snaps = [
+            bool(c.draft) and cache.state is not None
+            for c, cache in zip(chunks, caches, strict=True)
+        ]
+        for c, cache, snap in zip(chunks, caches, snaps, strict=True):
             moves = cache.generation
             cache.reserve(c.n)
+            if snap:
+                cache.will_snap(c.n)
             if cache.generation != moves:  # grown: its old buffers were freed
                 self._device_kv_freed()
         rows: npt.NDArray[np.int32] | None = None
@@ -499,7 +507,7 @@ class Stage:
             else:
                 rows = (np.cumsum([c.n for c in chunks]) - 1).astype(np.int32)
             n_rows = int(rows.size)
-        shape = StepShape.of(caches, [c.n for c in chunks], n_rows)
+        shape = StepShape.of(caches, [c.n for c in chunks], n_rows, snaps)
         if self._graph is None or self._graph.shape != shape:
             self._release_graph()
             assert self.sched is not None, "this stage is closed"
@@ -515,10 +523,12 @@ class Stage:
             for k in range(len(self.loras))
         ]
         out = self._graph.run(x, [cache.length for cache in caches], rows, lora_on)
-        for c, cache in zip(chunks, caches, strict=True):
+        for c, cache, snap in zip(chunks, caches, snaps, strict=True):
             cache.commit(c.n)
             if c.mark:
                 cache.mark()
+            if snap:
+                cache.snapped(c.n)
         return out
 
     __call__ = forward

@@ -215,8 +215,8 @@ def footprint_from_gguf(
         else w + kv_row * (min(seen, hp.sliding_window) if hp.is_sliding(i) else seen)
         for i, w in enumerate(read)
     ]
-    held = STATE_COPIES * state * n_seq
-    layer_kv = [held if hp.is_recurrent(i) else kv for i in range(hp.n_layer)]
+    states = STATE_COPIES * state * n_seq
+    layer_kv = [states if hp.is_recurrent(i) else kv for i in range(hp.n_layer)]
     return ModelFootprint(
         n_layer=hp.n_layer,
         n_embd=hp.n_embd,
