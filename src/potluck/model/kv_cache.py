@@ -38,43 +38,35 @@ def cache_bytes(n_layers: int, row: int, positions: int, cache_type: int) -> int
     return n_layers * positions * row * np.dtype(_ELEMENT[cache_type]).itemsize
 
 
-class RecurrentState:
-    """The recurrent layers' states of one sequence on one stage, allocated once (their size does
-    not depend on the sequence's length) and zeroed: per layer `conv` f32 [(d_conv - 1) ·
-    channels] and `delta` f32 [S · S · value heads]."""
+class _LayerStates:
+    """Per recurrent layer `slots` copies of its state, f32, in buffers of their layer's device:
+    `conv` [(d_conv - 1) · C, slots] (the convolution's last inputs) and `delta` [S · S · value
+    heads, slots] (the delta rule's matrices)."""
 
     def __init__(
-        self, layers: Sequence[int], sizes: tuple[int, int], buffer_type: Callable[[int], int]
+        self,
+        layers: Sequence[int],
+        sizes: tuple[int, int],
+        buffer_type: Callable[[int], int],
+        slots: int = 1,
+        what: str = "a recurrent state",
     ) -> None:
-        self.layers = list(layers)
+        self.layers, self.slots, self._sizes = list(layers), slots, sizes
         self._ctx: int | None = new_context(2 * len(self.layers))
         self.conv: dict[int, int] = {}
         self.delta: dict[int, int] = {}
         by_buft: dict[int, list[int]] = {}
         for i in self.layers:
-            self.conv[i] = lib.ggml_new_tensor_1d(self._ctx, TYPE_F32, sizes[0])
-            self.delta[i] = lib.ggml_new_tensor_1d(self._ctx, TYPE_F32, sizes[1])
+            self.conv[i] = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, sizes[0], slots)
+            self.delta[i] = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, sizes[1], slots)
             by_buft.setdefault(buffer_type(i), []).append(i)
-        self._buffers = _alloc_by_buft(
-            {
-                b: [t for i in ls for t in (self.conv[i], self.delta[i])]
-                for b, ls in by_buft.items()
-            },
-            "a recurrent state",
-        )
-        self.clear()
+        tensors = {
+            b: [t for i in ls for t in (self.conv[i], self.delta[i])] for b, ls in by_buft.items()
+        }
+        self._buffers = _alloc_by_buft(tensors, what)
 
     def tensors(self) -> list[int]:
         return [t for i in self.layers for t in (self.conv[i], self.delta[i])]
-
-    def clear(self) -> None:
-        """Back to the state before any token (zeros)."""
-        for buf in self._buffers:
-            lib.ggml_backend_buffer_clear(buf, 0)
-
-    def copy_from(self, src: RecurrentState) -> None:
-        for a, b in zip(src.tensors(), self.tensors(), strict=True):
-            lib.ggml_backend_tensor_copy(a, b)
 
     def nbytes(self) -> int:
         return sum(lib.ggml_nbytes(t) for t in self.tensors())
@@ -87,11 +79,30 @@ class RecurrentState:
         self._buffers, self._ctx, self.conv, self.delta = [], None, {}, {}
 
 
-class Snapshots:
+class RecurrentState(_LayerStates):
+    """The recurrent layers' states of one sequence on one stage, allocated once (their size does
+    not depend on the sequence's length) and zeroed."""
+
+    def __init__(
+        self, layers: Sequence[int], sizes: tuple[int, int], buffer_type: Callable[[int], int]
+    ) -> None:
+        super().__init__(layers, sizes, buffer_type)
+        self.clear()
+
+    def clear(self) -> None:
+        """Back to the state before any token (zeros)."""
+        for buf in self._buffers:
+            lib.ggml_backend_buffer_clear(buf, 0)
+
+    def copy_from(self, src: RecurrentState) -> None:
+        for a, b in zip(src.tensors(), self.tensors(), strict=True):
+            lib.ggml_backend_tensor_copy(a, b)
+
+
+class Snapshots(_LayerStates):
     """The recurrent layers' states after each token of one chunk (a drafted one), `slots` of
-    them: per layer `conv` [(d_conv - 1) · C, slots] by token (slot j: after the chunk's token
-    j) and `delta` [S · S · value heads, slots] most recent first (slot s: s tokens before the
-    chunk's end), as ggml_gated_delta_net writes them."""
+    them: `conv` by token (slot j: after the chunk's token j), `delta` most recent first (slot
+    s: s tokens before the chunk's end), as ggml_gated_delta_net writes them."""
 
     def __init__(
         self,
@@ -100,23 +111,7 @@ class Snapshots:
         slots: int,
         buffer_type: Callable[[int], int],
     ) -> None:
-        self.layers, self.slots = list(layers), slots
-        self._ctx: int | None = new_context(2 * len(self.layers))
-        self.conv: dict[int, int] = {}
-        self.delta: dict[int, int] = {}
-        by_buft: dict[int, list[int]] = {}
-        for i in self.layers:
-            self.conv[i] = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, sizes[0], slots)
-            self.delta[i] = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, sizes[1], slots)
-            by_buft.setdefault(buffer_type(i), []).append(i)
-        self._buffers = _alloc_by_buft(
-            {
-                b: [t for i in ls for t in (self.conv[i], self.delta[i])]
-                for b, ls in by_buft.items()
-            },
-            "the drafts' state snapshots",
-        )
-        self._sizes = sizes
+        super().__init__(layers, sizes, buffer_type, slots, "the drafts' state snapshots")
 
     def restore(self, into: RecurrentState, token: int, back: int) -> None:
         """into := the states after the chunk's token `token`, `back` tokens before its end."""
@@ -124,16 +119,6 @@ class Snapshots:
         for i in self.layers:
             _copy_bytes(self.conv[i], token * conv, into.conv[i], conv)
             _copy_bytes(self.delta[i], back * delta, into.delta[i], delta)
-
-    def nbytes(self) -> int:
-        return sum(lib.ggml_nbytes(t) for i in self.layers for t in (self.conv[i], self.delta[i]))
-
-    def free(self) -> None:
-        for buf in self._buffers:
-            lib.ggml_backend_buffer_free(buf)
-        if self._ctx is not None:
-            lib.ggml_free(self._ctx)
-        self._buffers, self._ctx, self.conv, self.delta = [], None, {}, {}
 
 
 def _copy_bytes(src: int, offset: int, dst: int, n: int) -> None:
