@@ -267,7 +267,7 @@ def test_a_cached_sequence_goes_on_from_its_end_or_its_checkpoint(
         plain, plain_fins, _ = _turns(m, 0)
         assert cached == plain
         assert fins[1].n_cached == len(PROMPT) + len(cached[0]) - 1
-        assert fins[2].n_cached == len(PROMPT) + len(cached[0]) + 3
+        assert fins[2].n_cached == len(PROMPT) + len(cached[0]) + 2  # (one before its end)
         assert fins[3].n_cached == 0
         assert sched.stats.prefix_hits == 2 and sched.stats.prefix_misses == 2
         assert all(f.n_cached == 0 for f in plain_fins)

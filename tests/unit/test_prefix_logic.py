@@ -256,8 +256,8 @@ def test_a_hybrids_entry_is_reused_from_its_end_or_its_checkpoint_only() -> None
 
 
 def test_a_hybrid_marks_each_prompts_end(made: list) -> None:
-    """The scheduler marks the last batch of every prompt (a checkpoint on the stages) when the
-    model has a recurrent state and the cache is on; never otherwise."""
+    """The scheduler marks one id before every prompt's end (a checkpoint on the stages; the last
+    id goes alone) when the model has a recurrent state and the cache is on; never otherwise."""
     for state, budget, marked in ((100, BIG, True), (0, BIG, False), (100, 0, False)):
         pipe = FakePipeline()
         model = FakeModel(pipe, 256)
@@ -267,6 +267,6 @@ def test_a_hybrid_marks_each_prompts_end(made: list) -> None:
         run(s, [request(tuple(range(10, 20)), 3)])
         marks = [c.mark for b in pipe.sent for c in b.chunks]
         assert sum(marks) == (1 if marked else 0)
-        if marked:  # the prompt's last micro-batch (ids 18, 19: 10 ids in batches of 4)
+        if marked:  # one id before the prompt's end (10 ids in batches of 4: 18 alone, then 19)
             (last,) = [b for b in pipe.sent if any(c.mark for c in b.chunks)]
-            assert last.ids == (18, 19)
+            assert last.ids == (18,) and pipe.sent[pipe.sent.index(last) + 1].ids == (19,)

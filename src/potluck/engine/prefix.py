@@ -12,10 +12,10 @@ the byte budget go, least recently used first (never a pinned one), and the sche
 their KV everywhere.
 
 A hybrid model's recurrent layers hold a sequence's state at its last position only, and at one
-checkpoint the stages keep (the end of its last prompt: SeqChunk.mark): there an entry serves a
-request that keeps all of it, or all of it up to its checkpoint (the next turn of a chat whose
-template re-renders the last answer otherwise, as Qwen's drop its reasoning), taken over or
-copied at that point.
+checkpoint the stages keep (one token before the end of its last prompt: SeqChunk.mark): there an
+entry serves a request that keeps all of it, or all of it up to its checkpoint (the same prompt
+again, and the next turn of a chat whose template re-renders the last answer otherwise, as
+Qwen's drop its reasoning), taken over or copied at that point.
 
 Plain bookkeeping: no model, no pipeline; the scheduler does the dropping (engine/scheduler.py).
 """

@@ -458,6 +458,13 @@ class Scheduler:
         a = seq.prefilled
         n = len(seq.req.prompt)  # micro-batches as generate() cuts them alone (same tokens)
         b = min(a + prompt_ubatch(n - seq.cached, self.config.n_batch, self.depth), n)
+        # a hybrid's stages keep their recurrent state one token before the prompt's end (a
+        # checkpoint: the last token goes in a batch of its own), where the same prompt again
+        # (a regenerated answer) and the next turn of its chat both start
+        mark = self._marks and a < n - 1 <= b
+        if mark:
+            b = n - 1
+            seq.mark = b
         seq.prefilled = b
         # after a cached prefix the first batch says where it starts: the stages forget the rest,
         # or copy the shared part of another sequence (a fork)
@@ -465,10 +472,6 @@ class Scheduler:
         fork = None
         if pos >= 0:
             fork, seq.fork_from = seq.fork_from, None
-        # a hybrid's stages keep their recurrent state at the prompt's end, for the next turn
-        mark = self._marks and b == n
-        if mark:
-            seq.mark = b
         return _Batch(
             "prompt",
             (seq,),

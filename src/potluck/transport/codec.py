@@ -331,7 +331,12 @@ def seq_chunks(
         if s is None:
             wire.append(
                 pb.SeqChunk(
-                    seq_id=c.seq_id, n=c.n, sample=False, follow=follow, lora=lora_to_wire(c.lora)
+                    seq_id=c.seq_id,
+                    n=c.n,
+                    sample=False,
+                    follow=follow,
+                    lora=lora_to_wire(c.lora),
+                    mark=c.mark,
                 )
             )
             continue
