@@ -112,8 +112,8 @@ class _Seq:
     # the cached sequence its first batch copies the `cached` positions from (a fork), until sent
     fork_from: int | None = None
     fed: int = 0  # leading ids of `history` whose K/V the stages hold (batches that came back)
-    # a hybrid's stages keep a checkpoint of its recurrent state at this position (the end of
-    # its prompt: SeqChunk.mark), which a later request may go back to; -1: none
+    # a hybrid's stages keep a checkpoint of its recurrent state at this position (one token
+    # before its prompt's end: SeqChunk.mark), which a later request may go back to; -1: none
     mark: int = -1
     pace: Pace = field(default_factory=Pace)  # whether it drafts (speculative decoding)
     generated: int = 0

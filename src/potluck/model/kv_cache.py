@@ -10,8 +10,8 @@ and a masked row must hold finite numbers (0 * NaN is NaN).
 A hybrid model's recurrent layers (Gated DeltaNet) keep no K and V: per layer a fixed-size state
 (`RecurrentState`: the convolution's last inputs and the delta rule's matrices, f32) that the
 step's graph reads and overwrites. It holds the sequence at `length` and nowhere else, but for
-one checkpoint: a copy of it at the last position the head marked (`mark`; the end of a prompt,
-where the next turn of a chat starts again), and the states after each token of its last drafted
+one checkpoint: a copy of it at the last position the head marked (`mark`; one token before a
+prompt's end, where the same prompt again and the next turn of a chat start), and the states after each token of its last drafted
 chunk (`Snapshots`: speculative decoding rewinds past the drafts not kept). A cache can be
 truncated or copied to its end, its checkpoint, a snapshot or 0 (a fresh state), and to no other
 position.
