@@ -115,9 +115,9 @@ class StepGraph:
             per_layer += 24  # of its two FFNs, of v and of the router's input), their muls
         if hp.is_hybrid:  # a Gated DeltaNet's projections, then per sequence its convolution,
             per_layer += 32 + 40 * len(self.sizes)  # delta rule, state copies and gated norm
-            # (and a drafted chunk's snapshots: three nodes per token)
+            # (and a drafted chunk's snapshots: five nodes per token)
             snaps = shape.snaps or (False,) * len(self.sizes)
-            per_layer += 3 * sum(n for n, snap in zip(self.sizes, snaps, strict=True) if snap)
+            per_layer += 5 * sum(n for n, snap in zip(self.sizes, snaps, strict=True) if snap)
         n_nodes = len(layers) * per_layer + 64
         self.ctx = new_context(2 * n_nodes + 16, n_nodes)
         self.gf: int = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
@@ -291,14 +291,12 @@ class StepGraph:
             last = lib.ggml_view_2d(ctx, x, K - 1, C, (K - 1 + n) * _F32, n * _F32)
             saved = lib.ggml_cpy(ctx, last, state)
             lib.ggml_build_forward_expand(self.gf, saved)
-            if snap:  # the window after each token j: columns j + 1 .. j + K - 1 (ggml's views
-                assert cache.snaps is not None  # cannot overlap: one copy per token)
-                rows, slot = (K - 1 + n) * _F32, (K - 1) * C * _F32
-                for j in range(n):
+            if snap:  # the window after each token j: columns j + 1 .. j + K - 1
+                assert cache.snaps is not None
+                rows = (K - 1 + n) * _F32
+                for j, slot in enumerate(cache.snaps.slots[:n]):
                     after = lib.ggml_view_2d(ctx, x, K - 1, C, rows, (j + 1) * _F32)
-                    kept = lib.ggml_view_2d(
-                        ctx, cache.snaps.conv[i], K - 1, C, (K - 1) * _F32, j * slot
-                    )
+                    kept = lib.ggml_view_2d(ctx, slot.conv[i], K - 1, C, (K - 1) * _F32, 0)
                     lib.ggml_build_forward_expand(self.gf, lib.ggml_cpy(ctx, after, kept))
             x = lib.ggml_ssm_conv(ctx, lib.ggml_reshape_3d(ctx, x, K - 1 + n, C, 1), weight)
             x = lib.ggml_silu(ctx, x)  # [C, n, 1]
@@ -320,11 +318,13 @@ class StepGraph:
             y = lib.ggml_gated_delta_net(ctx, q, k, v, g_c, b_c, s0, n if snap else 1)
             new = lib.ggml_view_1d(ctx, y, S * S * Hv, S * Hv * n * _F32)
             lib.ggml_build_forward_expand(self.gf, lib.ggml_cpy(ctx, new, cache.state.delta[i]))
-            if snap:
+            if snap:  # the op's slot s: the state s tokens before the chunk's end
                 assert cache.snaps is not None
-                every = lib.ggml_view_1d(ctx, y, S * S * Hv * n, S * Hv * n * _F32)
-                kept = lib.ggml_view_1d(ctx, cache.snaps.delta[i], S * S * Hv * n, 0)
-                lib.ggml_build_forward_expand(self.gf, lib.ggml_cpy(ctx, every, kept))
+                size = S * S * Hv
+                for j, slot in enumerate(cache.snaps.slots[:n]):
+                    at = (S * Hv * n + (n - 1 - j) * size) * _F32
+                    after = lib.ggml_view_1d(ctx, y, size, at)
+                    lib.ggml_build_forward_expand(self.gf, lib.ggml_cpy(ctx, after, slot.delta[i]))
             o = lib.ggml_view_3d(ctx, y, S, Hv, n, S * _F32, S * Hv * _F32, 0)  # [S, Hv, n]
             z_c = lib.ggml_view_3d(ctx, z, S, Hv, n, S * _F32, S * Hv * _F32, t0 * S * Hv * _F32)
             o = lib.ggml_mul(ctx, self.norm(o, p + "ssm_norm.weight"), lib.ggml_silu(ctx, z_c))

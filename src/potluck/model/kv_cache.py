@@ -38,35 +38,46 @@ def cache_bytes(n_layers: int, row: int, positions: int, cache_type: int) -> int
     return n_layers * positions * row * np.dtype(_ELEMENT[cache_type]).itemsize
 
 
-class _LayerStates:
-    """Per recurrent layer `slots` copies of its state, f32, in buffers of their layer's device:
-    `conv` [(d_conv - 1) · C, slots] (the convolution's last inputs) and `delta` [S · S · value
-    heads, slots] (the delta rule's matrices)."""
+class RecurrentState:
+    """The recurrent layers' states of one sequence on one stage, allocated once (their size does
+    not depend on the sequence's length) and zeroed: per layer `conv` f32 [(d_conv - 1) · C]
+    (the convolution's last inputs) and `delta` f32 [S · S · value heads] (the delta rule's
+    matrices), in buffers of their layer's device."""
 
     def __init__(
         self,
         layers: Sequence[int],
         sizes: tuple[int, int],
         buffer_type: Callable[[int], int],
-        slots: int = 1,
         what: str = "a recurrent state",
     ) -> None:
-        self.layers, self.slots, self._sizes = list(layers), slots, sizes
+        self.layers = list(layers)
         self._ctx: int | None = new_context(2 * len(self.layers))
         self.conv: dict[int, int] = {}
         self.delta: dict[int, int] = {}
         by_buft: dict[int, list[int]] = {}
         for i in self.layers:
-            self.conv[i] = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, sizes[0], slots)
-            self.delta[i] = lib.ggml_new_tensor_2d(self._ctx, TYPE_F32, sizes[1], slots)
+            self.conv[i] = lib.ggml_new_tensor_1d(self._ctx, TYPE_F32, sizes[0])
+            self.delta[i] = lib.ggml_new_tensor_1d(self._ctx, TYPE_F32, sizes[1])
             by_buft.setdefault(buffer_type(i), []).append(i)
         tensors = {
             b: [t for i in ls for t in (self.conv[i], self.delta[i])] for b, ls in by_buft.items()
         }
         self._buffers = _alloc_by_buft(tensors, what)
+        self.clear()
 
     def tensors(self) -> list[int]:
         return [t for i in self.layers for t in (self.conv[i], self.delta[i])]
+
+    def clear(self) -> None:
+        """Back to the state before any token (zeros)."""
+        for buf in self._buffers:
+            lib.ggml_backend_buffer_clear(buf, 0)
+
+    def copy_from(self, src: RecurrentState) -> None:
+        """(ggml's tensor copy: within the device, or a plain memcpy on the CPU.)"""
+        for a, b in zip(src.tensors(), self.tensors(), strict=True):
+            lib.ggml_backend_tensor_copy(a, b)
 
     def nbytes(self) -> int:
         return sum(lib.ggml_nbytes(t) for t in self.tensors())
@@ -79,53 +90,27 @@ class _LayerStates:
         self._buffers, self._ctx, self.conv, self.delta = [], None, {}, {}
 
 
-class RecurrentState(_LayerStates):
-    """The recurrent layers' states of one sequence on one stage, allocated once (their size does
-    not depend on the sequence's length) and zeroed."""
-
-    def __init__(
-        self, layers: Sequence[int], sizes: tuple[int, int], buffer_type: Callable[[int], int]
-    ) -> None:
-        super().__init__(layers, sizes, buffer_type)
-        self.clear()
-
-    def clear(self) -> None:
-        """Back to the state before any token (zeros)."""
-        for buf in self._buffers:
-            lib.ggml_backend_buffer_clear(buf, 0)
-
-    def copy_from(self, src: RecurrentState) -> None:
-        for a, b in zip(src.tensors(), self.tensors(), strict=True):
-            lib.ggml_backend_tensor_copy(a, b)
-
-
-class Snapshots(_LayerStates):
-    """The recurrent layers' states after each token of one chunk (a drafted one), `slots` of
-    them: `conv` by token (slot j: after the chunk's token j), `delta` most recent first (slot
-    s: s tokens before the chunk's end), as ggml_gated_delta_net writes them."""
+class Snapshots:
+    """The recurrent layers' states after each token of one chunk (a drafted one): `slots[j]`
+    holds them after the chunk's token j (the graph copies them there: each token's convolution
+    window, and ggml_gated_delta_net's state slots)."""
 
     def __init__(
         self,
         layers: Sequence[int],
         sizes: tuple[int, int],
-        slots: int,
+        n: int,
         buffer_type: Callable[[int], int],
     ) -> None:
-        super().__init__(layers, sizes, buffer_type, slots, "the drafts' state snapshots")
+        what = "the drafts' state snapshots"
+        self.slots = [RecurrentState(layers, sizes, buffer_type, what) for _ in range(n)]
 
-    def restore(self, into: RecurrentState, token: int, back: int) -> None:
-        """into := the states after the chunk's token `token`, `back` tokens before its end."""
-        conv, delta = (4 * n for n in self._sizes)
-        for i in self.layers:
-            _copy_bytes(self.conv[i], token * conv, into.conv[i], conv)
-            _copy_bytes(self.delta[i], back * delta, into.delta[i], delta)
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.slots)
 
-
-def _copy_bytes(src: int, offset: int, dst: int, n: int) -> None:
-    """dst's first n bytes := src's bytes [offset, offset + n)."""
-    tmp = np.empty(n, np.uint8)
-    lib.ggml_backend_tensor_get(src, tmp.ctypes.data, offset, n)
-    lib.ggml_backend_tensor_set(dst, tmp.ctypes.data, 0, n)
+    def free(self) -> None:
+        for s in self.slots:
+            s.free()
 
 
 def _alloc_by_buft(by_buft: dict[int, list[int]], what: str) -> list[int]:
@@ -298,7 +283,7 @@ class SeqCache:
         for n snapshots (new buffers, a new generation, when there were fewer)."""
         if self.state is None:
             return
-        if self.snaps is None or self.snaps.slots < n:
+        if self.snaps is None or len(self.snaps.slots) < n:
             if self.snaps is not None:
                 self.snaps.free()
             recurrent, sizes, buffer_type = self._state_args
@@ -332,10 +317,9 @@ class SeqCache:
             elif n == self.marked:
                 assert self.checkpoint is not None
                 self.state.copy_from(self.checkpoint)
-            else:  # a snapshot: `back` tokens before the drafted chunk's end
+            else:  # a snapshot: after the drafted chunk's token n - snap_lo
                 assert self.snaps is not None
-                back = self.snap_end - n
-                self.snaps.restore(self.state, self.snap_end - self.snap_lo - back, back)
+                self.state.copy_from(self.snaps.slots[n - self.snap_lo])
         if n < self.marked:
             self.marked = -1
         self.snap_hi = min(self.snap_hi, n)  # (positions past n will be other tokens')
@@ -362,7 +346,7 @@ class SeqCache:
                 self.state.copy_from(src.checkpoint)
             else:
                 assert src.snaps is not None
-                src.snaps.restore(self.state, n - src.snap_lo, src.snap_end - n)
+                self.state.copy_from(src.snaps.slots[n - src.snap_lo])
         size = np.dtype(_ELEMENT[self.cache_type]).itemsize
         for i in self.attn_layers:
             for a, b, row in ((src.k[i], self.k[i], self.row_k), (src.v[i], self.v[i], self.row_v)):
