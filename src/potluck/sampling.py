@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from potluck.grammar import Constraint, Vocabulary
+
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs limit)
 
 
@@ -79,6 +81,10 @@ class SamplingParams:
     # None: plain ids. k >= 0: each sampled id carries its log-probability and the k most likely
     # alternatives (a `Token`), as OpenAI's logprobs / top_logprobs ask.
     logprobs: int | None = None
+    # constrained decoding (grammar.py): llguidance's grammar text, and the position of the first
+    # token it constrains (the prompt's length; the scheduler sets it)
+    grammar: str | None = None
+    grammar_from: int = 0
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -130,10 +136,16 @@ def uniform_at(seed: int, at: int) -> float:
 
 class Sampler:
     """Samples one sequence's tokens. A token's random draw depends only on the seed and its
-    position in the sequence (`uniform_at`), so a seed reproduces a run on any stage."""
+    position in the sequence (`uniform_at`), so a seed reproduces a run on any stage. With a
+    grammar (params.grammar, over `vocab`) only the tokens it allows next can be drawn."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, vocab: Vocabulary | None = None) -> None:
         self.params = params
+        self.constraint: Constraint | None = None
+        if params.grammar is not None:
+            if vocab is None:
+                raise ValueError("a grammar needs the model's vocabulary")
+            self.constraint = Constraint(vocab, params.grammar, params.grammar_from)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.seed = seed  # a remote last stage rebuilds the same sampler from params + seed
         self._drawn = 0  # draws made without a position (`sample(..., at=None)`)
@@ -161,9 +173,14 @@ class Sampler:
         set). at: the token's position in its sequence (its random draw is keyed by it); None:
         the next of this sampler's own draws."""
         logits = np.asarray(logits, dtype=np.float32)
+        c = self.constraint
+        if c is not None:
+            c.sync(c.end if at is None else at, history)
         if at is None:
             at, self._drawn = -1 - self._drawn, self._drawn + 1  # (apart from any position)
         tok = self._pick(logits, history, at)
+        if c is not None:
+            c.accept(tok)
         k = self.params.logprobs
         if k is None:
             return tok
@@ -196,6 +213,8 @@ class Sampler:
     def _pick(self, logits: np.ndarray, history: Sequence[int], at: int) -> int:
         p = self.params
         logits = self.penalize(logits, history)
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits)
         if p.greedy:
             return int(logits.argmax())  # the first maximum
         k = p.top_k if 0 < p.top_k < logits.shape[0] else logits.shape[0]

@@ -9,22 +9,24 @@ for fields a model does not use.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, params
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from potluck import __version__
 from potluck.api import errors
+from potluck.api.chat import ChatTurn, prepare, response_format_output
+from potluck.api.reply import Parts, chat_finish
 from potluck.api.sse import SSE_HEADERS, chat_stream, completion_stream
 from potluck.api.state import Api
 from potluck.engine.scheduler import BATCH, INTERACTIVE
-from potluck.modelfile.chat import ChatTemplateError
 from potluck.sampling import (
     MAX_LOGPROBS,
     REPEAT_PENALTY_MAX,
@@ -69,6 +71,49 @@ class _Sampling(BaseModel):
     top_k: int = Field(default=40, ge=0)
     min_p: float = Field(default=0.05, ge=0.0, le=1.0)
     repeat_penalty: float = Field(default=1.0, ge=REPEAT_PENALTY_MIN, le=REPEAT_PENALTY_MAX)
+    # the answer's format (constrained decoding): OpenAI's, llama.cpp's, vLLM's
+    response_format: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # fields this server cannot honour: an error when set, never ignored
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> _Sampling:
+        if self.logit_bias:
+            raise ValueError(
+                "logit_bias is not supported: constrain the answer with response_format, "
+                "json_schema or grammar instead"
+            )
+        return self
+
+    def output(self) -> tuple[str, Any] | None:
+        """The answer's format (chat.py's ChatTurn.output) from whichever field gives it; 400
+        when more than one does."""
+        given = {
+            name: value
+            for name, value in (
+                ("response_format", response_format_output(self.response_format)),
+                ("json_schema", ("json_schema", self.json_schema) if self.json_schema else None),
+                ("grammar", ("gbnf", self.grammar) if self.grammar else None),
+                ("guided_json", ("json_schema", _schema(self.guided_json))
+                 if self.guided_json is not None else None),
+                ("guided_regex", ("regex", self.guided_regex) if self.guided_regex else None),
+                ("guided_choice", ("choice", self.guided_choice) if self.guided_choice else None),
+                ("guided_grammar", ("gbnf", self.guided_grammar) if self.guided_grammar else None),
+            )
+            if value is not None
+        }  # fmt: skip
+        if len(given) > 1:
+            raise errors.bad_request(
+                f"the answer's format is given by {' and '.join(given)}: send only one",
+                next(iter(given)),
+            )
+        return next(iter(given.values()), None)
 
     @field_validator("stop")
     @classmethod
@@ -127,6 +172,37 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # a forced call (tool_choice "required" or named) is one call unless this is true (as
+    # llama.cpp's server; a small model asked for "one or more" repeats its call to max_tokens);
+    # with "auto" every call the model makes is read
+    parallel_tool_calls: bool | None = None
+    # llama.cpp's: "none" keeps <think> blocks in the content; else they are reasoning_content
+    reasoning_format: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (vLLM, llama.cpp)
+    functions: list[dict[str, Any]] | None = None  # (OpenAI's old names for tools: refused)
+    function_call: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _old_functions(self) -> ChatCompletionRequest:
+        if self.functions is not None or self.function_call is not None:
+            raise ValueError(
+                "functions and function_call are OpenAI's deprecated fields: send tools and "
+                "tool_choice instead"
+            )
+        return self
+
+    def turn(self, messages: list[dict[str, Any]]) -> ChatTurn:
+        return ChatTurn(
+            messages=messages,
+            tools=list(self.tools or []),
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=bool(self.parallel_tool_calls),
+            output=self.output(),
+            reasoning=(self.reasoning_format or "auto") != "none",
+            template_kwargs=dict(self.chat_template_kwargs or {}),
+        )
 
     prompt_field: ClassVar[str] = "messages"  # what a too-long prompt's error points at
 
@@ -162,31 +238,30 @@ def add_completion_routes(app: FastAPI, api: Api, posted: list[params.Depends]) 
     async def chat_completions(body: ChatCompletionRequest, request: HttpRequest) -> Response:
         lora = api.check_model(body.model)
         msgs = [_message(m, i) for i, m in enumerate(body.messages)]
-        try:
-            text = await run_in_threadpool(api.model.chat.render, msgs)
-        except ChatTemplateError as exc:
-            raise errors.bad_request(str(exc), "messages") from exc
-        ids = await run_in_threadpool(api.model.tokenizer.encode, text)
-        job = api.start([ids], body, None, _priority(request), lora)
+        turn = body.turn(msgs)
+        prep = await run_in_threadpool(prepare, turn, api.model.chat, api.model.tokenizer)
+        job = api.start([prep.ids], body, None, _priority(request), lora, prep.grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         want_lp = body.logprobs
         if body.stream:
             usage_opt = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                chat_stream(api, job, rid, created, body.model, want_lp, usage_opt),
+                chat_stream(api, job, prep, rid, created, body.model, want_lp, usage_opt),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        texts = {c.index: "" for c in job.choices}
+        parsers = {c.index: prep.parser() for c in job.choices}
+        parts = {c.index: Parts() for c in job.choices}
         lps: dict[int, list[dict[str, Any]]] = {c.index: [] for c in job.choices}
         finish: dict[int, str] = {}
         try:
             async for p in api.pieces(job, request.is_disconnected):
-                texts[p.index] += p.text
+                parts[p.index].add(parsers[p.index].push(p.text))
                 if want_lp:
                     lps[p.index] += api.chat_logprobs(p.ids)
                 if p.finish:
-                    finish[p.index] = p.finish
+                    parts[p.index].add(parsers[p.index].finish())
+                    finish[p.index] = chat_finish(p.finish, parsers[p.index])
         finally:
             job.cancel()
         return JSONResponse(
@@ -199,11 +274,11 @@ def add_completion_routes(app: FastAPI, api: Api, posted: list[params.Depends]) 
                 "choices": [
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": texts[i]},
+                        "message": parts[i].message(),
                         "logprobs": {"content": lps[i]} if want_lp else None,
                         "finish_reason": finish[i],
                     }
-                    for i in sorted(texts)
+                    for i in sorted(parts)
                 ],
                 "usage": job.usage(),
             }
@@ -215,8 +290,9 @@ def add_completion_routes(app: FastAPI, api: Api, posted: list[params.Depends]) 
         prompts, texts0 = await run_in_threadpool(_completion_prompts, api, body.prompt)
         if body.echo and body.logprobs is not None:
             raise errors.bad_request("echo with logprobs is not supported", "echo")
+        grammar = await run_in_threadpool(api.grammar_of, body.output())
         job = api.start(
-            prompts, body, api.config.default_completion_tokens, _priority(request), lora
+            prompts, body, api.config.default_completion_tokens, _priority(request), lora, grammar
         )
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         echo = {c.index: (texts0[c.index // body.n] if body.echo else "") for c in job.choices}
@@ -259,6 +335,18 @@ def add_completion_routes(app: FastAPI, api: Api, posted: list[params.Depends]) 
                 "usage": job.usage(),
             }
         )
+
+
+def _schema(value: dict[str, Any] | str) -> dict[str, Any]:
+    """vLLM's guided_json: a schema, or its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise errors.bad_request(f"guided_json is not JSON: {exc}", "guided_json") from None
+    if not isinstance(value, dict):
+        raise errors.bad_request("guided_json must be a JSON schema object", "guided_json")
+    return value
 
 
 def _priority(request: HttpRequest) -> int:

@@ -9,8 +9,10 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from potluck import __version__
+from potluck.api.chat import Prepared
 from potluck.api.errors import ApiError
 from potluck.api.job import Job
+from potluck.api.reply import chat_finish
 from potluck.api.state import Api
 
 if TYPE_CHECKING:  # (completions.py imports this module)
@@ -24,8 +26,18 @@ def sse(obj: Any) -> str:
 
 
 async def chat_stream(
-    api: Api, job: Job, rid: str, created: int, model: str, want_lp: bool, usage_opt: bool
+    api: Api,
+    job: Job,
+    prep: Prepared,
+    rid: str,
+    created: int,
+    model: str,
+    want_lp: bool,
+    usage_opt: bool,
 ) -> AsyncIterator[str]:
+    """A chat answer's chunks: reasoning_content, content and tool_calls deltas as each choice's
+    parser tells them apart (reply.py), then its finish_reason."""
+
     def chunk(index: int, delta: dict[str, Any], lp: Any, finish: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": rid,
@@ -39,15 +51,22 @@ async def chat_stream(
             out["usage"] = None
         return out
 
+    parsers = {c.index: prep.parser() for c in job.choices}
+    n_calls = {c.index: 0 for c in job.choices}
     try:
         for c in job.choices:
             yield sse(chunk(c.index, {"role": "assistant", "content": ""}, None, None))
         async for p in api.pieces(job):
-            lp = {"content": api.chat_logprobs(p.ids)} if want_lp and p.ids else None
-            if p.text or lp:
-                yield sse(chunk(p.index, {"content": p.text}, lp, None))
+            parser = parsers[p.index]
+            parts = parser.push(p.text)
             if p.finish:
-                yield sse(chunk(p.index, {}, None, p.finish))
+                parts.add(parser.finish())
+            lp = {"content": api.chat_logprobs(p.ids)} if want_lp and p.ids else None
+            if parts or lp:
+                yield sse(chunk(p.index, parts.delta(n_calls[p.index]), lp, None))
+                n_calls[p.index] += len(parts.calls)
+            if p.finish:
+                yield sse(chunk(p.index, {}, None, chat_finish(p.finish, parser)))
         if usage_opt:
             last = chunk(0, {}, None, None) | {"choices": [], "usage": job.usage()}
             yield sse(last)

@@ -9,6 +9,7 @@ come back through `loop.call_soon_threadsafe` into one asyncio.Queue per request
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request as HttpRequest
 
 from potluck.api import errors
+from potluck.api.chat import output_grammar
 from potluck.api.errors import Disconnected, api_error
 from potluck.api.job import Choice, Job, Piece
 from potluck.api.metrics import Metrics, RequestTiming
@@ -34,6 +36,7 @@ from potluck.engine.scheduler import (
     Scheduler,
     TokenEvent,
 )
+from potluck.grammar import GrammarError, Vocabulary
 from potluck.sampling import Token
 
 if TYPE_CHECKING:  # the bodies are the routes' (completions.py imports this module)
@@ -131,6 +134,20 @@ class Api:
         room = n_ctx - n_prompt
         return asked if asked is not None else min(default or room, room)
 
+    def grammar_of(self, output: tuple[str, Any] | None) -> str | None:
+        """The checked grammar of an answer format (chat.py's ChatTurn.output); 400 with the
+        reason when it cannot be compiled. (Blocking: call it from a worker thread.)"""
+        if output is None:
+            return None
+        try:
+            grammar = output_grammar(*output)
+            Vocabulary.of(self.tokenizer).check(grammar)
+        except GrammarError as exc:
+            raise errors.bad_request(
+                f"the answer's format cannot be compiled into a grammar: {exc}", "response_format"
+            ) from None
+        return grammar
+
     # -- running -----------------------------------------------------------------------------------
     def start(
         self,
@@ -139,8 +156,10 @@ class Api:
         default_tokens: int | None,
         priority: int = INTERACTIVE,
         lora: int | None = None,
+        grammar: str | None = None,
     ) -> Job:
-        """Submit every choice (prompts × n); all or none (429 cancels the ones already in)."""
+        """Submit every choice (prompts × n); all or none (429 cancels the ones already in).
+        grammar: what constrains every choice's answer (grammar.py; compiled and checked)."""
         if len(prompts) * body.n > MAX_CHOICES:
             raise errors.bad_request(
                 f"{len(prompts)} prompts × n={body.n} is more than {MAX_CHOICES} choices", "n"
@@ -152,7 +171,7 @@ class Api:
         try:
             for p_i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
                 for j in range(body.n):
-                    params = body.sampling(j)
+                    params = dataclasses.replace(body.sampling(j), grammar=grammar)
                     index = p_i * body.n + j
                     timing = self.metrics.timing()
 

@@ -59,7 +59,9 @@ from potluck.engine.requests import (
 )
 from potluck.engine.spec import DRAFT, REST, Drafter, Pace, SpecConfig
 from potluck.errors import ContextError, UnsupportedError
+from potluck.grammar import Vocabulary
 from potluck.model.stage import SeqChunk
+from potluck.modelfile.tokenizer import Tokenizer
 from potluck.sampling import Sampler, Token, tokens_of
 
 # the scheduler's whole API from here: Scheduler, Stream, and the request types of engine/requests.py
@@ -88,6 +90,7 @@ log = logging.getLogger(__name__)
 class _Model(Protocol):
     pipeline: Pipeline
     n_ctx: int
+    tokenizer: Tokenizer  # (its vocabulary constrains a request with a grammar)
 
     @property
     def kv_bytes_per_token(self) -> int: ...
@@ -221,11 +224,15 @@ class Scheduler:
             )
         if req.params.logprobs is not None and not self.logprobs_ok:
             raise UnsupportedError("logprobs are not yet supported over a pool")
+        params, vocab = req.params, None
+        if params.grammar is not None:  # the grammar constrains what follows the prompt
+            params = dataclasses.replace(params, grammar_from=n)
+            vocab = Vocabulary.of(self.model.tokenizer)
         seq = _Seq(
             seq_id=0,
             req=req,
             sink=sink,
-            sampler=Sampler(req.params),
+            sampler=Sampler(params, vocab),
             history=list(req.prompt),
         )
         with self._lock:

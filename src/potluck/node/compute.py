@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 
 from potluck.errors import ContextError, PotluckError
+from potluck.grammar import ConstraintError, GrammarError
 from potluck.model.stage import SeqChunk, Stage, sample_rows
 from potluck.node.followup import FollowUps
 from potluck.node.plans import LoadedStage, PlanStore, Refused
@@ -207,14 +208,27 @@ class Forwarder:
                 except WireError as exc:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
                 if kept is None or kept.params != params:
-                    kept = loaded.samplers[chunk.seq_id] = Sampler(params)
+                    vocab = loaded.vocabulary() if params.grammar is not None else None
+                    try:
+                        kept = loaded.samplers[chunk.seq_id] = Sampler(params, vocab)
+                    except GrammarError as exc:
+                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             sampler = kept
             end = chunk.pos + chunk.n  # the position of the token after the chunk
-            if chunk.draft:
-                run = sampler.verify(rows, chunk.draft, list(chunk.recent), end - len(chunk.draft))
-                tokens.append(Accepted(run))
-            else:
-                tokens.append(sampler.sample(rows[0], list(chunk.recent), end))
+            if chunk.constrained and sampler.constraint is not None:
+                try:  # a new last stage's matcher catches up on the answer so far
+                    sampler.constraint.sync(end - len(chunk.draft), chunk.constrained)
+                except ConstraintError as exc:
+                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+            try:
+                if chunk.draft:
+                    first = end - len(chunk.draft)  # the position of the first sampled token
+                    run = sampler.verify(rows, chunk.draft, list(chunk.recent), first)
+                    tokens.append(Accepted(run))
+                else:
+                    tokens.append(sampler.sample(rows[0], list(chunk.recent), end))
+            except ConstraintError as exc:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         return tokens_reply(tokens, stage_ms)
 
     def serve_forward(self, request: pb.ForwardRequest, answer: Answer) -> None:

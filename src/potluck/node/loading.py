@@ -142,8 +142,9 @@ class Loader:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             keep = {p.plan_id for p in self.plans.kept_beside(request)}
             self.plans.by_id[request.plan_id] = LoadedStage(
-                request.plan_id, stage, nxt, wire, reserved_bytes=need, head_id=request.head_id
-            )
+                request.plan_id, stage, nxt, wire, reserved_bytes=need, head_id=request.head_id,
+                metadata=meta,
+            )  # fmt: skip
             evicted = [p for p in self.plans.by_id if p != request.plan_id and p not in keep]
         for plan_id in evicted:
             self.free(plan_id, "room for a new plan")

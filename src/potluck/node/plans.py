@@ -12,14 +12,17 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from potluck.errors import PotluckError
+from potluck.grammar import Vocabulary
 from potluck.model.layout import stage_tensor_names
 from potluck.model.stage import Stage
 from potluck.modelfile.gguf_file import TensorInfo
 from potluck.modelfile.hparams import HParams
+from potluck.modelfile.tokenizer import Tokenizer
 from potluck.sampling import Sampler
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.client import NodeClient
@@ -57,6 +60,20 @@ class LoadedStage:
     last_used: float = field(default_factory=time.monotonic)
     head_id: str = ""  # the head that loaded it ("" from a head that does not say)
     last_compute: float = field(default_factory=time.monotonic)  # loaded, or last computed
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # the model's GGUF metadata
+    _vocab: Vocabulary | None = None
+
+    def vocabulary(self) -> Vocabulary:
+        """The model's vocabulary for grammars (built from the metadata at the first use)."""
+        if self._vocab is None:
+            try:
+                self._vocab = Vocabulary(Tokenizer(self.metadata))
+            except (PotluckError, ValueError, KeyError) as exc:
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"this node cannot read the model's vocabulary for a grammar: {exc}",
+                ) from None
+        return self._vocab
 
 
 class PlanStore:

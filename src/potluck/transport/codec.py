@@ -30,7 +30,8 @@ from potluck.transport import potluck_pb2 as pb
 if TYPE_CHECKING:
     from potluck.model.stage import SeqChunk
 
-PROTOCOL_VERSION = 6  # 5: SeqChunk.rewind / fork (cached prefixes); 6: SeqChunk.mark
+PROTOCOL_VERSION = 7  # 5: SeqChunk.rewind / fork (cached prefixes); 6: SeqChunk.mark;
+# 7: SamplingConfig.grammar (constrained decoding), SeqChunk.constrained
 MAX_MESSAGE_BYTES = (
     512 * 2**20
 )  # a prompt micro-batch of hidden states or a tensor chunk stays far below
@@ -119,6 +120,8 @@ def sampling_to_proto(p: SamplingParams, seed: int) -> pb.SamplingConfig:
         seed=seed,
         has_logprobs=p.logprobs is not None,
         top_logprobs=p.logprobs or 0,
+        grammar=p.grammar or "",
+        grammar_from=p.grammar_from,
     )
 
 
@@ -141,6 +144,8 @@ def sampling_from_proto(msg: pb.SamplingConfig) -> SamplingParams:
             frequency_penalty=msg.frequency_penalty,
             seed=msg.seed if msg.has_seed else None,
             logprobs=msg.top_logprobs if msg.has_logprobs else None,
+            grammar=msg.grammar or None,
+            grammar_from=msg.grammar_from,
         )
     except ValueError as exc:
         raise WireError(f"bad sampling parameters: {exc}") from None
@@ -349,6 +354,11 @@ def seq_chunks(
         settings = (
             None if c.seq_id in opened and not follow else sampling_to_proto(s.params, s.seed)
         )
+        # a grammar's matcher on a last stage that has not seen this request's tokens (the first
+        # chunk of a plan: after a failover) catches up on the ids generated so far
+        constrained: Sequence[int] = ()
+        if settings is not None and s.params.grammar is not None and not follow:
+            constrained = histories.get(c.seq_id, ())[s.params.grammar_from :]
         wire.append(
             pb.SeqChunk(
                 seq_id=c.seq_id,
@@ -360,6 +370,7 @@ def seq_chunks(
                 lora=lora_to_wire(c.lora),
                 draft=c.draft,
                 mark=c.mark,
+                constrained=constrained,
             )
         )
     return wire

@@ -185,7 +185,7 @@ class PutReply(_message.Message):
     def __init__(self, received: _Optional[int] = ...) -> None: ...
 
 class SamplingConfig(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "has_seed", "seed", "has_logprobs", "top_logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "has_seed", "seed", "has_logprobs", "top_logprobs", "grammar", "grammar_from")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,8 @@ class SamplingConfig(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FROM_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -210,7 +212,9 @@ class SamplingConfig(_message.Message):
     seed: int
     has_logprobs: bool
     top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    grammar: str
+    grammar_from: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_from: _Optional[int] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("ids", "logprobs")
@@ -221,7 +225,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "n", "sampling", "recent", "sample", "pos", "lora", "follow", "rewind", "fork", "fork_from", "draft", "mark")
+    __slots__ = ("seq_id", "n", "sampling", "recent", "sample", "pos", "lora", "follow", "rewind", "fork", "fork_from", "draft", "mark", "constrained")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +239,7 @@ class SeqChunk(_message.Message):
     FORK_FROM_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     MARK_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     n: int
     sampling: SamplingConfig
@@ -248,7 +253,8 @@ class SeqChunk(_message.Message):
     fork_from: int
     draft: _containers.RepeatedScalarFieldContainer[int]
     mark: bool
-    def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., pos: _Optional[int] = ..., lora: _Optional[int] = ..., follow: _Optional[bool] = ..., rewind: _Optional[bool] = ..., fork: _Optional[bool] = ..., fork_from: _Optional[int] = ..., draft: _Optional[_Iterable[int]] = ..., mark: _Optional[bool] = ...) -> None: ...
+    constrained: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingConfig, _Mapping]] = ..., recent: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., pos: _Optional[int] = ..., lora: _Optional[int] = ..., follow: _Optional[bool] = ..., rewind: _Optional[bool] = ..., fork: _Optional[bool] = ..., fork_from: _Optional[int] = ..., draft: _Optional[_Iterable[int]] = ..., mark: _Optional[bool] = ..., constrained: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Run(_message.Message):
     __slots__ = ("tokens",)
