@@ -86,7 +86,7 @@ def test_bad_lines_go_to_the_error_file_and_the_rest_runs(
         "\n".join([
             _chat("a", "The capital of France is"),
             '{"custom_id": "torn", ',  # 2: not JSON
-            json.dumps({"custom_id": "u", "method": "POST", "url": "/v1/embeddings", "body": {}}),
+            json.dumps({"custom_id": "u", "method": "POST", "url": "/v1/moderations", "body": {}}),
             _chat("a", "A repeated custom_id"),  # 4
             _chat("b", "Name three planets."),
             json.dumps(completion),

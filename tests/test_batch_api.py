@@ -208,7 +208,9 @@ def test_cancel_list_and_errors(smollm2_path: Path, batch_dir: Path, tmp_path: P
             c.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
                              completion_window="24h")  # fmt: skip
         with pytest.raises(openai.BadRequestError, match="endpoint"):
-            c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+            c.batches.create(
+                input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h"
+            )
         with pytest.raises(openai.NotFoundError):
             c.batches.retrieve("batch_nope")
         r = httpx.post(url + "/v1/files", files={"file": ("x.jsonl", b"{}\n")},

@@ -15,8 +15,11 @@ from potluck import __version__
 from potluck.api import errors
 from potluck.api.batch import Recruit
 from potluck.api.completions import add_completion_routes
+from potluck.api.embeddings import add_embedding_routes
 from potluck.api.info import add_info_routes
+from potluck.api.messages import add_message_routes
 from potluck.api.metrics import StatusCounter
+from potluck.api.responses import add_response_routes
 from potluck.api.state import Api, ServerConfig
 from potluck.engine.generate import Model
 from potluck.engine.scheduler import Scheduler
@@ -65,6 +68,9 @@ def create_app(
 
     add_info_routes(app, api, guarded)
     add_completion_routes(app, api, posted)
+    add_response_routes(app, api, posted, guarded)
+    add_embedding_routes(app, api, posted)
+    add_message_routes(app, api)  # Anthropic's Messages API (its own key check and errors)
 
     if STATIC_DIR.is_dir():
         app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")

@@ -1,10 +1,11 @@
 """`potluck batch`: an OpenAI Batch API input file, run through the same handlers as `potluck serve`.
 
 Each input line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
-"/v1/completions", "body"}`. A line goes, in-process, to the very code that answers HTTP requests
-(the FastAPI app over an ASGI transport: the same validation, chat template, sampling and response
-body as the server), `parallel` at a time through one scheduler (continuous batching). Output lines
-are OpenAI's: `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`.
+"/v1/completions" | "/v1/embeddings", "body"}`. A line goes, in-process, to the very code that
+answers HTTP requests (the FastAPI app over an ASGI transport: the same validation, chat template,
+sampling and response body as the server), `parallel` at a time through one scheduler (continuous
+batching). Output lines are OpenAI's:
+`{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`.
 
 Nothing lost, nothing done twice: the output and error files are the journal. A line is written
 whole and fsynced once its item is finished; on start, the items already in either file are
@@ -31,7 +32,8 @@ from typing import Any
 
 import httpx
 
-URLS = ("/v1/chat/completions", "/v1/completions")
+EMBEDDINGS = "/v1/embeddings"
+URLS = ("/v1/chat/completions", "/v1/completions", EMBEDDINGS)
 REVIVE_S = 5.0  # how often replicas are recruited while a job runs (seconds)
 
 
@@ -102,7 +104,7 @@ def _problem(obj: dict[str, Any], cid: object, seen: set[str]) -> tuple[str, str
     if obj.get("method") != "POST":
         return "invalid_method", f"method {obj.get('method')!r}: only POST is supported"
     if obj.get("url") not in URLS:
-        return "invalid_url", f"url {obj.get('url')!r}: use {' or '.join(URLS)}"
+        return "invalid_url", f"url {obj.get('url')!r}: use {', '.join(URLS)}"
     body = obj.get("body")
     if not isinstance(body, dict):
         return "invalid_body", "body must be a JSON object (the request the URL takes)"

@@ -29,6 +29,7 @@ from starlette.responses import Response
 
 from potluck.api import errors
 from potluck.api.batch import (
+    EMBEDDINGS,
     URLS,
     BadLine,
     Item,
@@ -147,10 +148,13 @@ class BatchRunner:
 
         if b["status"] == "in_progress":
             self.store.put({**b, "request_counts": counts()})
+            # embeddings on the server's own app alone: the replicas on idle workers hold the
+            # chat model over a pool (no hidden states come back) and no embedding model beside
+            embeds = b["endpoint"] == EMBEDDINGS
+            apps, recruit = (self.apps[:1], None) if embeds else (self.apps, self._recruit())
             await run_batch(
-                self.apps, items, journal, self.lanes, on_progress, stop,
-                self.headers, self._recruit(),
-            )  # fmt: skip
+                apps, items, journal, self.lanes, on_progress, stop, self.headers, recruit
+            )
         self._finish(bid, journal, counts())
 
     def _recruit(self) -> Recruit | None:
@@ -264,7 +268,7 @@ def add_batch_routes(
     async def create(body: BatchCreate) -> dict[str, Any]:
         if body.endpoint not in URLS:
             raise errors.bad_request(
-                f"endpoint {body.endpoint!r}: use {' or '.join(URLS)}", "endpoint"
+                f"endpoint {body.endpoint!r}: use {', '.join(URLS)}", "endpoint"
             )
         if body.completion_window != "24h":
             raise errors.bad_request("completion_window must be '24h'", "completion_window")

@@ -157,6 +157,8 @@ def http_error(request: HttpRequest, exc: HTTPException) -> ApiError:
         path = request.url.path
         routes = [r for r in request.app.routes if isinstance(r, APIRoute)]
         takes = sorted({m for r in routes if r.path_regex.match(path) for m in r.methods or ()})
+        if not takes and path.startswith("/v1/"):  # (the web page's files answer every GET)
+            return not_found_path(request)
         return ApiError(
             405,
             f"{request.method} {path} is not supported; it takes {', '.join(takes) or 'GET'}",
@@ -200,6 +202,20 @@ def add_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(404)
     async def _on_404(request: HttpRequest, _: Exception) -> Response:
+        if request.url.path.startswith("/v1/"):
+            return not_found_path(request).response()
         return ApiError(
             404, f"no route {request.method} {request.url.path}", "invalid_request_error"
         ).response()
+
+
+def not_found_path(request: HttpRequest) -> ApiError:
+    """404 for a path under /v1/ that this server does not serve (OpenAI's words and shape)."""
+    routes = [r for r in request.app.routes if isinstance(r, APIRoute)]
+    known = sorted({r.path for r in routes if r.path.startswith("/v1/")})
+    return ApiError(
+        404,
+        f"Invalid URL ({request.method} {request.url.path}): this server serves {', '.join(known)}",
+        "invalid_request_error",
+        code="unknown_url",
+    )

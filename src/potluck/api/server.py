@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP server: what it answers, where each part of it lives, and running
 it on a socket (`serve`, `bind`, `uvicorn_server`).
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming or not), GET /v1/models,
-GET /health, GET /metrics (Prometheus), GET /api/pool (the dashboard), and the files of
-api/static/ at /. With an API key set, everything but /health and the static files needs
-`Authorization: Bearer KEY`. With a batch folder, OpenAI's Files and Batches API too (batches.py).
+Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming or not),
+POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics (Prometheus), GET /api/pool (the
+dashboard), and the files of api/static/ at /. With an API key set, everything but /health and
+the static files needs `Authorization: Bearer KEY`. With a batch folder, OpenAI's Files and Batches API too (batches.py).
 
 The modules of api/, one concern each:
   app.py          `create_app`: the routes, the key check, the error handlers and the web page
@@ -13,6 +13,8 @@ The modules of api/, one concern each:
   job.py          `Job`, `Choice`, `Piece`: one request's choices on the scheduler
   completions.py  POST /v1/chat/completions and /v1/completions and their bodies; sse.py: their
                   streaming form
+  embeddings.py   POST /v1/embeddings and its body; the models it serves (the chat model's
+                  `Embedder`, engine/embed.py, and those beside it: `serve_beside`)
   info.py         GET /health, /v1/models, /api/pool, /metrics
   errors.py       `ApiError` (OpenAI's error JSON) and the one mapping of every error onto it
   text.py, metrics.py, pool.py: detokenizing with stop strings, /metrics, /api/pool's figures;

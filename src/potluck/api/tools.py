@@ -150,13 +150,15 @@ def render_messages(
 
 
 def call_schema(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat) -> dict[str, Any]:
-    """The JSON schema of one call of any of `tools`."""
+    """The JSON schema of one call of any of `tools`. Arguments the tool's schema does not name
+    are not generated unless it says so (additionalProperties): a model that may invent one
+    may also never end it."""
     options = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": t["function"]["name"]},
-                fmt.args_key: t["function"]["parameters"],
+                fmt.args_key: {"additionalProperties": False} | t["function"]["parameters"],
             },
             "required": ["name", fmt.args_key],
             "additionalProperties": False,

@@ -63,9 +63,10 @@ def batch(
     *,
     net: PeersFlags,
 ) -> None:
-    """Run a file of OpenAI batch requests (chat or text completions) and write OpenAI's output
-    lines; with workers, every machine that holds the model runs requests of its own (replicas).
-    Killed or stopped, the same command again continues where it ended."""
+    """Run a file of OpenAI batch requests (chat or text completions, embeddings) and write
+    OpenAI's output lines; with workers, every machine that holds the model runs requests of its
+    own (replicas; embeddings need the model on this machine alone). Killed or stopped, the same
+    command again continues where it ended."""
     import asyncio
 
     from potluck.api.batch import Journal, read_input, run_batch, write_bad_lines

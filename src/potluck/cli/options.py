@@ -365,6 +365,15 @@ ModelDraftOpt = Annotated[
     ),
 ]
 
+EmbeddingModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--embedding-model",
+        help="An embedding model (GGUF path or a name from `potluck models`) served beside the "
+        "model on /v1/embeddings, run on this machine.",
+    ),
+]
+
 DraftMaxOpt = Annotated[
     int,
     typer.Option("--spec-draft-n-max", min=1, help="Drafted tokens per step at most."),

@@ -14,12 +14,21 @@ from potluck.cli.batch import _recruit, _say
 from potluck.cli.config import ModelFlags, PoolFlags, SpecFlags, takes
 from potluck.cli.console import err
 from potluck.cli.load import _drafter, _load
-from potluck.cli.options import DEFAULT_PARALLEL, CacheRamOpt, ParallelOpt, _port
+from potluck.cli.options import (
+    DEFAULT_PARALLEL,
+    CacheRamOpt,
+    EmbeddingModelOpt,
+    ParallelOpt,
+    _port,
+)
 from potluck.cli.runtime import places
 from potluck.errors import PotluckError
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+
+    from potluck.engine.generate import Model
+    from potluck.model.stage import Compute
 
 
 @takes
@@ -51,6 +60,7 @@ def serve(
     ] = None,
     parallel: ParallelOpt = DEFAULT_PARALLEL,
     cache_ram: CacheRamOpt = None,
+    embedding_model: EmbeddingModelOpt = None,
     *,
     flags: ModelFlags,
     net: PoolFlags,
@@ -59,9 +69,10 @@ def serve(
     """Serve the model (over a pool with --peer) as an OpenAI-compatible API with a web page."""
     import dataclasses
 
+    from potluck.api.embeddings import serve_beside
     from potluck.api.server import ServerConfig, create_app, is_loopback, model_id_of
     from potluck.api.server import serve as run_server
-    from potluck.engine.generate import DEFAULT_N_BATCH, Model, prompt_batch
+    from potluck.engine.generate import DEFAULT_N_BATCH, prompt_batch
     from potluck.engine.prefix import budget_bytes
     from potluck.engine.scheduler import Scheduler, SchedulerConfig
     from potluck.engine.spec import NO_SPEC
@@ -79,6 +90,7 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     here = places()
+    embedder = _embedding_model(embedding_model, flags.compute()) if embedding_model else None
     workers: list[str] = []
     # a --peer that does not answer yet is left out, not fatal: the server starts on the rest and
     # takes it in as a batch replica once it answers (the Recruiter below)
@@ -124,6 +136,8 @@ def serve(
     batches = batch_dir or here.cache / "batches"
     config = ServerConfig(model_id=model_id_of(m), api_key=key, batch_dir=batches)
     app_ = create_app(m, scheduler, config, extra_apps, _recruit(recruits))
+    if embedder is not None:
+        serve_beside(app_, embedder)
 
     def on_listen(url: str) -> None:
         auth = "API key required" if key else "no API key"
@@ -140,3 +154,22 @@ def serve(
             sch.close()
         for model_ in (m, *(r for _, r in extra)):
             model_.close()  # the workers free this head's stages now
+        if embedder is not None:
+            embedder.close()
+
+
+def _embedding_model(name: str, compute: Compute) -> Model:
+    """--embedding-model, loaded on this machine (its pooling checked now: a file that cannot
+    make embeddings is refused before the pool is planned)."""
+    from potluck.engine.embed import POOLINGS, Embedder
+    from potluck.engine.generate import load_model
+    from potluck.modelfile.sources import resolve_model
+
+    model = load_model(resolve_model(name, places()), compute=compute)
+    embedder = Embedder(model)
+    if embedder.refusal is not None:
+        model.close()
+        raise PotluckError(f"--embedding-model: {embedder.refusal}")
+    pooling = POOLINGS[embedder.pooling]
+    err.print(f"[dim]embedding model: {model.summary()} · {pooling} pooling[/]", soft_wrap=True)
+    return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,14 +54,17 @@ class Model:
     n_seq: int = 1  # sequences at once the pool's memory was planned for (serve's -np)
     adapters: tuple[str, ...] = ()  # LoRA adapters' names (file stems), in SeqChunk.lora's order
     _next_seq: int = field(default=0, repr=False)
+    # (the scheduler's thread and an embedding request's take ids at once)
+    _seq_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def close(self) -> None:
         """Let go of the pool: stop the heartbeat, close the links (no-op for a local model)."""
         self.pipeline.close()
 
     def new_seq_id(self) -> int:
-        self._next_seq += 1
-        return self._next_seq
+        with self._seq_lock:
+            self._next_seq += 1
+            return self._next_seq
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -532,7 +532,10 @@ class Scheduler:
                 s = batch.seqs[0]
                 assert s.tail is not None
                 # (a copy: the history grows before this step is done)
-                hist = {s.seq_id: list(s.history)} if s.sampler.params.penalizes else {}
+                # (the penalties read it; a grammar's new last stage catches up on it after a
+                # failover turns this step into an ordinary one)
+                keep = s.sampler.params.penalizes or s.sampler.constraint is not None
+                hist = {s.seq_id: list(s.history)} if keep else {}
                 fut = self.pipeline.submit_next(
                     s.tail, list(batch.chunks), samplers, hist, s.req.stop_ids
                 )

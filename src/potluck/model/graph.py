@@ -62,15 +62,21 @@ def attended(cache: SeqCache, n_new: int) -> int:
 class StepShape:
     """What a graph depends on: per chunk (cache id, cache generation, tokens, n_kv), and the
     number of logits rows (-1: not the last stage; 0: the last stage, no head this step); the
-    chunks whose recurrent states are kept after each token (`snaps`: drafted ones)."""
+    chunks whose recurrent states are kept after each token (`snaps`: drafted ones); hidden: the
+    last stage ends at the output norm (the rows' final hidden states [D, R]: embeddings)."""
 
     chunks: tuple[tuple[int, int, int, int], ...]
     n_rows: int
     snaps: tuple[bool, ...] = ()
+    hidden: bool = False
 
     @staticmethod
     def of(
-        caches: Sequence[SeqCache], sizes: Sequence[int], n_rows: int, snaps: Sequence[bool] = ()
+        caches: Sequence[SeqCache],
+        sizes: Sequence[int],
+        n_rows: int,
+        snaps: Sequence[bool] = (),
+        hidden: bool = False,
     ) -> StepShape:
         return StepShape(
             tuple(
@@ -78,6 +84,7 @@ class StepShape:
             ),
             n_rows,
             tuple(snaps) if any(snaps) else (),
+            hidden and n_rows > 0,
         )
 
 
@@ -181,6 +188,8 @@ class StepGraph:
         self.inp_rows = self._input(TYPE_I32, self.shape.n_rows)
         x = lib.ggml_get_rows(ctx, x, self.inp_rows)  # [D, R]
         x = self.norm(x, "output_norm.weight")
+        if self.shape.hidden:  # what the head would multiply (embeddings pool these)
+            return x
         head = "output.weight" if "output.weight" in self.w else "token_embd.weight"
         self._lora_on, self._lora_width = self.inp_lora_rows, self.shape.n_rows
         y = self._adapted(head, x, lib.ggml_mul_mat(ctx, self.w.tensor(head), x))  # [V, R]
@@ -647,7 +656,8 @@ class StepGraph:
     ) -> npt.NDArray[np.float32]:
         """x: int ids [T] (first stage) or f32 hidden states [T, D]; starts: each chunk's first
         position; lora_on: per adapter, f32 [T] 1/0 (which tokens it applies to). Returns f32
-        [T, D] hidden states, or [R, V] logits on the last stage."""
+        [T, D] hidden states, or [R, V] logits on the last stage ([R, D] normed hidden states
+        with `shape.hidden`)."""
         if self.is_first:
             _set(self.inp_ids, np.ascontiguousarray(x, np.int32))
         else:
@@ -690,7 +700,8 @@ class StepGraph:
         if status != 0:
             raise BackendError(f"ggml compute failed (status {status})")
         if self.is_last:
-            n_out, width = max(self.shape.n_rows, 0), self.hp.n_vocab
+            n_out = max(self.shape.n_rows, 0)
+            width = self.hp.n_embd if self.shape.hidden else self.hp.n_vocab
         else:
             n_out, width = self.total, self.hp.n_embd
         out = np.empty((n_out, width), np.float32)

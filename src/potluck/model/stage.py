@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -188,7 +189,12 @@ class Stage:
 
     forward(x, chunks): x holds token ids [T_total] when start == 0, else f32 hidden states
     [T_total, n_embd]. Returns f32 hidden states [T_total, n_embd], or for the last stage logits
-    [R, n_vocab] for the rows selected by `logits_rows` (default: the last token of each chunk).
+    [R, n_vocab] for the rows selected by `logits_rows` (default: the last token of each chunk);
+    with `hidden`, the last stage gives those rows' hidden states after the output norm
+    [R, n_embd] instead (what the head would multiply: embeddings, engine/embed.py).
+
+    One forward (or drop) at a time: a lock, so that another thread (an embedding request) may
+    compute its own sequences on the stages the scheduler's thread drives.
     """
 
     def __init__(
@@ -252,6 +258,7 @@ class Stage:
         self.sched: int | None = None
         self.caches: dict[int, SeqCache] = {}
         self._graph: StepGraph | None = None
+        self._lock = threading.Lock()  # one forward or drop at a time
         if n_gpu_layers:
             dev, self.gpu_device = gpu_device(device)
             self._gpu_dev = dev
@@ -400,6 +407,10 @@ class Stage:
         return self.caches[seq_id]
 
     def drop(self, seq_id: int) -> None:
+        with self._lock:
+            self._drop(seq_id)
+
+    def _drop(self, seq_id: int) -> None:
         cache = self.caches.pop(seq_id, None)
         if cache is not None:
             if self._graph is not None and any(
@@ -467,6 +478,19 @@ class Stage:
         x: np.ndarray,
         chunks: Sequence[SeqChunk],
         logits_rows: np.ndarray | Sequence[int] | None = None,
+        hidden: bool = False,
+    ) -> npt.NDArray[np.float32]:
+        with self._lock:
+            return self._forward(x, chunks, logits_rows, hidden)
+
+    __call__ = forward
+
+    def _forward(
+        self,
+        x: np.ndarray,
+        chunks: Sequence[SeqChunk],
+        logits_rows: np.ndarray | Sequence[int] | None,
+        hidden: bool,
     ) -> npt.NDArray[np.float32]:
         x = np.asarray(x)
         total = sum(c.n for c in chunks)
@@ -507,7 +531,7 @@ class Stage:
             else:
                 rows = (np.cumsum([c.n for c in chunks]) - 1).astype(np.int32)
             n_rows = int(rows.size)
-        shape = StepShape.of(caches, [c.n for c in chunks], n_rows, snaps)
+        shape = StepShape.of(caches, [c.n for c in chunks], n_rows, snaps, hidden)
         if self._graph is None or self._graph.shape != shape:
             self._release_graph()
             assert self.sched is not None, "this stage is closed"
@@ -530,8 +554,6 @@ class Stage:
             if snap:
                 cache.snapped(c.n)
         return out
-
-    __call__ = forward
 
     def _release_graph(self) -> None:
         if self._graph is not None:
