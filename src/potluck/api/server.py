@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: what it answers, where each part of it lives, and running
 it on a socket (`serve`, `bind`, `uvicorn_server`).
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming or not),
-POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics (Prometheus), GET /api/pool (the
+Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming or not; tools,
+structured outputs, reasoning), POST /v1/responses (+ GET / DELETE /v1/responses/{id}),
+POST /v1/messages and /v1/messages/count_tokens (Anthropic's), POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics (Prometheus), GET /api/pool (the
 dashboard), and the files of api/static/ at /. With an API key set, everything but /health and
 the static files needs `Authorization: Bearer KEY`. With a batch folder, OpenAI's Files and Batches API too (batches.py).
 
@@ -11,6 +12,10 @@ The modules of api/, one concern each:
   state.py        `Api`, what the routes share (checks, submitting a request's choices, text
                   pieces from the scheduler's events, logprobs); `ServerConfig`, `model_id_of`
   job.py          `Job`, `Choice`, `Piece`: one request's choices on the scheduler
+  chat.py         `ChatTurn` → `prepare`: a chat turn's prompt, grammar and answer parser, for every
+                  chat-like route; tools.py (tool formats, rendering, the forced-call grammar),
+                  reply.py (an answer → reasoning, content, tool calls)
+  responses.py    POST /v1/responses; messages.py: POST /v1/messages (Anthropic's)
   completions.py  POST /v1/chat/completions and /v1/completions and their bodies; sse.py: their
                   streaming form
   embeddings.py   POST /v1/embeddings and its body; the models it serves (the chat model's
