@@ -334,3 +334,37 @@ def test_seeded_sampling_goes_on_exactly_after_a_failover(
             workers[1].kill()
     assert out == want
     assert isinstance(m.pipeline, FailoverPipeline) and len(m.pipeline.events) == 1
+
+
+def test_a_step_a_node_refuses_fails_that_request_not_the_pool(
+    spawn_worker: Spawn, smollm2_path: Path, want: list[int]
+) -> None:
+    """A node that answers but refuses the step itself gives the request its reason at once: no
+    failover, no re-plan that would send the same step again and be refused again; the pool goes
+    on serving. (Here the last stage is asked to sample under a grammar from position 0 without
+    the ids since then: it cannot catch its matcher up, FAILED_PRECONDITION, relayed through the
+    first node with its code.)"""
+    import numpy as np
+
+    from potluck.errors import StepRefused
+    from potluck.grammar import Vocabulary, json_object_grammar
+    from potluck.model.stage import SeqChunk
+
+    workers = [spawn_worker(), spawn_worker()]
+    plan = [Assignment(workers[0].address, 0, 14), Assignment(workers[1].address, 14, 30)]
+    m = load_model(smollm2_path, n_ctx=256, assignments=plan, failover_s=2.0)
+    ids = _ids(m)
+    params = SamplingParams(temperature=0.0, grammar=json_object_grammar(), grammar_from=0)
+    seq = m.new_seq_id()
+    sampler = Sampler(params, Vocabulary.of(m.tokenizer))
+    t0 = time.monotonic()
+    with pytest.raises(StepRefused, match="cannot catch up") as refused:
+        chunk = SeqChunk(seq, len(ids))
+        fut = m.pipeline.submit(np.array(ids, np.int64), [chunk], {seq: sampler}, {})
+        fut.result(timeout=60)  # (before the fix: a failover loop that never ended)
+    assert refused.value.code == "FAILED_PRECONDITION"
+    assert time.monotonic() - t0 < 10
+    assert isinstance(m.pipeline, FailoverPipeline) and m.pipeline.events == []
+    m.pipeline.drop(seq)
+    assert list(generate(m, ids, N, Sampler(GREEDY))) == want
+    m.close()

@@ -339,6 +339,8 @@ def test_errors_are_400_with_the_reason(smol: Server) -> None:
     assert "only function tools" in _bad(smol, tools=[{"type": "web_search"}])
     assert "logit_bias" in _bad(smol, logit_bias={"50": 5})
     assert "tools" in _bad(smol, functions=[{"name": "f"}])
+    assert "text only" in _bad(smol, modalities=["text", "audio"])
+    assert "prediction" in _bad(smol, prediction={"type": "content", "content": "x"})
     assert "response_format" in _bad(
         smol, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}
     )
@@ -394,6 +396,35 @@ def test_constrained_answers_over_a_pool_equal_one_process(pooled: Server, smol:
             jsonschema.validate(json.loads(answers[0].content), PEOPLE)
 
 
+def test_responses_and_messages_over_a_pool(pooled: Server) -> None:
+    """The Responses API's and Anthropic's forced calls over the pool: valid arguments."""
+    import anthropic
+
+    schema = WEATHER["function"]["parameters"]
+    r = _client(pooled).responses.create(
+        model=pooled.model_id,
+        input="Weather in Bern?",
+        tools=[{"type": "function", "name": "get_weather", "parameters": schema}],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=80,
+    )
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), schema)
+    a = anthropic.Anthropic(base_url=pooled.url, api_key="none", max_retries=0, timeout=120)
+    m = a.messages.create(
+        model=pooled.model_id,
+        max_tokens=80,
+        messages=[{"role": "user", "content": "Weather in Bern?"}],
+        tools=[{"name": "get_weather", "input_schema": schema}],
+        tool_choice={"type": "any"},
+    )
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(uses) == 1
+    jsonschema.validate(uses[0].input, schema)
+
+
 def test_a_worker_killed_mid_answer_still_gives_a_valid_answer(
     spawn_worker: Spawn, smollm2_path: Path
 ) -> None:
@@ -426,3 +457,45 @@ def test_a_worker_killed_mid_answer_still_gives_a_valid_answer(
     finally:
         gen.close()
         m.close()
+
+
+def test_an_agent_frameworks_tool_loop_runs_to_its_end(smol: Server) -> None:
+    """The OpenAI Agents SDK over /v1/chat/completions, with its default loop: the model must call
+    the tool (tool_choice required, reset to auto once called), the SDK runs the tool and sends
+    its result back as a `tool` message, and the model's next answer (text) ends the run."""
+    import asyncio
+
+    import agents
+    from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
+
+    agents.set_tracing_disabled(True)
+    seen: list[tuple[int, int]] = []
+
+    @agents.function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        seen.append((a, b))
+        return a + b
+
+    async def run() -> Any:
+        client = openai.AsyncOpenAI(base_url=smol.url + "/v1", api_key="none", max_retries=0)
+        agent = agents.Agent(
+            name="calculator",
+            instructions="You add numbers with the add tool, then say the result.",
+            tools=[add],
+            model=OpenAIChatCompletionsModel(model=smol.model_id, openai_client=client),
+            model_settings=agents.ModelSettings(
+                tool_choice="required", temperature=0, max_tokens=60
+            ),
+        )
+        try:
+            return await agents.Runner.run(agent, "What is 2 + 3?", max_turns=4)
+        finally:
+            await client.close()
+
+    result = asyncio.run(run())
+    assert len(seen) == 1 and all(isinstance(x, int) for x in seen[0])
+    calls = [i for i in result.new_items if i.type == "tool_call_item"]
+    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
+    assert len(calls) == 1 and len(outputs) == 1 and outputs[0].output == sum(seen[0])
+    assert isinstance(result.final_output, str) and result.final_output.strip()

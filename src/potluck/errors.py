@@ -29,5 +29,18 @@ class NodeError(PotluckError):
     """A node could not be reached or refused a call; the message names the node and the reason."""
 
 
+class StepRefused(NodeError):
+    """A node that answers refused a step itself (a request its state cannot take: a rewind it
+    cannot make, a grammar it cannot compile, a context it cannot hold): the same step sent
+    again, or to a re-planned pool, gets the same answer, so the request fails with the reason.
+    `code`: the grpc.StatusCode name the node gave."""
+
+    REFUSALS = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"})
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class PoolLostError(PotluckError):
     """The nodes that are left cannot run the model (pool/failover.py); a server answers 503."""

@@ -14,8 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from potluck.api import errors
-from potluck.api.reply import ReplyParser
-from potluck.api.tools import ToolFormat, calls_grammar, check_tools, render_messages, tool_format
+from potluck.api.reply import HarmonyParser, ReplyParser
+from potluck.api.tools import (
+    HARMONY,
+    ToolFormat,
+    calls_grammar,
+    check_tools,
+    render_messages,
+    tool_format,
+)
 from potluck.grammar import (
     GrammarError,
     Vocabulary,
@@ -56,7 +63,11 @@ class Prepared:
     thinking: bool  # the prompt opened a <think> block
     reasoning: bool
 
+    harmony: bool = False  # gpt-oss's channels (its analysis is reasoning)
+
     def parser(self) -> ReplyParser:
+        if self.harmony:
+            return HarmonyParser(self.reasoning)
         return ReplyParser(self.tools, self.reasoning, self.thinking)
 
 
@@ -110,6 +121,7 @@ def prepare(turn: ChatTurn, template: ChatTemplate, tokenizer: Tokenizer) -> Pre
         tools=fmt if tools and choice != "none" else None,
         thinking=thinking,
         reasoning=turn.reasoning,
+        harmony=fmt is HARMONY,
     )
 
 

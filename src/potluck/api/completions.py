@@ -3,8 +3,10 @@ body's prompts → token ids, its choices submitted to the scheduler, and the an
 object or as server-sent events (sse.py).
 
 The bodies' fields follow OpenAI's API reference; a few llama.cpp / vLLM extensions (`top_k`,
-`min_p`, `repeat_penalty`) are accepted too. Unknown fields are ignored, as OpenAI's own server does
-for fields a model does not use.
+`min_p`, `repeat_penalty`, `json_schema`, `grammar`, `guided_*`, `reasoning_format`,
+`chat_template_kwargs`) are accepted too. OpenAI's fields for what this server cannot do
+(`logit_bias`, `functions`, audio, predicted outputs, web search) are a 400 when set; fields
+unknown to OpenAI's reference are ignored, as OpenAI's own server does.
 """
 
 from __future__ import annotations
@@ -183,14 +185,25 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (vLLM, llama.cpp)
     functions: list[dict[str, Any]] | None = None  # (OpenAI's old names for tools: refused)
     function_call: str | dict[str, Any] | None = None
+    # OpenAI's fields for what these models cannot do: refused when they ask for it
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _old_functions(self) -> ChatCompletionRequest:
+    def _refused(self) -> ChatCompletionRequest:
         if self.functions is not None or self.function_call is not None:
             raise ValueError(
                 "functions and function_call are OpenAI's deprecated fields: send tools and "
                 "tool_choice instead"
             )
+        if self.audio is not None or any(m != "text" for m in self.modalities or ()):
+            raise ValueError("this server answers in text only: leave out audio and modalities")
+        if self.prediction is not None:
+            raise ValueError("prediction (predicted outputs) is not supported: leave it out")
+        if self.web_search_options is not None:
+            raise ValueError("web search is not available on a local model: leave it out")
         return self
 
     def turn(self, messages: list[dict[str, Any]]) -> ChatTurn:

@@ -98,6 +98,7 @@ class ReplyParser:
         self.buf = ""  # text not given out yet
         self.calls: list[ToolCall] = []
         self.content = ""  # all content given out (the whole answer's, for finish_reason)
+        self._lead = ""  # characters dropped where the text goes on (after </think>, a call)
 
     @property
     def called(self) -> bool:
@@ -142,7 +143,8 @@ class ReplyParser:
         end = self.buf.find(THINK_CLOSE)
         if end >= 0:
             out.reasoning += self.buf[:end]
-            self.buf, self.mode = self.buf[end + len(THINK_CLOSE) :].lstrip(), "text"
+            self.buf, self.mode = self.buf[end + len(THINK_CLOSE) :], "text"
+            self._lead = " \n\t"
             return
         keep = 0 if final else _held(self.buf, THINK_CLOSE)
         out.reasoning += self.buf[: len(self.buf) - keep]
@@ -163,10 +165,11 @@ class ReplyParser:
             out.content += self.buf
             self.buf = ""
             return
-        if self.calls and not self.buf.strip():  # (blank lines between and after calls)
-            if final:
-                self.buf = ""
-            return
+        if self._lead:  # (blank space after a reasoning block, line breaks after a call)
+            self.buf = self.buf.lstrip(self._lead)
+            if not self.buf:
+                return
+            self._lead = ""
         at = self.buf.find(fmt.open.strip())
         if at >= 0:
             out.content += self.buf[:at]
@@ -201,7 +204,8 @@ class ReplyParser:
         else:
             out.calls += calls
             self.calls += calls
-        self.buf, self.mode = self.buf[end + len(fmt.close.strip()) :].lstrip("\n"), "text"
+        self.buf, self.mode = self.buf[end + len(fmt.close.strip()) :], "text"
+        self._lead = "\n"
 
     def _bare(self, out: Parts, final: bool) -> None:
         assert self.fmt is not None
@@ -240,3 +244,83 @@ def _calls_of(text: str, fmt: ToolFormat) -> list[ToolCall] | None:
             return None
         calls.append(ToolCall(new_call_id(), item["name"], json.dumps(args, ensure_ascii=False)))
     return calls
+
+
+class HarmonyParser(ReplyParser):
+    """gpt-oss's harmony format: the answer is messages, each `<|channel|>NAME ...<|message|>`
+    then its text up to `<|end|>` (the next opens with `<|start|>assistant`): the analysis
+    channel is reasoning, final (and a commentary preamble) content, and a commentary message
+    `to=functions.NAME` a call whose text is its arguments. (`<|call|>` and `<|return|>` end the
+    turn: they never reach the text.)"""
+
+    _ENDS = ("<|end|>", "<|start|>", "<|call|>", "<|return|>")
+
+    def __init__(self, reasoning: bool = True) -> None:
+        super().__init__(None, reasoning)
+        self.mode = "header"
+        self._fn: str | None = None  # the function the open message calls
+        self._args = ""
+
+    def _run(self, out: Parts, final: bool) -> None:
+        while self.buf:
+            if self.mode == "header":
+                at = self.buf.find("<|message|>")
+                if at < 0:
+                    head = self.buf.lstrip()
+                    if head.startswith("<|") or "<|".startswith(head):
+                        if final:  # a header never finished: nothing of it is text
+                            self.buf = ""
+                        break
+                    self.mode = "text"  # (text without a channel: content)
+                    continue
+                self._open(self.buf[:at])
+                self.buf = self.buf[at + len("<|message|>") :]
+                continue
+            ends = [i for i in (self.buf.find(e) for e in self._ENDS) if i >= 0]
+            cut = min(ends) if ends else len(self.buf)
+            if not ends and not final:
+                cut -= max(_held(self.buf, e) for e in self._ENDS)
+            self._emit(out, self.buf[:cut])
+            self.buf = self.buf[cut:]
+            if not ends:
+                break
+            for e in ("<|end|>", "<|call|>", "<|return|>"):
+                if self.buf.startswith(e):
+                    self.buf = self.buf[len(e) :]
+            self._close(out)
+        if final:
+            self._close(out)
+        if not final:
+            self.content += out.content
+
+    def _open(self, header: str) -> None:
+        if "to=functions." in header:
+            name = header.split("to=functions.", 1)[1]
+            self._fn = name.split()[0].split("<|")[0] if name.strip() else ""
+            self._args, self.mode = "", "call"
+        elif "analysis" in header and self.reasoning:
+            self.mode = "think"
+        else:
+            self.mode = "text"
+
+    def _emit(self, out: Parts, text: str) -> None:
+        if self.mode == "think":
+            out.reasoning += text
+        elif self.mode == "call":
+            self._args += text
+        else:
+            out.content += text
+
+    def _close(self, out: Parts) -> None:
+        if self.mode == "call" and self._fn is not None:
+            try:
+                args = json.loads(self._args.strip() or "{}")
+            except json.JSONDecodeError:
+                args = None
+            if isinstance(args, dict):
+                call = ToolCall(new_call_id(), self._fn, json.dumps(args, ensure_ascii=False))
+                out.calls.append(call)
+                self.calls.append(call)
+            else:  # not a call after all: its text is content
+                out.content += self._args
+        self._fn, self._args, self.mode = None, "", "header"

@@ -39,6 +39,9 @@ class ToolFormat:
 HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>")
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "", is_list=True)
 LLAMA3 = ToolFormat("llama3", "", "", args_key="parameters")
+# gpt-oss: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}<|call|>`
+# (read by reply.py's HarmonyParser; the other fields are unused)
+HARMONY = ToolFormat("harmony", "<|channel|>", "")
 
 FALLBACK_INSTRUCTIONS = (
     "You can call functions to answer the user. The functions, as JSON schemas:\n<tools>\n"
@@ -55,6 +58,8 @@ def tool_format(template: ChatTemplate) -> tuple[ToolFormat, bool]:
     (else: the built-in fallback, in the Hermes format)."""
     src = template.source
     native = not template.builtin and "tools" in src
+    if "<|channel|>" in src:
+        return HARMONY, native
     if not native:
         return HERMES, False
     if "[TOOL_CALLS]" in src:
@@ -184,7 +189,20 @@ def calls_grammar(
     """A grammar whose every sentence is one call (or with `parallel`, one or more) of `tools`,
     written in the model's format. Raises GrammarError when a tool's schema cannot be compiled."""
     schema = json.dumps(call_schema(tools, fmt), ensure_ascii=False)
-    if fmt.is_list:
+    if fmt is HARMONY:  # one message per call, its arguments the message's text
+        alts = []
+        for t in tools:
+            args = {"additionalProperties": False} | t["function"]["parameters"]
+            args["x-guidance"] = JSON_OPTIONS
+            head = f"commentary to=functions.{t['function']['name']} "
+            alts.append(
+                f"{_marker('<|channel|>', tokenizer)} {lark_literal(head)} "
+                f"{_marker('<|constrain|>', tokenizer)} {lark_literal('json')} "
+                f"{_marker('<|message|>', tokenizer)} %json {json.dumps(args, ensure_ascii=False)}"
+            )
+        lark = "start: " + " | ".join(f"call{k}" for k in range(len(alts))) + "\n"
+        lark += "".join(f"call{k}: {a}\n" for k, a in enumerate(alts))
+    elif fmt.is_list:
         body = {
             "type": "array",
             "items": json.loads(schema),

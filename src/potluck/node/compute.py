@@ -20,7 +20,7 @@ from concurrent.futures import Future
 import grpc
 import numpy as np
 
-from potluck.errors import ContextError, PotluckError
+from potluck.errors import ContextError, PotluckError, StepRefused
 from potluck.grammar import ConstraintError, GrammarError
 from potluck.model.stage import SeqChunk, Stage, sample_rows
 from potluck.node.followup import FollowUps
@@ -259,7 +259,10 @@ class Forwarder:
         def relay(f: Future[pb.ForwardReply]) -> None:
             exc = f.exception()
             if exc is not None:
-                answer(error_reply(rid, str(exc), "UNAVAILABLE"))
+                # (a refusal further down the chain keeps its code: the head fails the request
+                # rather than the node)
+                code = exc.code if isinstance(exc, StepRefused) else "UNAVAILABLE"
+                answer(error_reply(rid, str(exc), code))
                 if first:
                     self.follow.run_ready(self.follow.took(request, None, str(exc)), str(exc))
                 return

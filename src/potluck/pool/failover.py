@@ -40,7 +40,7 @@ import numpy as np
 
 from potluck.engine.chain import follow_inputs
 from potluck.engine.contract import DEFAULT_TIMEOUT_S, Assignment, Held, NodeStatus, Pipeline
-from potluck.errors import PoolLostError, PotluckError
+from potluck.errors import PoolLostError, PotluckError, StepRefused
 from potluck.model.stage import SeqChunk, Stage
 from potluck.pool.pipeline import status_of
 from potluck.sampling import Sampler
@@ -351,6 +351,10 @@ class FailoverPipeline:
                 b.out.set_result(f.result())
             else:  # it finished on the old plan after the replay was taken: run it on the new one
                 self._redo.put(b)
+        elif isinstance(exc, StepRefused) and b.epoch == self.epoch:
+            # an answering node refused the step itself: a re-plan would send it again and be
+            # refused again (a loop), so the request fails with the node's reason
+            b.out.set_exception(exc)
         elif isinstance(exc, NodeError) and self.connect is None:
             # failover off: a call's own error is the answer (a node that still answers may have
             # refused it); only a node the heartbeat declares gone ends the pool for good

@@ -47,7 +47,7 @@ from concurrent.futures import Future
 
 from google.protobuf.message import DecodeError
 
-from potluck.errors import NodeError
+from potluck.errors import NodeError, StepRefused
 from potluck.transport import potluck_pb2 as pb
 from potluck.transport.auth import (
     MISMATCH_HINT,
@@ -128,7 +128,9 @@ def send_frame(sock: socket.socket, data: bytes) -> None:
 def settle(fut: Future[pb.ForwardReply], reply: pb.ForwardReply, address: str) -> None:
     """A node's answer to one forward request: its reply, or the error it names."""
     if reply.error:
-        fut.set_exception(NodeError(f"node {address}: {reply.error} ({reply.error_code})"))
+        why = f"node {address}: {reply.error} ({reply.error_code})"
+        refused = reply.error_code in StepRefused.REFUSALS
+        fut.set_exception(StepRefused(why, reply.error_code) if refused else NodeError(why))
     else:
         fut.set_result(reply)
 
