@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -36,12 +35,16 @@ from fastapi import FastAPI
 
 from potluck.api.embeddings import serve_beside
 from potluck.api.server import ServerConfig, bind, create_app, model_id_of, uvicorn_server
-from potluck.engine.embed import POOL_REFUSAL, Embedder, text_ids, unit
+from potluck.engine.contract import Assignment
+from potluck.engine.embed import Embedder, text_ids, unit
 from potluck.engine.generate import Model, Opened, generate, load_model
 from potluck.engine.local import LocalPipeline
 from potluck.engine.scheduler import Scheduler, SchedulerConfig
 from potluck.model.stage import Stage
+from potluck.pool.build import load_model as pool_model
 from potluck.sampling import GREEDY, Sampler
+from workers import Spawn
+from workers import spawn_worker as spawn_worker
 
 from ggufgen import write_tiny_model
 
@@ -328,16 +331,24 @@ def test_embedding_and_generating_threads_share_the_stages(tiny: dict[str, Path]
     assert not any(s.caches for s in m.pipeline.stages)
 
 
-def test_over_a_pool_the_chat_model_is_refused(server: Server) -> None:
-    """A pool's last stage is a worker's, which sends back tokens, not hidden states."""
-
-    class _Remote:  # (the members Embedder reads)
-        nodes = ["10.0.0.9:7070"]
-        stages: list[Stage] = []
-
-    pooled = dataclasses.replace(server.model, pipeline=_Remote())  # type: ignore[arg-type]
-    assert Embedder(pooled).refusal == POOL_REFUSAL
-    assert "--embedding-model" in POOL_REFUSAL
+def test_over_a_pool_equal_one_process(smollm2_path: Path, spawn_worker: Spawn) -> None:
+    """The chat model over two worker processes (the head holding no layer): the last stage
+    answers the rows' hidden states (ForwardRequest.want_hidden) and the vectors equal one
+    process's (the same kernels on the same CPU; the wire carries f32)."""
+    texts = ["Embeddings map text to vectors.", "hi", "The quick brown fox jumps over the dog."]
+    one = load_model(smollm2_path, n_ctx=256)
+    want = Embedder(one).embed([text_ids(one, t) for t in texts])
+    workers = [spawn_worker(), spawn_worker()]
+    plan = [Assignment(workers[0].address, 0, 14), Assignment(workers[1].address, 14, 30)]
+    pooled = pool_model(smollm2_path, n_ctx=256, assignments=plan)
+    try:
+        with _running(pooled, {}) as s:
+            r = s.client().embeddings.create(model=s.model.path.stem, input=texts)
+            got = np.array([d.embedding for d in r.data], np.float32)
+        assert np.abs(got - want).max() < 1e-4
+        assert pooled.pipeline.held  # (it ran on the workers)
+    finally:
+        pooled.close()
 
 
 # -- the Batches API -------------------------------------------------------------------------------

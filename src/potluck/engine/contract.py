@@ -196,8 +196,10 @@ class Pipeline(Protocol):
         tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         logits_rows: np.ndarray | None = None,
+        hidden: bool = False,
     ) -> np.ndarray:
-        """Logits of the selected rows (default: the last row of each chunk), (rows, n_vocab)."""
+        """Logits of the selected rows (default: the last row of each chunk), (rows, n_vocab);
+        hidden: their final hidden states after the output norm instead, (rows, n_embd)."""
         ...
 
     def drop(self, seq_id: int) -> None:

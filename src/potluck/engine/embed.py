@@ -7,13 +7,13 @@ the input's tokens, CLS (the first token's state) or last (the last token's: Qwe
 a file without the key (a chat model) is pooled by mean. "none" (a state per token) and "rank"
 (a reranker's score) make no embedding: `Embedder.refusal` says so.
 
-An `Embedder` computes sequences of its own (ids from `Model.new_seq_id`) straight through the
-model's stages in this process, in forwards of at most `n_batch` tokens and `MAX_SEQS` sequences
-(a long input goes in several, its cache carrying the context between them: decoder attention is
-causal), and drops each sequence once pooled. A stage computes one forward at a time (its lock),
-so embeddings of the chat model run beside the scheduler's thread on the same stages, taking
-turns with it and never touching its sequences. Over a pool the last stage is a worker's, which
-answers sampled tokens, not hidden states: refused.
+An `Embedder` computes sequences of its own (ids from `Model.new_seq_id`) through the model's
+pipeline (`Pipeline.forward(..., hidden=True)`: in this process, or over a pool, whose last stage
+then answers the rows' hidden states instead of tokens), in forwards of at most `n_batch` tokens
+and `MAX_SEQS` sequences (a long input goes in several, its cache carrying the context between
+them: decoder attention is causal), and drops each sequence once pooled. A stage computes one
+forward at a time (its lock), so embeddings of the chat model run beside the scheduler's thread
+on the same stages, taking turns with it and never touching its sequences.
 """
 
 from __future__ import annotations
@@ -36,10 +36,6 @@ from potluck.model.stage import SeqChunk
 # own attention nodes in the graph, so many short inputs go in several forwards, not one
 MAX_SEQS = 16
 POOLINGS = {PoolingType.MEAN: "mean", PoolingType.CLS: "cls", PoolingType.LAST: "last"}
-POOL_REFUSAL = (
-    "embeddings of the pooled chat model are not supported over a pool yet; serve an "
-    "embedding model beside it with --embedding-model"
-)
 
 
 def pooling_of(model: Model) -> PoolingType:
@@ -107,7 +103,6 @@ class Embedder:
             self.pooling = pooling_of(model)
         except ModelFileError as exc:
             self.pooling, self._bad_file = PoolingType.NONE, str(exc)
-        self.stages = model.pipeline.stages
         self._lock = threading.Lock()  # one request's forwards at a time
 
     @property
@@ -125,8 +120,6 @@ class Embedder:
                 PoolingType.RANK: "rank (a reranker: a score per query and document)",
             }[self.pooling]
             return f"{self.model.path.stem}'s pooling type is {why}: it cannot make embeddings"
-        if self.model.pipeline.nodes or not self.stages or not self.stages[-1].is_last:
-            return POOL_REFUSAL
         return None
 
     def embed(
@@ -194,11 +187,8 @@ class Embedder:
         self, ids: npt.NDArray[np.int32], chunks: list[SeqChunk], rows: npt.NDArray[np.int32]
     ) -> npt.NDArray[np.float32]:
         """The rows' final hidden states [R, D] (after the output norm)."""
-        x: npt.NDArray[np.generic] = ids
-        *first, last = self.stages
-        for stage in first:
-            x = stage(x, chunks)
-        return last(x, chunks, rows, hidden=True)
+        tokens = np.asarray(ids, np.int64)
+        return self.model.pipeline.forward(tokens, chunks, rows, hidden=True)
 
     def _vector(self, item: _Input) -> npt.NDArray[np.float32]:
         assert item.pooled is not None

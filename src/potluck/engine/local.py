@@ -64,11 +64,12 @@ class LocalPipeline:
         tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         logits_rows: np.ndarray | None = None,
+        hidden: bool = False,
     ) -> np.ndarray:
         x = tokens
         for stage in self.stages[:-1]:
             x = stage(x, chunks)
-        return self.stages[-1](x, chunks, logits_rows)
+        return self.stages[-1](x, chunks, logits_rows, hidden=hidden)
 
     def step(
         self,

@@ -146,7 +146,10 @@ class Forwarder:
                 t0 = time.perf_counter()
                 try:
                     with computing():  # no thread of this process spins meanwhile
-                        y = stage(x, chunks, rows) if stage.is_last else stage(x, chunks)
+                        if stage.is_last:
+                            y = stage(x, chunks, rows, hidden=request.want_hidden)
+                        else:
+                            y = stage(x, chunks)
                 finally:
                     self.turn.notify_all()
                 return loaded, y, (time.perf_counter() - t0) * 1e3
@@ -162,8 +165,9 @@ class Forwarder:
         self, loaded: LoadedStage, request: pb.ForwardRequest, y: np.ndarray
     ) -> pb.ForwardRequest:
         return forward_request(
-            request.plan_id, request.chunks, y, loaded.wire_dtype, request.want_logits
-        )
+            request.plan_id, request.chunks, y, loaded.wire_dtype, request.want_logits,
+            want_hidden=request.want_hidden,
+        )  # fmt: skip
 
     @staticmethod
     def relay(reply: pb.ForwardReply, stage_ms: float, wall_ms: float) -> pb.ForwardReply:

@@ -249,12 +249,13 @@ class FailoverPipeline:
         tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         logits_rows: np.ndarray | None = None,
+        hidden: bool = False,
     ) -> np.ndarray:
         """Logits (perplexity) are not replayed: a node going away ends the call with an error."""
         with self._lock:
             self._raise_if_failed()
             inner = self.inner
-        logits = inner.forward(tokens, chunks, logits_rows)
+        logits = inner.forward(tokens, chunks, logits_rows, hidden)
         with self._lock:
             self._confirm(chunks, tokens)
         return logits

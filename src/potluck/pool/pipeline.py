@@ -265,6 +265,7 @@ class RemotePipeline:
         want_logits: bool,
         after: Future[list[int]] | None = None,
         stop_ids: Sequence[int] = (),
+        hidden: bool = False,
     ) -> Future[pb.ForwardReply]:
         """Send one batch down the chain without waiting. Each chunk gets its position in its
         sequence, so that nodes compute a sequence's batches in order even when several batches
@@ -290,7 +291,9 @@ class RemotePipeline:
 
         def remote(x: np.ndarray, local_ms: list[float]) -> None:
             wire_dtype = self.wire if self.local else None
-            req = forward_request(self.plan_id, wire_chunks, x, wire_dtype, want_logits, stop_ids)
+            req = forward_request(
+                self.plan_id, wire_chunks, x, wire_dtype, want_logits, stop_ids, hidden
+            )
             t1 = time.perf_counter()
             began = [t1]  # a follow-up batch starts on the pool when the previous reply is out
             if after is not None:
@@ -447,10 +450,12 @@ class RemotePipeline:
         tokens: np.ndarray,
         chunks: Sequence[SeqChunk],
         logits_rows: np.ndarray | None = None,
+        hidden: bool = False,
     ) -> np.ndarray:
-        """Logits of every row (perplexity), selected by logits_rows (default: last of each chunk)."""
+        """Logits of every row (perplexity), selected by logits_rows (default: last of each chunk);
+        hidden: the rows' final hidden states instead (embeddings)."""
         wire = seq_chunks(chunks, {}, {})
-        reply = self._start(tokens, chunks, wire, True).result()
+        reply = self._start(tokens, chunks, wire, True, hidden=hidden).result()
         logits = tensor_from_proto(reply.logits, max_elements=1 << 31)
         if logits_rows is None:
             logits_rows = np.cumsum([c.n for c in chunks]) - 1

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from potluck.model.stage import SeqChunk
 
 PROTOCOL_VERSION = 7  # 5: SeqChunk.rewind / fork (cached prefixes); 6: SeqChunk.mark;
-# 7: SamplingConfig.grammar (constrained decoding), SeqChunk.constrained
+# 7: SamplingConfig.grammar (constrained decoding), SeqChunk.constrained, ForwardRequest.want_hidden
 MAX_MESSAGE_BYTES = (
     512 * 2**20
 )  # a prompt micro-batch of hidden states or a tensor chunk stays far below
@@ -383,6 +383,7 @@ def forward_request(
     wire_dtype: str | None,
     want_logits: bool,
     stop_ids: Sequence[int] = (),
+    want_hidden: bool = False,
 ) -> pb.ForwardRequest:
     """One batch for the next node (from the head, or a stage's output relayed down the chain):
     token ids [T] or hidden states [T, d] (floats cast to wire_dtype), one chunk per sequence.
@@ -393,6 +394,7 @@ def forward_request(
         input=tensor_to_proto(x, wire_dtype),
         want_logits=want_logits,
         stop_ids=stop_ids,
+        want_hidden=want_hidden,
     )
 
 

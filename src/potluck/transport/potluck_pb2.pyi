@@ -263,20 +263,22 @@ class Run(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("plan_id", "chunks", "input", "want_logits", "request_id", "stop_ids")
+    __slots__ = ("plan_id", "chunks", "input", "want_logits", "request_id", "stop_ids", "want_hidden")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     WANT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    WANT_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     chunks: _containers.RepeatedCompositeFieldContainer[SeqChunk]
     input: Tensor
     want_logits: bool
     request_id: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, plan_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., request_id: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    want_hidden: bool
+    def __init__(self, plan_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., want_logits: _Optional[bool] = ..., request_id: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., want_hidden: _Optional[bool] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("tokens", "logits", "stage_ms", "hop_ms", "request_id", "error", "error_code", "logprobs", "top", "skipped", "runs")
