@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -202,6 +203,24 @@ def test_bad_arguments(args: list[str]) -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_run_with_a_json_schema_answers_valid_json(smollm2_path: Path) -> None:
+    """llama.cpp's -j / --json-schema (and --grammar): the answer is constrained to the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}, "stars": {"type": "integer"}},
+        "required": ["city", "stars"],
+        "additionalProperties": False,
+    }
+    done = potluck(
+        "run", "-n", "60", "--temp", "0.7", "-s", "3", "-j", json.dumps(schema), "Rate Paris."
+    )
+    assert done.returncode == 0, done.stderr
+    value = json.loads(done.stdout)
+    assert set(value) == {"city", "stars"} and isinstance(value["stars"], int), done.stdout
+    done = potluck("run", "-n", "8", "--temp", "0", "--grammar", 'root ::= "yes" | "no"', "Is it?")
+    assert done.returncode == 0 and done.stdout.strip() in ("yes", "no"), done.stdout
+
+
 def _said(done: subprocess.CompletedProcess) -> str:
     """stderr as one line: rich draws usage errors in a box and wraps them at its width."""
     return " ".join(done.stderr.replace("│", " ").split())
@@ -227,6 +246,9 @@ def _said(done: subprocess.CompletedProcess) -> str:
         (["serve", "--spec-type", "eagle"], "--spec-type must be one of none, ngram-simple"),
         (["run", "--spec-draft-n-max", "0", "x"], "--spec-draft-n-max"),
         (["serve", "--cache-ram", "-1"], "--cache-ram"),
+        (["run", "--grammar", "root ::= (", "x"], "--grammar: Failed to convert the grammar"),
+        (["run", "-j", "{nope", "x"], "--json-schema is not JSON"),
+        (["chat", "-j", '{"type": "foo"}', "--grammar", "root ::= x"], "both constrain the answer"),
     ],
 )
 def test_bad_numbers_say_so_in_one_line(args: list[str], says: str) -> None:

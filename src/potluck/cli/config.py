@@ -35,7 +35,10 @@ from potluck.cli.options import (
     DeviceOpt,
     DraftMaxOpt,
     FailoverOpt,
+    GrammarFileOpt,
+    GrammarOpt,
     HeadMemOpt,
+    JsonSchemaOpt,
     LoraOpt,
     MinPOpt,
     ModelDraftOpt,
@@ -172,14 +175,18 @@ class SamplingFlags:
     min_p: MinPOpt = 0.05
     repeat_penalty: RepeatOpt = 1.0
     seed: SeedOpt = None
+    grammar: GrammarOpt = None
+    grammar_file: GrammarFileOpt = None
+    json_schema: JsonSchemaOpt = None
 
     def __post_init__(self) -> None:
         self.params()
 
     def params(self) -> SamplingParams:
         return _sampling(
-            self.temp, self.top_k, self.top_p, self.min_p, self.repeat_penalty, self.seed
-        )
+            self.temp, self.top_k, self.top_p, self.min_p, self.repeat_penalty, self.seed,
+            self.grammar, self.grammar_file, self.json_schema,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

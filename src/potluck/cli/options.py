@@ -7,7 +7,9 @@ Flags keep llama.cpp's meaning: -m model, -n tokens to generate, -c context, -t 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -404,8 +406,38 @@ SeedOpt = Annotated[
 ]
 
 
+GrammarOpt = Annotated[
+    str | None,
+    typer.Option("--grammar", help="Constrain the answer to a GBNF grammar (llama.cpp's)."),
+]
+
+
+GrammarFileOpt = Annotated[
+    Path | None,
+    typer.Option("--grammar-file", help="Constrain the answer to the GBNF grammar in this file."),
+]
+
+
+JsonSchemaOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-j",
+        "--json-schema",
+        help="Constrain the answer to JSON that validates against this schema.",
+    ),
+]
+
+
 def _sampling(
-    temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None
+    temp: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    repeat_penalty: float,
+    seed: int | None,
+    grammar: str | None = None,
+    grammar_file: Path | None = None,
+    json_schema: str | None = None,
 ) -> SamplingParams:
     from potluck.sampling import SamplingParams
 
@@ -417,9 +449,36 @@ def _sampling(
             min_p=min_p,
             repeat_penalty=repeat_penalty,
             seed=seed,
+            grammar=_grammar(grammar, grammar_file, json_schema),
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+def _grammar(text: str | None, path: Path | None, schema: str | None) -> str | None:
+    """llguidance's grammar for --grammar / --grammar-file / --json-schema (one of them)."""
+    from potluck.grammar import GrammarError, gbnf_grammar, json_schema_grammar
+
+    given = [name for name, v in (("--grammar", text), ("--grammar-file", path),
+                                  ("--json-schema", schema)) if v is not None]  # fmt: skip
+    if len(given) > 1:
+        raise typer.BadParameter(f"{' and '.join(given)} both constrain the answer: give one")
+    try:
+        if path is not None:
+            try:
+                text = path.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise typer.BadParameter(f"--grammar-file {path}: {exc.strerror}") from None
+        if text is not None:
+            return gbnf_grammar(text)
+        if schema is not None:
+            try:
+                return json_schema_grammar(json.loads(schema))
+            except json.JSONDecodeError as exc:
+                raise typer.BadParameter(f"--json-schema is not JSON: {exc}") from None
+    except GrammarError as exc:
+        raise typer.BadParameter(f"{given[0]}: {exc}") from None
+    return None
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]

@@ -35,7 +35,16 @@ from potluck.errors import PotluckError
 if TYPE_CHECKING:
     from potluck.engine.generate import Model
     from potluck.engine.scheduler import Scheduler
+    from potluck.sampling import Sampler, SamplingParams
+
+
+def _sampler(m: Model, params: SamplingParams) -> Sampler:
+    """The run's sampler: its settings and seed (with a grammar: over the model's vocabulary;
+    the scheduler makes the one that samples)."""
+    from potluck.grammar import Vocabulary
     from potluck.sampling import Sampler
+
+    return Sampler(params, Vocabulary.of(m.tokenizer) if params.grammar is not None else None)
 
 
 def _stream(
@@ -138,7 +147,6 @@ def run(
     mDNS, or --peer)."""
     from potluck.engine.generate import prompt_batch
     from potluck.engine.scheduler import Scheduler, SchedulerConfig
-    from potluck.sampling import Sampler
 
     params = sampling.params()
     splits = [int(s) for s in split.split(",")] if split else None
@@ -156,7 +164,7 @@ def run(
         ]
         ids = m.tokenizer.encode(m.chat.render(msgs))
     try:
-        _stream(m, ids, n_predict, Sampler(params), sched)
+        _stream(m, ids, n_predict, _sampler(m, params), sched)
     finally:
         sched.close()
 
@@ -184,11 +192,10 @@ def chat(
     from potluck.engine.generate import prompt_batch
     from potluck.engine.prefix import budget_bytes
     from potluck.engine.scheduler import Scheduler, SchedulerConfig
-    from potluck.sampling import Sampler
 
     params = sampling.params()
     m = _load(flags, net, cache_ram=cache_ram)
-    sampler = Sampler(params)
+    sampler = _sampler(m, params)
     # one request at a time; the turn before stays cached, so a turn computes only what is new
     budget = budget_bytes(cache_ram, m.n_ctx, m.kv_bytes_per_token, m.state_bytes)
     config = SchedulerConfig(
