@@ -12,6 +12,10 @@ the fallback uses). For each: greedy decode through the scheduler (`Scheduler.ru
 interleaved (plain, constrained, plain, ...); and the mask alone: the same answer's tokens replayed
 through `Constraint.apply` + `accept` (what the sampler adds per token), median µs per token.
 The target (BENCHMARKS.md): mask ≤ 10 % of a SmolLM2 decode step.
+
+--engines: also the grammar engines side by side on the same answers: llguidance (what Potluck
+uses) and xgrammar (vLLM's other engine; measured only where it is importable: `pip install
+xgrammar`, not a dependency) — compile ms per grammar, mask µs per token (median, p90).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--out", type=Path, default=Path("bench/out/grammar.json"))
+    ap.add_argument("--engines", action="store_true", help="compare grammar engines too")
     args = ap.parse_args()
 
     from potluck.api.chat import ChatTurn, prepare
@@ -113,6 +118,7 @@ def main() -> None:
         return (times[-1] - times[0]) / max(1, len(times) - 1) * 1e3, out
 
     rows, results = [], {}
+    answers: dict[str, tuple[str, list[int]]] = {}
     for name, (ids, grammar) in cases.items():
         assert grammar is not None
         decode(ids, grammar)  # warm-up
@@ -122,6 +128,7 @@ def main() -> None:
             plain_ms.append(decode(ids, None)[0])
             ms, answer = decode(ids, grammar)
             constrained_ms.append(ms)
+        answers[name] = (grammar, answer)
         mask_us = []
         logits = np.random.default_rng(0).standard_normal(tok.vocab_size).astype(np.float32)
         for _ in range(args.reps):
@@ -151,6 +158,8 @@ def main() -> None:
              f"{np.percentile(mask_us, 90):.0f}", f"{100 * k / 1e3 / p:.1f} %"]
         )  # fmt: skip
     sched.close()
+    if args.engines:
+        results["engines"] = _engines(tok, answers, args.reps)
     print_table(
         f"grammar mask vs decode step ({args.model}, -t {args.threads}, greedy, medians of {args.reps})",
         ["grammar", "tokens", "plain ms/tok", "constrained ms/tok", "ratio", "mask µs",
@@ -161,6 +170,89 @@ def main() -> None:
         args.out,
         {"info": run_info(), "args": vars(args) | {"out": str(args.out)}, "results": results},
     )
+
+
+def _engines(tok: object, answers: dict[str, tuple[str, list[int]]], reps: int) -> dict:
+    """llguidance and (where importable) xgrammar on the same answers: compile ms, mask µs per
+    token. xgrammar takes the same schema (the tool-call grammar is llguidance's Lark: skipped)."""
+    import json as _json
+
+    import llguidance
+    import llguidance.numpy as lnp
+
+    from potluck.grammar import Vocabulary
+
+    vocab = Vocabulary.of(tok)  # type: ignore[arg-type]
+    n = tok.vocab_size  # type: ignore[attr-defined]
+    eot = sorted(tok.eot_ids)  # type: ignore[attr-defined]
+    schemas = {"json_schema": SCHEMA, "json_object": {"type": "object"}}
+    out: dict = {}
+    rows = []
+    try:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo(
+            [tok.token_bytes(i) for i in range(n)],
+            stop_token_ids=eot,  # type: ignore[attr-defined]
+        )
+        compiler = xgr.GrammarCompiler(info)
+    except ImportError:
+        xgr = None
+    for name, (grammar, answer) in answers.items():
+        ids = [t for t in answer if t not in eot]
+
+        def run_llg(grammar: str = grammar, ids: list[int] = ids) -> tuple[float, list[float]]:
+            t0 = time.perf_counter()
+            m = llguidance.LLMatcher(vocab.ll, grammar, log_level=0)
+            c_ms = (time.perf_counter() - t0) * 1e3
+            mask = lnp.allocate_token_bitmask(1, n)
+            us = []
+            for t in ids:
+                t1 = time.perf_counter()
+                lnp.fill_next_token_bitmask(m, mask)
+                us.append((time.perf_counter() - t1) * 1e6)
+                m.consume_token(t)
+            return c_ms, us
+
+        engines = {"llguidance": run_llg}
+        if xgr is not None and name in schemas:
+
+            def run_xgr(
+                schema: dict = schemas[name], ids: list[int] = ids
+            ) -> tuple[float, list[float]]:
+                t0 = time.perf_counter()
+                compiled = compiler.compile_json_schema(
+                    _json.dumps(schema), any_whitespace=False, separators=(", ", ": ")
+                )
+                m = xgr.GrammarMatcher(compiled)
+                c_ms = (time.perf_counter() - t0) * 1e3
+                mask = xgr.allocate_token_bitmask(1, n)
+                us = []
+                for t in ids:
+                    t1 = time.perf_counter()
+                    m.fill_next_token_bitmask(mask)
+                    us.append((time.perf_counter() - t1) * 1e6)
+                    assert m.accept_token(t), "xgrammar refused the answer's token"
+                return c_ms, us
+
+            engines["xgrammar"] = run_xgr
+        for engine, run in engines.items():
+            comp, masks = [], []
+            for _ in range(reps):
+                c_ms, us = run()
+                comp.append(c_ms)
+                masks += us
+            res = {"compile_ms": statistics.median(comp), "mask_us": statistics.median(masks),
+                   "mask_us_p90": float(np.percentile(masks, 90))}  # fmt: skip
+            out.setdefault(name, {})[engine] = res
+            rows.append([name, engine, f"{res['compile_ms']:.1f}", f"{res['mask_us']:.0f}",
+                         f"{res['mask_us_p90']:.0f}"])  # fmt: skip
+    print_table(
+        "grammar engines on the same answers (compile: first use, on this vocabulary)",
+        ["grammar", "engine", "compile ms", "mask µs", "mask µs p90"],
+        rows,
+    )
+    return out
 
 
 if __name__ == "__main__":
