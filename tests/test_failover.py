@@ -339,11 +339,11 @@ def test_seeded_sampling_goes_on_exactly_after_a_failover(
 def test_a_step_a_node_refuses_fails_that_request_not_the_pool(
     spawn_worker: Spawn, smollm2_path: Path, want: list[int]
 ) -> None:
-    """A node that answers but refuses the step itself gives the request its reason at once: no
-    failover, no re-plan that would send the same step again and be refused again; the pool goes
-    on serving. (Here the last stage is asked to sample under a grammar from position 0 without
-    the ids since then: it cannot catch its matcher up, FAILED_PRECONDITION, relayed through the
-    first node with its code.)"""
+    """A node that answers but refuses the step itself: the step is sent once more after a
+    re-plan (which sends every sequence's settings and ids afresh), and refused again it fails
+    with the node's reason instead of re-planning for ever; the pool goes on serving. (Here the
+    last stage is asked to sample under a grammar from position 0 without the ids since then: it
+    cannot catch its matcher up, FAILED_PRECONDITION, relayed through the first node.)"""
     import numpy as np
 
     from potluck.errors import StepRefused
@@ -363,8 +363,8 @@ def test_a_step_a_node_refuses_fails_that_request_not_the_pool(
         fut = m.pipeline.submit(np.array(ids, np.int64), [chunk], {seq: sampler}, {})
         fut.result(timeout=60)  # (before the fix: a failover loop that never ended)
     assert refused.value.code == "FAILED_PRECONDITION"
-    assert time.monotonic() - t0 < 10
-    assert isinstance(m.pipeline, FailoverPipeline) and m.pipeline.events == []
+    assert time.monotonic() - t0 < 30
+    assert isinstance(m.pipeline, FailoverPipeline) and len(m.pipeline.events) <= 1
     m.pipeline.drop(seq)
     assert list(generate(m, ids, N, Sampler(GREEDY))) == want
     m.close()

@@ -95,6 +95,7 @@ class _Batch:
     # a follow-up step (submit_next): its input ids are what `prev` gives, not `tokens`
     prev: Future[list[int]] | None = None
     stop_ids: Collection[int] = frozenset()
+    refused: bool = False  # an answering node refused it once: sent again after a re-plan
 
 
 @dataclass
@@ -352,10 +353,16 @@ class FailoverPipeline:
                 b.out.set_result(f.result())
             else:  # it finished on the old plan after the replay was taken: run it on the new one
                 self._redo.put(b)
-        elif isinstance(exc, StepRefused) and b.epoch == self.epoch:
-            # an answering node refused the step itself: a re-plan would send it again and be
-            # refused again (a loop), so the request fails with the node's reason
+        elif isinstance(exc, StepRefused) and b.refused and b.epoch == self.epoch:
+            # an answering node refused the step itself, again after a re-plan (which sends
+            # every sequence's settings and ids afresh: what a lost one needed): the same step
+            # would be refused for ever, so the request fails with the node's reason
             b.out.set_exception(exc)
+        elif (
+            isinstance(exc, StepRefused) and self.connect is not None and not self._closed.is_set()
+        ):
+            b.refused = True
+            self._redo.put(b)
         elif isinstance(exc, NodeError) and self.connect is None:
             # failover off: a call's own error is the answer (a node that still answers may have
             # refused it); only a node the heartbeat declares gone ends the pool for good
