@@ -343,15 +343,18 @@ class RemotePipeline:
         """Start one forward of the chunks through every stage; its future gives one sampled token
         per chunk (-1 for a chunk whose sequence has no sampler here: an earlier prompt
         micro-batch)."""
-        wire = seq_chunks(chunks, samplers, histories, opened=self._open(samplers))
+        wire = seq_chunks(chunks, samplers, histories, opened=self._open(samplers, chunks))
         return self._tokens_of(self._start(tokens, chunks, wire, False), chunks, samplers)
 
-    def _open(self, samplers: Mapping[int, Sampler]) -> set[int]:
-        """Of these samplers' sequences, those whose last stage has this very sampler already;
-        the others count as opened from this batch on (it carries their settings)."""
+    def _open(self, samplers: Mapping[int, Sampler], chunks: Sequence[SeqChunk]) -> set[int]:
+        """Of the batch's sequences with a sampler, those whose last stage has this very sampler
+        already; the others count as opened from this batch on (it carries their settings). Only
+        the batch's own: a sequence of `samplers` with no chunk here gets no settings from it
+        (marked opened anyway, its next batch went without them: the last stage refused it)."""
+        present = {c.seq_id for c in chunks if c.seq_id in samplers}
         with self._lock:
-            known = {q for q, s in samplers.items() if self._opened.get(q) is s}
-            self._opened.update(samplers)
+            known = {q for q in present if self._opened.get(q) is samplers[q]}
+            self._opened.update({q: samplers[q] for q in present})
         return known
 
     @property
