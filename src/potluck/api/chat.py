@@ -92,27 +92,22 @@ def prepare(turn: ChatTurn, template: ChatTemplate, tokenizer: Tokenizer) -> Pre
     except ChatTemplateError as exc:
         raise errors.bad_request(str(exc), "messages") from exc
     ids = tokenizer.encode(text)
-    grammar = None
-    try:
-        if tools and choice not in ("auto", "none"):
-            chosen = tools if choice == "required" else [t for t in tools if _name(t) == choice]
+    grammar = checked_grammar(turn.output, tokenizer)
+    if tools and choice not in ("auto", "none"):
+        if turn.output is not None:
+            raise errors.bad_request(
+                "tool_choice forces a tool call, so the answer cannot also follow "
+                "response_format: send one of them",
+                "response_format",
+            )
+        chosen = tools if choice == "required" else [t for t in tools if _name(t) == choice]
+        try:
             grammar = calls_grammar(chosen, fmt, turn.parallel_tool_calls, tokenizer)
-            if turn.output is not None:
-                raise errors.bad_request(
-                    "tool_choice forces a tool call, so the answer cannot also follow "
-                    "response_format: send one of them",
-                    "response_format",
-                )
-        elif turn.output is not None:
-            grammar = output_grammar(*turn.output)
-        if grammar is not None:
             Vocabulary.of(tokenizer).check(grammar)
-    except GrammarError as exc:
-        field_name = "tools" if tools and choice not in ("auto", "none") else "response_format"
-        raise errors.bad_request(
-            f"the {field_name.replace('_', ' ')} cannot be compiled into a grammar: {exc}",
-            field_name,
-        ) from None
+        except GrammarError as exc:
+            raise errors.bad_request(
+                f"the tools cannot be compiled into a grammar: {exc}", "tools"
+            ) from None
     thinking = text.rstrip().endswith("<think>")
     return Prepared(
         ids=ids,
@@ -123,6 +118,21 @@ def prepare(turn: ChatTurn, template: ChatTemplate, tokenizer: Tokenizer) -> Pre
         reasoning=turn.reasoning,
         harmony=fmt is HARMONY,
     )
+
+
+def checked_grammar(output: tuple[str, Any] | None, tokenizer: Tokenizer) -> str | None:
+    """The grammar of an answer format (ChatTurn.output), compiled over the model's vocabulary;
+    400 with llguidance's reason when it cannot be. (Blocking: run it in a worker thread.)"""
+    if output is None:
+        return None
+    try:
+        grammar = output_grammar(*output)
+        Vocabulary.of(tokenizer).check(grammar)
+    except GrammarError as exc:
+        raise errors.bad_request(
+            f"the response format cannot be compiled into a grammar: {exc}", "response_format"
+        ) from None
+    return grammar
 
 
 def output_grammar(kind: str, value: Any) -> str:

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from potluck import __version__
 from potluck.api import errors
-from potluck.api.chat import ChatTurn, prepare, response_format_output
+from potluck.api.chat import ChatTurn, checked_grammar, prepare, response_format_output
 from potluck.api.reply import Parts, chat_finish
 from potluck.api.sse import SSE_HEADERS, chat_stream, completion_stream
 from potluck.api.state import Api
@@ -303,7 +303,7 @@ def add_completion_routes(app: FastAPI, api: Api, posted: list[params.Depends]) 
         prompts, texts0 = await run_in_threadpool(_completion_prompts, api, body.prompt)
         if body.echo and body.logprobs is not None:
             raise errors.bad_request("echo with logprobs is not supported", "echo")
-        grammar = await run_in_threadpool(api.grammar_of, body.output())
+        grammar = await run_in_threadpool(checked_grammar, body.output(), api.tokenizer)
         job = api.start(
             prompts, body, api.config.default_completion_tokens, _priority(request), lora, grammar
         )

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request as HttpRequest
 
 from potluck.api import errors
-from potluck.api.chat import output_grammar
 from potluck.api.errors import Disconnected, api_error
 from potluck.api.job import Choice, Job, Piece
 from potluck.api.metrics import Metrics, RequestTiming
@@ -36,7 +35,6 @@ from potluck.engine.scheduler import (
     Scheduler,
     TokenEvent,
 )
-from potluck.grammar import GrammarError, Vocabulary
 from potluck.sampling import Token
 
 if TYPE_CHECKING:  # the bodies are the routes' (completions.py imports this module)
@@ -133,20 +131,6 @@ class Api:
             raise errors.context_too_long(n_ctx, n_prompt, asked or 0, what)
         room = n_ctx - n_prompt
         return asked if asked is not None else min(default or room, room)
-
-    def grammar_of(self, output: tuple[str, Any] | None) -> str | None:
-        """The checked grammar of an answer format (chat.py's ChatTurn.output); 400 with the
-        reason when it cannot be compiled. (Blocking: call it from a worker thread.)"""
-        if output is None:
-            return None
-        try:
-            grammar = output_grammar(*output)
-            Vocabulary.of(self.tokenizer).check(grammar)
-        except GrammarError as exc:
-            raise errors.bad_request(
-                f"the answer's format cannot be compiled into a grammar: {exc}", "response_format"
-            ) from None
-        return grammar
 
     # -- running -----------------------------------------------------------------------------------
     def start(
